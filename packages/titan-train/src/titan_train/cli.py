@@ -1,0 +1,98 @@
+"""The `titan-train` command (also `python -m titan_train`, also under torchrun)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from .config import TrainConfig
+from .overrides import ConfigError, apply_override, check_types, describe_fields
+from .recipes import DEFAULT_RECIPE, load_recipe, recipes
+
+USAGE = """usage: titan-train [--recipe NAME | --recipe package.module:function] [--SECTION.FIELD VALUE ...]
+                   [--list-recipes] [--print-config] [--help]
+
+Trains a model. With no arguments: the main job (recipe {default}), the debug Llama 3 learning Python's
+standard library on a CPU. Every field below can be overridden; values are checked against their type.
+Under torchrun (torchrun --nproc-per-node N -m titan_train ...) each process is one rank.
+"""
+
+
+def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, set[str]]:
+    """The config the arguments describe, and the actions asked for (help, list-recipes, print-config)."""
+    args = list(argv)
+    actions: set[str] = set()
+    recipe = DEFAULT_RECIPE
+    overrides: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-h", "--help"):
+            actions.add("help")
+        elif arg == "--list-recipes":
+            actions.add("list-recipes")
+        elif arg == "--print-config":
+            actions.add("print-config")
+        elif arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 >= len(args) or (args[i + 1].startswith("--") and name != "recipe"):
+                    raise ConfigError(f"--{name} needs a value")
+                i += 1
+                value = args[i]
+            if name == "recipe":
+                recipe = value
+            else:
+                overrides.append((name, value))
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}: options are --SECTION.FIELD VALUE (see --help)")
+        i += 1
+    config = load_recipe(recipe)
+    check_types(config)
+    for name, value in overrides:
+        apply_override(config, name, value)
+    return config, actions
+
+
+def help_text(config: TrainConfig) -> str:
+    lines = [USAGE.format(default=DEFAULT_RECIPE), "options (type, default from the chosen recipe):"]
+    for flag, tp, default, doc in describe_fields(config):
+        lines.append(f"  {flag} {tp}  (default: {default})")
+        if doc:
+            lines.append(f"      {doc}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config, actions = parse_args(argv)
+    except ConfigError as e:
+        print(f"titan-train: error: {e}", file=sys.stderr)
+        return 2
+    if "help" in actions:
+        print(help_text(config))
+        return 0
+    if "list-recipes" in actions:
+        for name, summary in recipes().items():
+            print(f"{name:20s} {summary}")
+        return 0
+    if "print-config" in actions:
+        print(json.dumps(dataclasses.asdict(config), indent=2))
+        return 0
+    from .trainer import NonFiniteLossError, train  # torch is imported only when training
+
+    try:
+        train(config)
+    except NonFiniteLossError as e:
+        print(f"titan-train: stopped: {e}", file=sys.stderr)
+        return 1
+    except ConfigError as e:
+        print(f"titan-train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

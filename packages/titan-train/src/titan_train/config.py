@@ -1,0 +1,171 @@
+"""The typed configuration tree of a training run.
+
+Every field is typed and has a default, so `--help` can list it and the CLI can check a value
+against its type (`--section.field value`). A recipe is a Python function returning a `TrainConfig`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    folder: str = "runs/titan"
+    """Where metrics.jsonl, TensorBoard events and checkpoints go."""
+    seed: int = 0
+    """Seeds data order and torch's RNG (the model's initial weights use model.init_seed)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when available, else cpu."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    family: str = "llama3"
+    """A titan-models family (llama3, qwen3, ...)."""
+    flavor: str = "debug"
+    """A flavor of that family (debug, 1B, 8B, ...)."""
+    num_layers: int = 0
+    """Override the flavor's layer count (0 keeps it)."""
+    vocab_size: int = 0
+    """Override the flavor's vocabulary size (0 keeps it), e.g. to fit a byte-level tokenizer snugly."""
+    attention: Literal["default", "sdpa", "flex"] = "default"
+    """Attention backend; documents in a packed sequence are masked by either."""
+    init_seed: int = 0
+    """Seed of model.init_weights: the same seed gives the same weights on any parallel layout."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    steps: int = 100
+    """Optimizer steps to run (a resumed run continues up to this count)."""
+    batch_size: int = 8
+    """Global batch: sequences per optimizer step summed over data-parallel ranks and microbatches."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    grad_accum_steps: int = 1
+    """Microbatches per optimizer step on each data-parallel rank."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16: bf16 compute, fp32 master weights and gradient reduction. auto: bf16 on cuda, fp32 on cpu."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the fused output-projection + cross-entropy (full logits never exist)."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms)."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """auto: fused on cuda, foreach on cpu."""
+
+
+@dataclass(kw_only=True)
+class LRScheduleConfig:
+    kind: Literal["wsd", "cosine", "constant"] = "wsd"
+    """wsd: warmup, stable, decay over the last decay_fraction of steps. cosine: warmup then cosine."""
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2
+    """wsd only: the share of steps spent decaying."""
+    decay_shape: Literal["linear", "sqrt", "cosine"] = "linear"
+    """wsd only: the shape of the final decay."""
+    min_lr_ratio: float = 0.0
+    """The final learning rate as a fraction of the peak."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "stdlib"
+    """stdlib (Python's own library sources, no download) or a path: a text/jsonl/parquet file, a folder of
+    them, or a Hugging Face dataset saved with save_to_disk."""
+    format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
+    """auto: from the source (stdlib, file extension, or a folder holding state.json/dataset_dict.json)."""
+    text_field: str = "text"
+    """The column (jsonl/parquet/hf_disk) holding each document's text."""
+    split: str = "train"
+    """The split of a saved Hugging Face DatasetDict."""
+    tokenizer: str = "byte"
+    """byte (built-in, 256 bytes + specials) or the path of a Hugging Face tokenizer.json (or its folder)."""
+    document_masking: bool = True
+    """Attention never crosses a document boundary inside a packed sequence."""
+    shuffle: bool = True
+    """Visit documents in a seeded random order (a new order each epoch)."""
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP's replicate dimension)."""
+    dp_shard: int = -1
+    """FSDP shard degree; -1: whatever the world size leaves after the others."""
+    tp: int = 1
+    """Tensor (+ sequence) parallel degree."""
+    pp: int = 1
+    """Pipeline parallel degree (arrives in issue 7)."""
+    cp: int = 1
+    """Context parallel degree (arrives in issue 7)."""
+    ep: int = 1
+    """Expert parallel degree (arrives in issue 7)."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after each block's forward (ZeRO-3) instead of keeping them (ZeRO-2)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    interval: int = 0
+    """Save every this many steps (0: never save)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints (0 keeps all)."""
+    resume: bool = True
+    """Resume from the newest checkpoint in <job.folder>/checkpoints when there is one."""
+    async_save: bool = True
+    """Write checkpoints in the background while training goes on."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    log_interval: int = 1
+    """Write metrics (and print a progress line when not on a terminal) every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files beside metrics.jsonl."""
+    progress: bool = True
+    """Show the progress bar on rank 0."""
+
+
+@dataclass(kw_only=True)
+class CompileConfig:
+    enabled: bool = False
+    """torch.compile each transformer block (and the loss)."""
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective"] = "none"
+    """full: recompute every block in backward. selective: see `selective`."""
+    selective: Literal["ops", "layers"] = "ops"
+    """ops: keep matmul and attention outputs, recompute the cheap elementwise ops between them.
+    layers: recompute one block in `every`."""
+    every: int = 2
+    """selective=layers: checkpoint one block in this many."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)

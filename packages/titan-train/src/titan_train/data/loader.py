@@ -1,0 +1,104 @@
+"""Sequence packing with document ids, and a loader whose position is a checkpointable handful of ints.
+
+Documents (each followed by the tokenizer's EOS) form one token stream in a seeded per-epoch order;
+rows are consecutive windows of seq_len + 1 tokens that overlap by one, so every token is a label once.
+Every rank reads the same global stream and keeps its own rows: the loss curve does not depend on
+the data-parallel degree, and the loader state is the same on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .sources import Documents
+from .tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [rows, seq] int64
+    labels: torch.Tensor  # [rows, seq] int64, IGNORE_INDEX where the next token is another document's
+    document_ids: torch.Tensor | None  # [rows, seq] int64: which packed document each position belongs to
+
+    def rows(self, start: int, stop: int) -> Batch:
+        ids = None if self.document_ids is None else self.document_ids[start:stop]
+        return Batch(self.tokens[start:stop], self.labels[start:stop], ids)
+
+    def to(self, device: torch.device) -> Batch:
+        ids = None if self.document_ids is None else self.document_ids.to(device, non_blocking=True)
+        return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), ids)
+
+
+class PackedLoader:
+    def __init__(self, documents: Documents, tokenizer: Tokenizer, *, seq_len: int, seed: int = 0,
+                 shuffle: bool = True, document_masking: bool = True):
+        if len(documents) == 0:
+            raise ValueError("the data source holds no documents")
+        if seq_len < 1:
+            raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+        self.documents, self.tokenizer = documents, tokenizer
+        self.seq_len, self.seed, self.shuffle, self.document_masking = seq_len, seed, shuffle, document_masking
+        self.epoch = self.position = self.offset = 0  # the stream's cursor: document `position` of `epoch`'s order
+        self._order: torch.Tensor | None = None
+        self._doc: np.ndarray | None = None
+
+    # --- position -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self.offset = int(state["epoch"]), int(state["position"]), int(state["offset"])
+        self._order = self._doc = None
+
+    # --- the token stream ---------------------------------------------------------------------------
+    def _document(self) -> np.ndarray:
+        if self._doc is None:
+            if self._order is None:
+                if self.shuffle:
+                    g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                    self._order = torch.randperm(len(self.documents), generator=g)
+                else:
+                    self._order = torch.arange(len(self.documents))
+            tokens = self.tokenizer.encode(self.documents[int(self._order[self.position])])
+            self._doc = np.append(tokens, self.tokenizer.eos_id)
+        return self._doc
+
+    def _advance_document(self) -> None:
+        self.position, self.offset, self._doc = self.position + 1, 0, None
+        if self.position == len(self.documents):
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+
+    def _row(self) -> tuple[np.ndarray, np.ndarray]:
+        """seq_len + 1 tokens and their document numbers; the cursor moves by seq_len (one overlaps)."""
+        tokens = np.empty(self.seq_len + 1, dtype=np.int64)
+        doc_ids = np.empty(self.seq_len + 1, dtype=np.int64)
+        filled, doc_number = 0, 0
+        while filled < self.seq_len + 1:
+            doc = self._document()
+            take = min(self.seq_len + 1 - filled, len(doc) - self.offset)
+            tokens[filled:filled + take] = doc[self.offset:self.offset + take]
+            doc_ids[filled:filled + take] = doc_number
+            filled += take
+            if filled == self.seq_len + 1:
+                # The last token is also the next row's first: leave the cursor on it.
+                self.offset += take - 1
+            else:
+                self.offset += take
+            if self.offset == len(doc):
+                self._advance_document()
+                doc_number += 1
+        return tokens, doc_ids
+
+    def next_batch(self, rows: int) -> Batch:
+        """The next `rows` packed sequences of the stream."""
+        tokens, doc_ids = zip(*(self._row() for _ in range(rows)))
+        tokens_np, ids_np = np.stack(tokens), np.stack(doc_ids)  # [rows, seq + 1]
+        labels = tokens_np[:, 1:].copy()
+        if self.document_masking:
+            labels[ids_np[:, 1:] != ids_np[:, :-1]] = IGNORE_INDEX
+        ids = torch.from_numpy(ids_np[:, :-1].copy()) if self.document_masking else None
+        return Batch(torch.from_numpy(tokens_np[:, :-1].copy()), torch.from_numpy(labels), ids)

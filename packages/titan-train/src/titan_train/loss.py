@@ -1,0 +1,109 @@
+"""Fused output projection + cross-entropy over token chunks: the [tokens, vocab] logits never exist whole.
+
+For each chunk of C tokens the forward computes the logits (compute dtype), their fp32 log-softmax and
+loss, and right away the gradients (softmax - one_hot) for the hidden states and the output weight;
+backward only scales them. Peak extra memory is one chunk's logits, [C, vocab], instead of all of them
+plus their saved softmax (at 16k tokens and a 128k vocabulary that is 1 GiB instead of 8+ GiB).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .data import IGNORE_INDEX
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        # hidden [N, d], weight [V, d], labels [N] -> summed loss over non-ignored labels (fp32 scalar)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums: fp32 (fp64 for fp64 inputs)
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk]                              # [C, d]
+            y = labels[start:start + chunk]                              # [C]
+            logits = (h @ weight.t()).to(acc)                           # [C, V]
+            valid = y != IGNORE_INDEX
+            target = torch.where(valid, y, 0)
+            logsumexp = torch.logsumexp(logits, dim=-1)                  # [C]
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            loss += ((logsumexp - picked) * valid).sum()
+            if need_grad:
+                # d loss / d logits = softmax - one_hot(target), zero on ignored rows; reuse `logits`' memory.
+                grad = logits.sub_(logsumexp[:, None]).exp_()
+                grad[torch.arange(len(y), device=y.device), target] -= 1
+                grad *= valid[:, None]
+                grad = grad.to(hidden.dtype)
+                grad_hidden[start:start + chunk] = grad @ weight
+                grad_weight.addmm_(grad.t().to(acc), h.to(acc))  # fp32 accumulation over chunks
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), (grad_weight * grad_loss).to(ctx.weight_dtype), None, None
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (a replicated weight used by ranks that
+    each saw different tokens)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                               chunk: int = 4096) -> torch.Tensor:
+    """Sum over tokens of cross_entropy(hidden @ weight.T, labels), ignoring IGNORE_INDEX labels.
+
+    hidden [..., d], weight [V, d], labels [...] (same leading shape as hidden).
+    """
+    if chunk < 1:
+        raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk}")
+    return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk)
+
+
+class CausalLMLoss(nn.Module):
+    """model + loss in one forward, so parallel wrappers (FSDP's hooks, compile) see one call.
+
+    forward(tokens [b, s], labels [b, s], document_ids [b, s] | None) -> summed loss of this rank's tokens.
+    Under tensor parallelism the final hidden states are sequence-sharded; each rank scores its own slice
+    of the sequence with the (replicated) output weight, so no vocab-parallel softmax exchange is needed.
+    """
+
+    def __init__(self, model: nn.Module, *, chunk: int = 4096, context_factory=None):
+        super().__init__()
+        self.model = model
+        self.chunk = chunk
+        self.context_factory = context_factory
+        self.tp_group = None  # set by the tensor-parallel plan
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None):
+        context = self.context_factory(document_ids) if self.context_factory is not None else None
+        # Explicit positions: under sequence parallelism the embedding output holds only s / tp positions.
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        hidden = self.model.hidden_states(tokens, positions=positions, context=context)  # [b, s, d]
+        weight = self.model.output.weight
+        assert self.tp_group is None or isinstance(hidden, DTensor), "TP expects sequence-sharded hidden states"
+        if isinstance(hidden, DTensor):  # Shard(1) under TP
+            hidden = hidden.to_local()  # [b, s / tp, d]: this rank's sequence slice
+            rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+            labels = labels.chunk(size, dim=1)[rank]
+        if isinstance(weight, DTensor):
+            weight = _SumGradOverGroup.apply(weight.to_local(), self.tp_group)
+        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk)

@@ -1,0 +1,65 @@
+"""Metrics of each logged step: one JSON object per line in <job.folder>/metrics.jsonl, and the same
+scalars as TensorBoard events beside it (rank 0 only)."""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s of the accelerators MFU is reported against (vendor datasheets, without sparsity).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is lower (756e12) and named "H100 PCIe"
+    "H100 PCIe": 756e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+    "GH200": 989e12,
+    "L40S": 362e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The bf16 dense peak of `device` when known (None on CPUs and unknown accelerators)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    matches = [key for key in PEAK_BF16_FLOPS if key in name]
+    return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated on the GPU, resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class MetricsWriter:
+    def __init__(self, folder: Path, *, tensorboard: bool):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard writes through it; fail early if absent)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(folder / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

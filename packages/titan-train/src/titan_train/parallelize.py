@@ -1,0 +1,162 @@
+"""Parallelism applied from outside the model: tensor + sequence parallel from the model's declared plan,
+activation checkpointing, torch.compile per block, and FSDP/HSDP (torch's fully_shard).
+
+Order matters and follows what each wrapper expects to find: TP turns parameters into DTensors on the
+tp mesh, checkpointing and compile wrap each block, and fully_shard goes last so it shards the
+(possibly TP-sharded) parameters over the data-parallel mesh and sees compiled blocks.
+"""
+from __future__ import annotations
+
+import fnmatch
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+
+from .config import ActivationCheckpointConfig
+from .loss import CausalLMLoss
+
+
+def _matching(model: nn.Module, pattern: str) -> list[str]:
+    """Module paths of `model` matching `pattern` (`*` stands for one path component)."""
+    depth = pattern.count(".")
+    return [name for name, _ in model.named_modules()
+            if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
+
+
+def _tp_style(style: str, pattern: str) -> ParallelStyle | None:
+    """The torch ParallelStyle for one of titan-models' TP_STYLES (residual stream sharded on the sequence).
+
+    "output" maps to None: the output weight stays whole on every TP rank and each rank scores its
+    own sequence slice (CausalLMLoss), which needs no vocabulary-parallel softmax exchange.
+    """
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1))
+    if style == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if style == "sequence_parallel":
+        return SequenceParallel()
+    if style == "output":
+        return None
+    raise ValueError(f"tensor-parallel style {style!r} of {pattern!r} is not supported by this trainer yet "
+                     "(supported: colwise, rowwise, embedding, output, sequence_parallel)")
+
+
+def _gather_sequence_hook(tp_mesh: DeviceMesh):
+    """Forward pre-hook of a module whose projections are colwise: all-gather its first input from
+    sequence-sharded [b, s / tp, d] to whole [b, s, d] (reduce-scatter in backward)."""
+    def hook(module, args, kwargs):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, (Shard(1),), run_check=False)
+        x = x.redistribute(tp_mesh, (Replicate(),)).to_local()
+        return (x, *args[1:]), kwargs
+    return hook
+
+
+def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
+    config = model.config
+    for name in ("num_heads", "num_kv_heads", "ffn_dim"):
+        value = getattr(config, name, None)
+        if value is not None and value % tp:
+            raise ValueError(f"parallelism.tp={tp} does not divide the model's {name}={value}")
+    if seq_len % tp:
+        raise ValueError(f"parallelism.tp={tp} does not divide training.seq_len={seq_len} (sequence parallel)")
+    if getattr(model, "tie_embeddings", False):
+        raise ValueError("tensor parallelism with tied embeddings is not supported yet: the embedding is "
+                         "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
+
+
+def apply_tensor_parallel(loss_module: CausalLMLoss, tp_mesh: DeviceMesh) -> None:
+    """Shard `loss_module.model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`."""
+    model = loss_module.model
+    plan: dict[str, ParallelStyle] = {}
+    gathered_parents: set[str] = set()
+    for pattern, style_name in model.parallel_plan.tensor_parallel.items():
+        names = _matching(model, pattern)
+        if not names:
+            continue  # e.g. `output` removed from a pipeline stage
+        style = _tp_style(style_name, pattern)
+        if style is None:
+            for name in names:  # whole on every rank: a replicated DTensor
+                distribute_module(model.get_submodule(name), tp_mesh)
+            continue
+        for name in names:
+            plan[name] = style
+            if style_name == "colwise":
+                gathered_parents.add(name.rpartition(".")[0])
+    parallelize_module(model, tp_mesh, plan)
+    for parent in sorted(gathered_parents):
+        model.get_submodule(parent).register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
+    leftovers = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if leftovers:
+        raise ValueError(f"the model's parallel plan leaves parameters without a tensor-parallel style: "
+                         f"{', '.join(leftovers[:5])}")
+    loss_module.tp_group = tp_mesh.get_group()
+
+
+def _op_sac_policy():
+    """Selective checkpointing at op level: keep matmul and attention outputs (expensive to recompute),
+    recompute the cheap elementwise ops between them (norms, activations, RoPE)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_mm")
+    save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in save or "flex_attention" in str(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpointConfig) -> None:
+    if config.mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if config.every < 1:
+        raise ValueError(f"activation_checkpoint.every must be >= 1, got {config.every}")
+    for index, (name, block) in enumerate(list(model.layers.items())):
+        if config.mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif config.selective == "layers":
+            if index % config.every:
+                continue
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
+                                         context_fn=partial(create_selective_checkpoint_contexts, _op_sac_policy()))
+        model.layers[name] = wrapped
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block in place (parameter names unchanged); blocks share one compiled graph."""
+    for block in model.layers.values():
+        block.compile(fullgraph=False)
+
+
+def apply_fsdp(loss_module: CausalLMLoss, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
+               reshard_after_forward: bool) -> None:
+    """fully_shard each block, then the root (embeddings, final norm, output) through the loss wrapper,
+    whose forward is what FSDP's hooks see. param_dtype=bf16 gives bf16 compute with fp32 master weights
+    and fp32 gradient reduction."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = list(loss_module.model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again first in backward: keep them gathered.
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(loss_module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

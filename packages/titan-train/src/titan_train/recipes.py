@@ -1,0 +1,85 @@
+"""Recipes: Python functions that return a TrainConfig, registered by name.
+
+`titan-train --recipe NAME` picks a registered one; `--recipe my.module:function` imports a user's
+own (any zero-argument function returning a TrainConfig); command-line overrides apply on top.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from .config import (
+    ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DataConfig, JobConfig, LRScheduleConfig,
+    ModelConfig, OptimizerConfig, TrainConfig, TrainingConfig,
+)
+from .overrides import ConfigError, _close
+
+Recipe = Callable[[], TrainConfig]
+_RECIPES: dict[str, Recipe] = {}
+DEFAULT_RECIPE = "llama3_debug"
+
+
+def register_recipe(name: str) -> Callable[[Recipe], Recipe]:
+    """Decorator: make `fn` available as `--recipe name`; its docstring's first line is its summary."""
+    def wrap(fn: Recipe) -> Recipe:
+        if name in _RECIPES:
+            raise ValueError(f"recipe {name!r} is already registered")
+        _RECIPES[name] = fn
+        return fn
+    return wrap
+
+
+def recipes() -> dict[str, str]:
+    """Registered recipe names -> one-line summaries."""
+    return {name: (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "" for name, fn in _RECIPES.items()}
+
+
+def load_recipe(spec: str) -> TrainConfig:
+    """The config of a registered recipe name or of `package.module:function`."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ConfigError(f"--recipe {spec}: cannot import module {module_name!r} ({e})") from None
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+            raise ConfigError(f"--recipe {spec}: {module_name} has no function {attr!r}{_close(attr, public)}")
+    elif spec in _RECIPES:
+        fn = _RECIPES[spec]
+    else:
+        raise ConfigError(f"unknown recipe {spec!r}{_close(spec, sorted(_RECIPES))} "
+                          "(or give package.module:function)")
+    config = fn()
+    if not isinstance(config, TrainConfig):
+        raise ConfigError(f"--recipe {spec} returned {type(config).__name__}, not a TrainConfig")
+    return config
+
+
+@register_recipe("llama3_debug")
+def llama3_debug() -> TrainConfig:
+    """The main job: the debug Llama 3 learns Python from the standard library's sources, on a CPU in minutes."""
+    return TrainConfig(
+        job=JobConfig(folder="runs/llama3_debug"),
+        model=ModelConfig(family="llama3", flavor="debug"),
+        training=TrainingConfig(steps=120, batch_size=8, seq_len=256, max_grad_norm=1.0),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=10, decay_fraction=0.3),
+        data=DataConfig(source="stdlib", tokenizer="byte"),
+    )
+
+
+@register_recipe("llama3_1b")
+def llama3_1b() -> TrainConfig:
+    """Llama 3.2 1B on GPUs: bf16, FSDP over all ranks, compiled blocks, op-level selective checkpointing."""
+    return TrainConfig(
+        job=JobConfig(folder="runs/llama3_1b", device="cuda"),
+        model=ModelConfig(family="llama3", flavor="1B", attention="flex"),
+        training=TrainingConfig(steps=1000, batch_size=8, seq_len=4096, mixed_precision="bf16"),
+        optimizer=OptimizerConfig(lr=3e-4),
+        lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=100, decay_fraction=0.2),
+        checkpoint=CheckpointConfig(interval=500),
+        compile=CompileConfig(enabled=True),
+        activation_checkpoint=ActivationCheckpointConfig(mode="selective", selective="ops"),
+    )

@@ -1,0 +1,271 @@
+"""The training loop: data -> (FSDP/TP) model + fused chunked loss -> clip -> AdamW -> schedule, with
+metrics, progress, checkpoint/resume and a stop on a non-finite loss."""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import titan_models as tm
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .config import TrainConfig
+from .data import IGNORE_INDEX, PackedLoader, build_tokenizer, open_documents
+from .loss import CausalLMLoss
+from .lr_schedule import lr_factor, validate as validate_schedule
+from .mesh import build_mesh, dp_rank, resolve_degrees
+from .metrics import MetricsWriter, memory_gib, peak_flops
+from .model_setup import build_on_meta, materialize, model_config
+from .overrides import check_types
+from .parallelize import (
+    apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tensor_parallel, check_tp_divisibility,
+)
+from .progress import ProgressBar
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss (or gradient norm) of a step was NaN or inf; the step was not applied nor checkpointed."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        what = "loss" if not torch.isfinite(torch.tensor(loss)) else "gradient norm"
+        super().__init__(f"non-finite {what} at step {step} (loss {loss}, grad norm {grad_norm}); the step was "
+                         "not applied and no checkpoint was written for it")
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    """step -> global mean loss, for the steps this call ran."""
+    start_step: int = 0
+    """The step the run resumed from (0 for a fresh run)."""
+    tokens_per_s: float = 0.0
+    """Mean throughput over the steps after the first (which includes warm-up)."""
+    folder: Path = Path(".")
+
+
+def _select_device(config: TrainConfig) -> torch.device:
+    kind = config.job.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("job.device=cuda but torch sees no CUDA device")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _process_group(device: torch.device):
+    """Join the process group torchrun describes (gloo on CPU, nccl on GPU) unless one exists already."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    created = False
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        created = True
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run the training job `config` describes (under torchrun: this process's rank of it)."""
+    check_types(config)
+    device = _select_device(config)
+    with _process_group(device):
+        return Trainer(config, device).run()
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, device: torch.device):
+        self.config, self.device = config, device
+        t, par = config.training, config.parallelism
+        validate_schedule(config.lr_schedule)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.degrees = resolve_degrees(par, world)
+        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
+            if getattr(t, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1, got {getattr(t, name)}")
+        if t.batch_size % (self.degrees.dp * t.grad_accum_steps):
+            raise ValueError(f"training.batch_size={t.batch_size} must be divisible by the data-parallel degree "
+                             f"({self.degrees.dp}) x training.grad_accum_steps ({t.grad_accum_steps})")
+        self.mesh = build_mesh(self.degrees, device)
+        self.dp_rank = dp_rank(self.mesh, self.degrees)
+        self.folder = Path(config.job.folder)
+        torch.manual_seed(config.job.seed)
+
+        # Data: every rank reads the global stream and keeps its rows (see data/loader.py).
+        self.tokenizer = build_tokenizer(config.data.tokenizer)
+        documents = open_documents(config.data.source, format=config.data.format,
+                                   text_field=config.data.text_field, split=config.data.split)
+        self.loader = PackedLoader(documents, self.tokenizer, seq_len=t.seq_len, seed=config.job.seed,
+                                   shuffle=config.data.shuffle, document_masking=config.data.document_masking)
+
+        # Model: meta -> parallelize -> materialize with layout-independent weights.
+        self.model_cfg = model_config(config.model, vocab_needed=self.tokenizer.vocab_size)
+        model = build_on_meta(self.model_cfg)
+        self.loss_module = CausalLMLoss(model, chunk=t.loss_chunk_size)
+        if config.data.document_masking:
+            self.loss_module.context_factory = lambda ids: tm.AttentionContext(document_ids=ids)
+        if self.degrees.tp > 1:
+            check_tp_divisibility(model, self.degrees.tp, t.seq_len)
+            apply_tensor_parallel(self.loss_module, self.mesh["tp"])
+        precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.fsdp = self.degrees.dp > 1
+        materialize(model, self.model_cfg, device=device, seed=config.model.init_seed,
+                    distributed=dist.is_initialized())
+        apply_activation_checkpointing(model, config.activation_checkpoint)
+        if config.compile.enabled:
+            apply_compile(model)
+        if self.fsdp:
+            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
+            apply_fsdp(self.loss_module, dp_mesh, reshard_after_forward=par.reshard_after_forward,
+                       param_dtype=self.compute_dtype if precision == "bf16" else None)
+        self.model = model
+
+        # Optimizer and schedule.
+        o = config.optimizer
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        impl = o.implementation if o.implementation != "auto" else ("fused" if device.type == "cuda" else "foreach")
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           fused=impl == "fused" or None, foreach=impl == "foreach" or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, t.steps, config.lr_schedule))
+
+        c = config.checkpoint
+        if c.interval < 0 or c.keep_last < 0:
+            raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        self.checkpoints = None
+        if c.interval > 0 or c.resume:
+            from .checkpoint import RunCheckpoints  # torch-checkpointing is only needed when checkpointing
+
+            self.checkpoints = RunCheckpoints(self.folder / "checkpoints", keep_last=c.keep_last,
+                                              async_save=c.async_save)
+        self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
+        self.peak = peak_flops(device)
+
+    # --- one optimizer step -------------------------------------------------------------------------
+    def _autocast(self):
+        if self.compute_dtype == torch.bfloat16 and not self.fsdp:  # FSDP casts through its policy
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm)."""
+        t = self.config.training
+        batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
+        # Normalise by the global count of scored tokens, so the loss and its gradient are the same
+        # whatever the layout; FSDP averages gradients over dp ranks, so scale by dp to get the sum.
+        scored = int((batch.labels != IGNORE_INDEX).sum())
+        scale = self.degrees.dp / max(scored, 1)
+        rows = t.batch_size // self.degrees.dp
+        local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        micro_rows = rows // t.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for i in range(t.grad_accum_steps):
+            micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
+            if self.fsdp:  # reduce gradients once, after the last microbatch
+                self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
+            with self._autocast():
+                micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids)
+            (micro_loss * scale).backward()
+            loss_sum += micro_loss.detach().float()
+        grad_norm = self._clip_gradients()
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum)  # dp ranks hold other rows, tp ranks other sequence slices
+        loss, norm = torch.stack([loss_sum / max(scored, 1), grad_norm.float()]).tolist()
+        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(step, loss, norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    def _clip_gradients(self) -> torch.Tensor:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):  # sharded gradients: a partial norm to reduce over the mesh
+            norm = norm.full_tensor()
+        if self.config.training.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                                 self.config.training.max_grad_norm, norm, foreach=True)
+        return norm
+
+    # --- the run ------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        config, t = self.config, self.config.training
+        start = 0
+        if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
+            start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device)
+        result = TrainResult(start_step=start, folder=self.folder)
+        is_main = self.rank == 0
+        metrics = MetricsWriter(self.folder, tensorboard=config.metrics.tensorboard) if is_main else None
+        bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
+        if is_main:
+            self._announce(start)
+        tokens_per_step = t.batch_size * t.seq_len
+        timed_tokens, timed_seconds = 0, 0.0
+        try:
+            for step in range(start + 1, t.steps + 1):
+                lr = self.scheduler.get_last_lr()[0]
+                began = time.perf_counter()
+                loss, grad_norm = self.train_step(step)
+                seconds = time.perf_counter() - began
+                result.losses[step] = loss
+                if step > start + 1:
+                    timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
+                tokens_per_s = tokens_per_step / seconds
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                mfu = self.flops_per_token * tokens_per_s / (self.peak * world) if self.peak else None
+                if is_main and (step % config.metrics.log_interval == 0 or step == t.steps):
+                    mem = memory_gib(self.device)
+                    metrics.write({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "lr": lr,
+                                   "grad_norm": grad_norm, "mfu": mfu, "memory_gib": mem, "step_seconds": seconds})
+                    bar.update(step, loss=loss, tokens_per_s=tokens_per_s, mfu=mfu, memory_gib=mem)
+                interval = config.checkpoint.interval
+                if self.checkpoints is not None and interval and (step % interval == 0 or step == t.steps):
+                    self.checkpoints.save(step, self.checkpoints.state(
+                        self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
+        finally:
+            bar.close()
+            if self.checkpoints is not None:
+                self.checkpoints.close()
+            if metrics is not None:
+                metrics.close()
+        result.tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+        if is_main:
+            self._summarize(result)
+        return result
+
+    def _announce(self, start: int) -> None:
+        c, d = self.config, self.degrees
+        n_params = tm.count_params(self.model_cfg).total
+        resumed = f", resuming after step {start}" if start else ""
+        print(f"titan-train: {c.model.family} {c.model.flavor} ({n_params / 1e6:.1f}M parameters) on "
+              f"{self.device.type}, dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp}; "
+              f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
+              f"{c.data.source}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+
+    def _summarize(self, result: TrainResult) -> None:
+        if not result.losses:
+            print(f"titan-train: nothing to do, the run already reached step {result.start_step}")
+            return
+        steps = sorted(result.losses)
+        head = [result.losses[s] for s in steps[:5]]
+        tail = [result.losses[s] for s in steps[-5:]]
+        print(f"titan-train: done, steps {steps[0]}-{steps[-1]}: loss {sum(head) / len(head):.3f} (first 5) -> "
+              f"{sum(tail) / len(tail):.3f} (last 5), {result.tokens_per_s:.0f} tokens/s; "
+              f"metrics in {self.folder / 'metrics.jsonl'}", flush=True)
