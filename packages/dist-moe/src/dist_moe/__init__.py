@@ -1,3 +1,29 @@
 """Expert-parallel token dispatch/combine and grouped-GEMM kernels (Triton on GPU, torch on CPU)."""
 
 __version__ = "0.1.0"
+
+from dist_moe.dispatch import Dispatched, combine, dispatch
+from dist_moe.expert_mlp import expert_mlp
+from dist_moe.grouped_mm import grouped_mm
+from dist_moe.host_sync import HostReads, count_host_syncs
+from dist_moe.moe import MoE, MoEConfig, apply_expert_parallel
+from dist_moe.routing import Routing, route, sequence_balance_loss, tokens_per_expert, update_expert_bias
+
+__all__ = [
+    "Dispatched",
+    "HostReads",
+    "MoE",
+    "MoEConfig",
+    "Routing",
+    "__version__",
+    "apply_expert_parallel",
+    "combine",
+    "count_host_syncs",
+    "dispatch",
+    "expert_mlp",
+    "grouped_mm",
+    "route",
+    "sequence_balance_loss",
+    "tokens_per_expert",
+    "update_expert_bias",
+]

@@ -1,0 +1,158 @@
+"""The routed SwiGLU experts with the token gather and the combine fused into the GEMMs.
+
+    out[t] = sum_j weights[t, j] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])),  e = expert of slot (t, j)
+
+Slots: input row t has `top_k` slots, slot s = t * top_k + j. `row_slot` [R = rows * top_k] lists
+the slots sorted by expert (a stable argsort of the flattened expert ids), `offsets` [E] int32 the
+cumulative end of each expert's rows in that order. Under expert parallelism the input rows are
+the tokens received from other ranks, top_k is 1 and the routing weights are applied by
+`combine` on the sending rank instead (weights=None).
+
+Triton path, forward: (1) gate/up GEMM reading x[slot // top_k] inside the kernel, two
+accumulators sharing each A tile, SwiGLU in the epilogue -> h [R, ffn] (gate and up kept for the
+backward); (2) down GEMM whose epilogue multiplies by the routing weight and stores row r at its
+slot -> [rows, top_k, dim], summed over top_k (a contiguous reduction, deterministic).
+Backward: (3) dOut[slot // top_k] @ w2 with the routing-weight gradient (sum of acc * h), the
+weight scaling and the SwiGLU backward in the epilogue; (4) w2's gradient with the gathered,
+weighted dOut; (5) dgate @ w1 + dup @ w3 in one accumulator, stored at the slots and summed;
+(6) w1 and w3 gradients sharing the gathered x tile. No launch reads device data on the host.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dist_moe.backend import Backend, resolve_backend
+from dist_moe.host_sync import read_to_host
+
+
+def expert_mlp(
+    x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, offsets: Tensor, row_slot: Tensor, *,
+    top_k: int = 1, weights: Tensor | None = None, backend: Backend = "auto",
+) -> Tensor:
+    """x [rows, dim], w1/w3 [E, ffn, dim], w2 [E, dim, ffn] (Linear-style) -> [rows, dim].
+
+    See the module docstring for `row_slot`, `offsets`, `top_k` and `weights` [rows, top_k].
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, dim], got {tuple(x.shape)}")
+    rows, dim = x.shape
+    if w1.dim() != 3 or w1.shape != w3.shape or w1.shape[2] != dim or w2.shape != (w1.shape[0], dim, w1.shape[1]):
+        raise ValueError(f"w1/w3 must be [E, ffn, dim={dim}] and w2 [E, dim, ffn]; got {tuple(w1.shape)}, "
+                         f"{tuple(w3.shape)}, {tuple(w2.shape)}")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if row_slot.dim() != 1 or row_slot.shape[0] != rows * top_k:
+        raise ValueError(f"row_slot must be [rows * top_k = {rows * top_k}], got {tuple(row_slot.shape)}")
+    if offsets.dim() != 1 or offsets.shape[0] != w1.shape[0]:
+        raise ValueError(f"offsets must be [E={w1.shape[0]}], got {tuple(offsets.shape)}")
+    if weights is not None and weights.shape != (rows, top_k):
+        raise ValueError(f"weights must be [rows, top_k] = {(rows, top_k)}, got {tuple(weights.shape)}")
+    if not (x.dtype == w1.dtype == w2.dtype == w3.dtype) or not x.is_floating_point():
+        raise TypeError(f"x and the expert weights must share one floating dtype; got {x.dtype}, {w1.dtype}, "
+                        f"{w2.dtype}, {w3.dtype}")
+    if resolve_backend(backend, x) == "torch":
+        return _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights)
+    return _ExpertMLP.apply(x, w1, w2, w3, offsets.to(torch.int32), row_slot.to(torch.int32), weights, top_k)
+
+
+def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights) -> Tensor:
+    """Reference path (plain autograd): gather, one SwiGLU MLP per expert, weighted slot sum."""
+    ends = read_to_host(offsets, "expert_mlp: per-expert row ends (torch path)")
+    rows, dim = x.shape
+    row_slot = row_slot.long()
+    if any(b < a for a, b in zip([0, *ends], ends)) or (ends and ends[-1] != row_slot.shape[0]):
+        raise ValueError(f"offsets must be non-decreasing and end at R={row_slot.shape[0]}; got {ends}")
+    routed = x.index_select(0, row_slot // top_k)  # [R, dim], sorted by expert
+    outs, start = [], 0
+    for e, end in enumerate(ends):  # empty experts too, so every weight gets a (zero) gradient
+        xe = routed[start:end]
+        outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        start = end
+    y = torch.cat(outs) if outs else routed.new_zeros(0, dim)  # [R, dim]
+    if weights is not None:
+        y = (y.float() * weights.reshape(-1).float()[row_slot].unsqueeze(1)).to(x.dtype)
+    slots = torch.zeros_like(y).index_copy(0, row_slot, y)  # row r -> slot row_slot[r]
+    return slots.view(rows, top_k, dim).sum(dim=1)
+
+
+def _sum_slots(slots: Tensor, rows: int, top_k: int) -> Tensor:
+    """[rows * top_k, dim] -> [rows, dim]; torch sums 16-bit inputs in float32."""
+    return slots if top_k == 1 else slots.view(rows, top_k, -1).sum(dim=1)
+
+
+class _ExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, w3, offsets, slot, weights, top_k):
+        from dist_moe.kernels.launch import EPILOGUE_SCATTER, EPILOGUE_SWIGLU, RowOperands, row_gemm
+
+        rows, dim = x.shape
+        num_routed, ffn = slot.shape[0], w1.shape[1]
+        save = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 6))
+        flat_weights = weights.reshape(-1).float().contiguous() if weights is not None else None
+        h = x.new_empty(num_routed, ffn)
+        gate = x.new_empty(num_routed, ffn) if save else None
+        up = x.new_empty(num_routed, ffn) if save else None
+        row_gemm(RowOperands(a=x, b=w1.transpose(1, 2), b2=w3.transpose(1, 2), offsets=offsets, out=h, out2=gate,
+                             out3=up, num_rows=num_routed, slot=slot, top_k=top_k, gather_a=True,
+                             epilogue=EPILOGUE_SWIGLU, save_preact=save))
+        slots = x.new_empty(num_routed, dim)
+        row_gemm(RowOperands(a=h, b=w2.transpose(1, 2), offsets=offsets, out=slots, num_rows=num_routed,
+                             slot=slot, epilogue=EPILOGUE_SCATTER, weight=flat_weights))
+        ctx.top_k = top_k
+        ctx.weights_shape = None if weights is None else (weights.shape, weights.dtype)
+        if save:
+            ctx.save_for_backward(x, w1, w2, w3, offsets, slot, flat_weights, gate, up, h)
+        return _sum_slots(slots, rows, top_k)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from dist_moe.kernels.launch import (
+            EPILOGUE_SCATTER,
+            EPILOGUE_SWIGLU_BWD,
+            RowOperands,
+            row_gemm,
+            weight_gemm,
+        )
+
+        x, w1, w2, w3, offsets, slot, flat_weights, gate, up, h = ctx.saved_tensors
+        top_k = ctx.top_k
+        grad_out = grad_out.contiguous()
+        rows, dim = x.shape
+        num_routed, ffn = slot.shape[0], w1.shape[1]
+        need_x, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:4]
+        need_weights = ctx.needs_input_grad[6]
+
+        dx = dw1 = dw2 = dw3 = dweights = None
+        # Partial sums of the routing-weight gradient, one row per N tile; zeroed by the launcher,
+        # sized for the narrowest tile any configuration uses (16 columns).
+        partial = (torch.empty(_cdiv(ffn, 16), num_routed, device=x.device, dtype=torch.float32)
+                   if need_weights else None)
+        dgate = x.new_empty(num_routed, ffn)
+        dup = x.new_empty(num_routed, ffn)
+        row_gemm(RowOperands(a=grad_out, b=w2, offsets=offsets, out=dgate, out2=dup, aux=(gate, up, h),
+                             num_rows=num_routed, slot=slot, top_k=top_k, gather_a=True,
+                             epilogue=EPILOGUE_SWIGLU_BWD, weight=flat_weights, partial=partial))
+        if need_weights:
+            shape, dtype = ctx.weights_shape
+            dweights = partial.sum(dim=0).view(shape).to(dtype)
+        if need_w2:
+            dw2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
+            weight_gemm(p=h, q=grad_out, offsets=offsets, out=dw2.transpose(1, 2), slot=slot, top_k=top_k,
+                        gather_q=True, weight=flat_weights)
+        if need_x:
+            dx_slots = x.new_empty(num_routed, dim)
+            row_gemm(RowOperands(a=dgate, a2=dup, b=w1, b2=w3, offsets=offsets, out=dx_slots,
+                                 num_rows=num_routed, slot=slot, epilogue=EPILOGUE_SCATTER))
+            dx = _sum_slots(dx_slots, rows, top_k)
+        if need_w1 or need_w3:
+            dw1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
+            dw3 = torch.empty_like(w3, memory_format=torch.contiguous_format)
+            weight_gemm(p=x, q=dgate, q2=dup, offsets=offsets, out=dw1.transpose(1, 2), out2=dw3.transpose(1, 2),
+                        slot=slot, top_k=top_k, gather_p=True)
+        return dx, dw1 if need_w1 else None, dw2, dw3 if need_w3 else None, None, None, dweights, None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

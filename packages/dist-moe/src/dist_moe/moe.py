@@ -1,0 +1,224 @@
+"""A mixture-of-experts layer with the parameter names of titan-models' MoE (docs/conventions.md).
+
+    router.gate              Linear [E, dim]
+    experts.w1, experts.w3   [E, expert_dim, dim]   (gate, up)
+    experts.w2               [E, dim, expert_dim]   (down)
+    shared_experts.w1/w2/w3  Linears, hidden width num_shared_experts * expert_dim (optional)
+    expert_bias              buffer [E] float32 (aux-loss-free balancing; selection only)
+    tokens_per_expert        non-persistent buffer [E] float32: this rank's counts of the last forward
+
+`moe(x [b, s, dim]) -> [b, s, dim]`. With an expert-parallel group the expert weights are DTensors
+sharded on dim 0 over that group (`apply_expert_parallel`), so names, global shapes and
+checkpoints are unchanged; each rank routes its own tokens and computes its own experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dist_moe.backend import BACKENDS, Backend
+from dist_moe.dispatch import combine, dispatch, ep_size
+from dist_moe.expert_mlp import expert_mlp
+from dist_moe.routing import ScoreFunc, check_routing_args, route, sequence_balance_loss
+
+_ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "score_func", "n_group",
+                   "topk_group", "norm_topk_prob", "route_scale")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    dim: int
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    num_shared_experts: int = 0  # shared hidden width = num_shared_experts * expert_dim
+    score_func: ScoreFunc = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    route_scale: float = 1.0
+    aux_loss_alpha: float = 0.0  # > 0 adds DeepSeek-V3's sequence-wise balance loss in training
+    ep_group: dist.ProcessGroup | None = None
+    backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "num_experts", "expert_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        check_routing_args(num_experts=self.num_experts, top_k=self.top_k, score_func=self.score_func,
+                           n_group=self.n_group, topk_group=self.topk_group)
+        if self.aux_loss_alpha < 0:
+            raise ValueError(f"aux_loss_alpha must be >= 0, got {self.aux_loss_alpha}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @classmethod
+    def like(cls, other: object, *, dim: int, **changes) -> "MoEConfig":
+        """A config with the routing fields of `other` (any object with those attribute names, e.g.
+        titan-models' MoEConfig) plus `dim` and `changes`."""
+        fields = {name: getattr(other, name) for name in _ROUTING_FIELDS if hasattr(other, name)}
+        return cls(**{**fields, "dim": dim, **changes})
+
+    def build(self) -> "MoE":
+        return MoE(self)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stacked Linear-style (see the module docstring for shapes)."""
+
+    def __init__(self, dim: int, num_experts: int, expert_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, expert_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, expert_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, expert_dim, dim))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x), the shared experts."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """See the module docstring. After a training forward with aux_loss_alpha > 0, `aux_loss` holds
+    the (detached) balance loss; its gradient reaches the router through the layer's output."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.ep_group = config.ep_group
+        self.router = Router(config.dim, config.num_experts)
+        self.experts = GroupedExperts(config.dim, config.num_experts, config.expert_dim)
+        self.shared_experts = (SwiGLU(config.dim, config.expert_dim * config.num_shared_experts)
+                               if config.num_shared_experts else None)
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32),
+                             persistent=False)
+        self.aux_loss: Tensor | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Truncated normal(0, std) weights (a model's own init may overwrite them), zero buffers."""
+        for param in self.parameters():
+            if param.device.type != "meta":
+                nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        cfg = self.config
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)  # [T, dim]
+        logits = F.linear(tokens.float(), self.router.gate.weight.float())  # [T, E] float32
+        routing = route(logits, top_k=cfg.top_k, score_func=cfg.score_func, n_group=cfg.n_group,
+                        topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale,
+                        bias=self.expert_bias)
+        sent = dispatch(tokens, routing.expert_ids, routing.weights, num_experts=cfg.num_experts, group=self.ep_group)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(sent.tokens_per_expert)
+        w1, w2, w3 = self._local_expert_weights()
+        y = expert_mlp(sent.x, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
+                       backend=cfg.backend)
+        out = combine(y, sent)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        if cfg.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
+            aux = sequence_balance_loss(routing.scores.view(batch, seq, -1), routing.expert_ids.view(batch, seq, -1),
+                                        alpha=cfg.aux_loss_alpha)
+            self.aux_loss = aux.detach()
+            out = _AttachAuxLoss.apply(out, aux)
+        return out.view(batch, seq, dim)
+
+    def _local_expert_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        ranks = ep_size(self.ep_group)
+        weights = []
+        for w in (self.experts.w1, self.experts.w2, self.experts.w3):
+            if _is_dtensor(w):
+                w = w.to_local()  # differentiable: the gradient lands on the DTensor parameter's shard
+            weights.append(w)
+        local = weights[0].shape[0]
+        if local * ranks != self.config.num_experts:
+            raise ValueError(
+                f"with an expert-parallel group of {ranks} ranks each rank holds num_experts/{ranks} = "
+                f"{self.config.num_experts // ranks} experts, but experts.w1 has {local} here; shard the expert "
+                f"weights with dist_moe.apply_expert_parallel"
+            )
+        return weights[0], weights[1], weights[2]
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def apply_expert_parallel(moe: MoE, group: dist.ProcessGroup, *, device_type: str | None = None) -> MoE:
+    """Shard moe's expert weights on dim 0 over `group` (rank r keeps experts r*E/P .. (r+1)*E/P - 1)
+    as DTensor parameters with the global shapes, and route through that group. In place; returns moe.
+
+    Works on meta modules (shard before materialising). `device_type` of the mesh defaults to the
+    parameters' device type (cuda when they are on meta and CUDA is available, else cpu).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    if moe.config.num_experts % ranks:
+        raise ValueError(f"num_experts={moe.config.num_experts} is not divisible by the group size {ranks}")
+    if device_type is None:
+        device = moe.experts.w1.device
+        device_type = device.type if device.type != "meta" else ("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = DeviceMesh.from_group(group, device_type)
+    per_rank = moe.config.num_experts // ranks
+    for name in ("w1", "w2", "w3"):
+        param = getattr(moe.experts, name)
+        if _is_dtensor(param):
+            raise ValueError(f"experts.{name} is already a DTensor; apply_expert_parallel runs once")
+        local = param.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
+        sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                     stride=param.stride())
+        setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    moe.ep_group = group
+    moe.config = dataclasses.replace(moe.config, ep_group=group)
+    return moe
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the layer output whose backward also sends gradient 1 into the aux loss, so the
+    loss joins the training objective without the trainer adding it."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor) -> Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)

@@ -1,0 +1,122 @@
+"""Token routing: top-k softmax and sigmoid group-limited selection, expert loads, load balancing.
+
+Selection uses `scores + bias` (the aux-loss-free balancing bias of DeepSeek-V3), optionally limited
+to the `topk_group` best of `n_group` expert groups (a group's score is the sum of its two best
+experts); the weights come from the *unbiased* scores of the chosen experts, renormalised when
+`norm_topk_prob` and multiplied by `route_scale`. All routing math is float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """weights [T, k] float32, expert_ids [T, k] int64, scores [T, E] float32 (unbiased)."""
+
+    weights: Tensor
+    expert_ids: Tensor
+    scores: Tensor
+
+
+def check_routing_args(*, num_experts: int, top_k: int, score_func: str, n_group: int, topk_group: int) -> None:
+    """Raise ValueError naming the first routing argument that is out of range."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group must be a positive divisor of num_experts={num_experts}, got {n_group}")
+    if not 0 < topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(
+            f"top_k={top_k} exceeds the experts in the kept groups "
+            f"(topk_group={topk_group} x {num_experts // n_group} experts per group)"
+        )
+
+
+def route(
+    logits: Tensor,
+    *,
+    top_k: int,
+    score_func: ScoreFunc = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    route_scale: float = 1.0,
+    bias: Tensor | None = None,
+) -> Routing:
+    """Pick `top_k` experts per token from router logits [T, E]; see the module docstring."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [tokens, num_experts], got shape {tuple(logits.shape)}")
+    num_experts = logits.shape[1]
+    check_routing_args(num_experts=num_experts, top_k=top_k, score_func=score_func, n_group=n_group,
+                       topk_group=topk_group)
+    logits = logits.float()
+    scores = logits.softmax(dim=-1) if score_func == "softmax" else logits.sigmoid()  # [T, E]
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        per_group = num_experts // n_group
+        grouped = choice.view(-1, n_group, per_group)  # [T, G, E/G]
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, G]
+        kept = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    expert_ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, expert_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(weights=weights * route_scale, expert_ids=expert_ids, scores=scores)
+
+
+def tokens_per_expert(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """Count routed rows per expert: expert_ids [T, k] (any shape) -> [num_experts] int64.
+
+    scatter_add of ones instead of bincount: bincount on CUDA reads the maximum on the host.
+    """
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
+@torch.no_grad()
+def update_expert_bias(bias: Tensor, tokens_per_expert: Tensor, *, rate: float,
+                       group: dist.ProcessGroup | None = None) -> Tensor:
+    """Aux-loss-free balancing: bias += rate * sign(mean load - load), in place; returns bias.
+
+    Under data or expert parallelism each rank counts only its own tokens; pass the group over
+    which the counts must be summed so every rank applies the same update.
+    """
+    load = tokens_per_expert.detach().to(torch.float32, copy=True)
+    if group is not None:
+        dist.all_reduce(load, group=group)
+    bias.add_(rate * torch.sign(load.mean() - load).to(bias.dtype))
+    return bias
+
+
+def sequence_balance_loss(scores: Tensor, expert_ids: Tensor, *, alpha: float) -> Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss, averaged over sequences.
+
+    scores [b, s, E] (unbiased routing scores), expert_ids [b, s, k]. Per sequence:
+    f_i = E / (k s) * #{tokens choosing i}, P_i = mean over tokens of scores normalised to sum 1,
+    loss = alpha * sum_i f_i P_i (equal to alpha when the load is perfectly balanced).
+    """
+    if scores.dim() != 3 or expert_ids.dim() != 3 or scores.shape[:2] != expert_ids.shape[:2]:
+        raise ValueError(f"scores must be [b, s, E] and expert_ids [b, s, k] with the same b, s; got "
+                         f"{tuple(scores.shape)} and {tuple(expert_ids.shape)}")
+    batch, seq, num_experts = scores.shape
+    top_k = expert_ids.shape[-1]
+    chosen = torch.zeros(batch, num_experts, device=scores.device, dtype=torch.float32)
+    chosen.scatter_add_(1, expert_ids.reshape(batch, -1), torch.ones(batch, seq * top_k, device=scores.device))
+    fraction = chosen * (num_experts / (top_k * seq))  # f_i [b, E]
+    probs = scores.float() / scores.float().sum(dim=-1, keepdim=True)
+    mean_prob = probs.mean(dim=1)  # P_i [b, E]
+    return alpha * (fraction * mean_prob).sum(dim=-1).mean()

@@ -1,0 +1,130 @@
+"""One rank of the expert-parallel tests (launched by test_expert_parallel.py, gloo, CPU).
+
+Every rank builds the same full MoE, computes the single-process reference over all ranks' tokens
+itself, then runs the expert-parallel layer on its own tokens and compares outputs and gradients:
+input gradients and the local expert shards directly, replicated weights (router, shared experts)
+after summing the ranks' gradients. Writes a JSON report per rank.
+
+usage: python ep_worker.py RANK WORLD_SIZE PORT OUT_DIR BACKENDS (comma-separated: torch, triton;
+triton runs the kernels through TRITON_INTERPRET=1 on CPU)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def scenarios():
+    # (name, config fields, tokens per rank as a function of rank, expert_bias setup)
+    return [
+        ("softmax_uneven", dict(num_experts=8, top_k=2, expert_dim=12), lambda r: 5 + 4 * r, "skew"),
+        ("sigmoid_groups_shared_empty", dict(num_experts=8, top_k=3, expert_dim=10, score_func="sigmoid", n_group=4,
+                                             topk_group=2, num_shared_experts=1, route_scale=2.5), lambda r: 7,
+         "starve"),
+    ]
+
+
+def run(rank: int, world: int, backend: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import dist_moe
+
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    # Routing is float32 whatever the model dtype, so float32 rounding sets the tolerance.
+    tol = 1e-6 if dtype == torch.float64 else 2e-5
+    dim = 16
+    group = dist.new_group(list(range(world)))
+    report = {"rank": rank, "checks": {}, "host_reads": {}}
+    for name, fields, tokens_of, bias_mode in scenarios():
+        torch.manual_seed(0)
+        config = dist_moe.MoEConfig(dim=dim, backend=backend, **fields)
+        reference = config.build().to(dtype)
+        with torch.no_grad():
+            e = config.num_experts
+            if bias_mode == "skew":  # most tokens go to experts 0-2
+                reference.expert_bias.copy_(torch.tensor([0.3, 0.2, 0.2] + [0.0] * (e - 3)))
+            else:  # experts 5..7 receive nothing
+                reference.expert_bias.copy_(torch.tensor([0.0] * 5 + [-10.0] * (e - 5)))
+        counts = [tokens_of(r) for r in range(world)]
+        gen = torch.Generator().manual_seed(1)
+        xs = [torch.randn(1, c, dim, generator=gen, dtype=dtype) for c in counts]
+        grads = [torch.randn(1, c, dim, generator=gen, dtype=dtype) for c in counts]
+
+        x_all = torch.cat(xs, dim=1).requires_grad_()
+        ref_out = reference(x_all)
+        ref_out.backward(torch.cat(grads, dim=1))
+        ref_tokens = reference.tokens_per_expert.clone()
+
+        moe = config.build().to(dtype)
+        moe.load_state_dict(reference.state_dict())
+        dist_moe.apply_expert_parallel(moe, group)
+        x = xs[rank].clone().requires_grad_()
+        with dist_moe.count_host_syncs() as forward_reads:
+            out = moe(x)
+        with dist_moe.count_host_syncs() as backward_reads:
+            out.backward(grads[rank])
+        report["host_reads"][name] = {"forward": forward_reads.reasons, "backward": backward_reads.reasons}
+
+        lo = sum(counts[:rank])
+        per_rank = config.num_experts // world
+        experts = slice(rank * per_rank, (rank + 1) * per_rank)
+        checks = {
+            "output": (out, ref_out[:, lo:lo + counts[rank]]),
+            "grad_x": (x.grad, x_all.grad[:, lo:lo + counts[rank]]),
+        }
+        for w in ("w1", "w2", "w3"):
+            checks[f"grad_experts.{w}"] = (getattr(moe.experts, w).grad.to_local(),
+                                           getattr(reference.experts, w).grad[experts])
+        summed_tokens = moe.tokens_per_expert.clone()
+        dist.all_reduce(summed_tokens, group=group)
+        checks["tokens_per_expert"] = (summed_tokens, ref_tokens)
+        replicated = [("router.gate.weight", moe.router.gate.weight, reference.router.gate.weight)]
+        if moe.shared_experts is not None:
+            for w in ("w1", "w2", "w3"):
+                replicated.append((f"shared_experts.{w}.weight", getattr(moe.shared_experts, w).weight,
+                                   getattr(reference.shared_experts, w).weight))
+        for pname, mine, ref in replicated:
+            g = mine.grad.clone()
+            dist.all_reduce(g, group=group)
+            checks[f"grad_{pname}"] = (g, ref.grad)
+        results = {}
+        for key, (got, want) in checks.items():
+            err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+            scale = max(want.double().abs().max().item(), 1e-30) if want.numel() else 1.0
+            results[key] = {"ok": err <= tol * scale, "err": err, "scale": scale}
+        loads = ref_tokens.tolist()
+        results["some_expert_empty_or_skewed"] = {"ok": (min(loads) == 0) if bias_mode == "starve"
+                                                  else max(loads) >= 2 * min(loads), "loads": loads}
+        report["checks"][name] = results
+    return report
+
+
+def main() -> None:
+    rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    backends = sys.argv[5].split(",")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    if "triton" in backends:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch.distributed as dist
+
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        report = {backend: run(rank, world, backend) for backend in backends}
+    except Exception:
+        report = {"error": traceback.format_exc()}
+        code = 1
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    try:
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)  # torch sometimes aborts at interpreter exit after gloo
+
+
+if __name__ == "__main__":
+    main()
