@@ -1,0 +1,75 @@
+"""Parameter counts and training FLOPs per token.
+
+Training FLOPs per token = 6 * N + 6 * seq_len * sum over layers of heads * (qk_head_dim + v_head_dim):
+
+- N counts the parameters a token multiplies with: every matrix except the input embedding (a
+  lookup), routed experts scaled by top_k / num_experts, the output projection included (tied or
+  not). 6 = 2 (multiply-add) * 3 (forward, and backward for activations and for weights).
+- The second term is attention's score and value matmuls (q.k over seq_len keys and p.v), again
+  * 2 * 3, not halved for causality (the convention of PaLM's MFU and torchtitan; it is 12 * L * H
+  * head_dim * seq_len when qk and v head dims are equal).
+- The MTP module (DeepSeek-V3) is excluded unless `include_mtp`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_models.components.moe import MoE
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParamCount:
+    total: int  # every parameter of the module (tied weights once), MTP included
+    active: int  # parameters one token uses in the main model: experts scaled by top_k / E, MTP excluded
+    embedding: int  # the input embedding table
+    mtp: int  # parameters only the multi-token-prediction module holds
+
+
+def _as_model(model_or_config: Any) -> nn.Module:
+    if isinstance(model_or_config, nn.Module):
+        return model_or_config
+    with torch.device("meta"):
+        return model_or_config.build()
+
+
+def count_params(model_or_config: Any) -> ParamCount:
+    """Count a model's parameters (a config is built on the meta device first, allocating nothing)."""
+    model = _as_model(model_or_config)
+    total = sum(p.numel() for p in model.parameters())
+    mtp_module = getattr(model, "mtp", None)
+    mtp = sum(p.numel() for p in mtp_module.parameters()) if mtp_module is not None else 0
+    if mtp_module is not None and model.tok_embeddings is not None:
+        # MTP shares the embedding and output with the main model; count them in the main model.
+        shared = {id(p) for p in model.tok_embeddings.parameters()}
+        if model.output is not None:
+            shared |= {id(p) for p in model.output.parameters()}
+        mtp = sum(p.numel() for p in mtp_module.parameters() if id(p) not in shared)
+    inactive = 0
+    for name, module in model.named_modules():
+        if isinstance(module, MoE) and not name.startswith("mtp"):
+            experts = sum(p.numel() for p in module.experts.parameters())
+            inactive += experts - experts * module.config.top_k // module.config.num_experts
+    embedding = model.tok_embeddings.weight.numel() if model.tok_embeddings is not None else 0
+    return ParamCount(total=total, active=total - mtp - inactive, embedding=embedding, mtp=mtp)
+
+
+def flops_per_token(model_or_config: Any, seq_len: int, *, include_mtp: bool = False) -> int:
+    """Training FLOPs per token at `seq_len` (formula in this module's docstring)."""
+    model = _as_model(model_or_config)
+    counts = count_params(model)
+    matmul_params = counts.active - counts.embedding
+    if model.tok_embeddings is not None and model.output is not None and model.output.weight is model.tok_embeddings.weight:
+        matmul_params += counts.embedding  # the tied table is also the output projection
+    attention = 0
+    for name, module in model.named_modules():
+        dims = getattr(module, "score_dims", None)
+        if dims is not None and (include_mtp or not name.startswith("mtp")):
+            heads, qk_dim, v_dim = dims
+            attention += 6 * seq_len * heads * (qk_dim + v_dim)
+    if include_mtp:
+        matmul_params += counts.mtp
+    return 6 * matmul_params + attention

@@ -1,0 +1,161 @@
+"""Mixture of experts: router, stacked experts, optional shared experts, aux-loss-free bias.
+
+Routing (per token): scores = softmax or sigmoid of the router logits (float32); the experts are
+chosen by top-k of `scores + expert_bias` (optionally limited to the `topk_group` best of `n_group`
+expert groups), and weighted by the un-biased scores of the chosen experts (renormalised when
+`norm_topk_prob`, then times `route_scale`). The bias therefore steers only selection, which is
+the aux-loss-free balancing of DeepSeek-V3; a trainer updates it from `tokens_per_expert`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_models.components.ffn import FeedForward
+
+ExpertImplementation = Literal["auto", "loop", "grouped_mm"]
+EXPERT_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "loop", "grouped_mm")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    num_shared_experts: int = 0  # shared hidden width = num_shared_experts * expert_dim
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    route_scale: float = 1.0
+    implementation: ExpertImplementation = "auto"
+
+    def build(self, dim: int) -> "MoE":
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(
+                f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
+                f"topk_group ({self.topk_group}) must be in [1, n_group]"
+            )
+        if self.implementation not in EXPERT_IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, got {self.implementation!r}")
+        return MoE(dim, self)
+
+    @property
+    def active_experts_fraction(self) -> float:
+        return self.top_k / self.num_experts
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(dim, config.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (weights [tokens, top_k] float32, experts [tokens, top_k] int64)."""
+        cfg = self.config
+        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+        scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
+        choice = scores + expert_bias.float()
+        if cfg.n_group > 1:
+            # Group score = sum of its two best experts; keep the topk_group best groups.
+            grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)  # [T, G, E/G]
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+            top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.n_group, dim=1), float("-inf"))
+        experts = choice.topk(cfg.top_k, dim=-1, sorted=False).indices  # [T, k]
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.route_scale, experts
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stacked Linear-style: w1/w3 [E, expert_dim, dim], w2 [E, dim, expert_dim].
+
+    `forward(x, counts)` takes rows already sorted by expert (x [rows, dim], counts [E] summing to
+    rows) and returns [rows, dim]; this is the seam an expert-parallel or kernel library replaces.
+    """
+
+    def __init__(self, dim: int, config: MoEConfig):
+        super().__init__()
+        self.implementation = config.implementation
+        self.w1 = nn.Parameter(torch.empty(config.num_experts, config.expert_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(config.num_experts, dim, config.expert_dim))
+        self.w3 = nn.Parameter(torch.empty(config.num_experts, config.expert_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        impl = self.implementation
+        if impl == "auto":
+            # torch._grouped_mm's fused kernel wants bf16 on CUDA; elsewhere a loop is as good.
+            impl = "grouped_mm" if x.is_cuda and x.dtype == torch.bfloat16 else "loop"
+        if impl == "grouped_mm":
+            return self._grouped_mm(x, counts)
+        return self._loop(x, counts)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        start = 0
+        for expert, rows in enumerate(counts.tolist()):  # one host sync for all experts
+            if rows:
+                xe = x[start : start + rows]
+                h = F.silu(xe @ self.w1[expert].T) * (xe @ self.w3[expert].T)
+                out[start : start + rows] = h @ self.w2[expert].T
+                start += rows
+        return out
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets).type_as(x)
+
+    def extra_repr(self) -> str:
+        e, ffn, dim = self.w1.shape
+        return f"num_experts={e}, dim={dim}, expert_dim={ffn}, implementation={self.implementation}"
+
+
+class MoE(nn.Module):
+    """moe(x [b, s, dim]) -> [b, s, dim]; afterwards `tokens_per_expert` [E] holds that forward's counts."""
+
+    def __init__(self, dim: int, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.router = Router(dim, config)
+        self.experts = GroupedExperts(dim, config)
+        self.shared_experts = (
+            FeedForward(dim, config.expert_dim * config.num_shared_experts) if config.num_shared_experts else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        top_k = self.config.top_k
+        tokens = x.reshape(-1, dim)  # [T, dim]
+        weights, experts = self.router(tokens, self.expert_bias)  # [T, k] each
+        flat_experts = experts.flatten()  # [T*k], slot t*k + j = token t's j-th choice
+        counts = torch.bincount(flat_experts, minlength=self.config.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(counts)
+        order = flat_experts.argsort(stable=True)  # slots sorted by expert
+        token_of_row = order // top_k  # [T*k]
+        routed = self.experts(tokens[token_of_row], counts)  # [T*k, dim]
+        routed = routed * weights.flatten()[order, None].to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(batch, seq, dim)

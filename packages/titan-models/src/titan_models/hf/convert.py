@@ -1,0 +1,158 @@
+"""`from_hf` / `to_hf`: Hugging Face model folders <-> titan models."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_models.hf.converter import Converter
+from titan_models.hf.llama3 import Llama3Converter
+from titan_models.hf.names import NoHFName
+from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
+
+CONVERTERS: tuple[Converter, ...] = (Llama3Converter(),)
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _converter_for_architecture(hf: dict[str, Any]) -> Converter:
+    architectures = hf.get("architectures") or []
+    for converter in CONVERTERS:
+        if any(arch in converter.architectures for arch in architectures):
+            return converter
+    supported = sorted(a for c in CONVERTERS for a in c.architectures)
+    raise ValueError(f"config.json field architectures={architectures} is not supported; supported: {supported}")
+
+
+def _converter_for_config(config: Any) -> Converter:
+    for converter in CONVERTERS:
+        if isinstance(config, converter.config_type):
+            return converter
+    raise ValueError(f"no Hugging Face converter for {type(config).__name__}")
+
+
+def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"config.json field dtype={name!r} is not supported; supported: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _load_plan(converter: Converter, config: Any, model: nn.Module) -> dict[str, list[str]]:
+    """titan state name -> HF tensors that hold it (stacked when several; none = zero)."""
+    plan = {}
+    for name in model.state_dict(keep_vars=True):
+        if config.tie_embeddings and name == "output.weight":
+            continue
+        plan[name] = converter.hf_names(config, name)
+    return plan
+
+
+def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+            ) -> nn.Module:
+    """Load a Hugging Face folder (config.json + model.safetensors or shards with an index).
+
+    dtype defaults to the one config.json names (float32 if none), device to CPU. Raises
+    ValueError for an unsupported architecture or setting, and for missing, unexpected or
+    mis-shaped tensors (naming them) before any weight is read.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise ValueError(f"{folder} has no config.json")
+    hf = json.loads((folder / "config.json").read_text())
+    converter = _converter_for_architecture(hf)
+    files = SafetensorsFolder(folder)
+    config = converter.config_from_hf(hf, files.names())
+    config = dataclasses.replace(config, dtype=dtype or _checkpoint_dtype(hf))
+    with torch.device("meta"):
+        model = config.build()
+    params = model.state_dict(keep_vars=True)
+    plan = _load_plan(converter, config, model)
+
+    expected = {hf_name for names in plan.values() for hf_name in names}
+    present = files.names()
+    missing = sorted(expected - present)
+    if missing:
+        raise ValueError(f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} "
+                         f"({len(missing)} in all) for {type(config).__name__}")
+    unexpected = sorted(n for n in present - expected if not converter.ignorable(config, n))
+    if unexpected:
+        raise ValueError(f"{folder}: unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} "
+                         f"({len(unexpected)} in all) for {type(config).__name__}")
+    for name, hf_names in plan.items():
+        want = tuple(params[name].shape)
+        per_tensor = want[1:] if len(hf_names) > 1 else want
+        for hf_name in hf_names:
+            got = files.shape(hf_name)
+            if got != per_tensor:
+                raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(got)}, expected "
+                                 f"{list(per_tensor)} (for {name} of {type(config).__name__})")
+
+    model.to_empty(device=device or "cpu")
+    model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, hf_names in plan.items():
+            if not hf_names:
+                state[name].zero_()
+                continue
+            if len(hf_names) == 1:
+                source = files.get(hf_names[0])
+            else:
+                source = torch.stack([files.get(n) for n in hf_names])
+            state[name].copy_(source)
+    return model
+
+
+def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write `model` as a Hugging Face folder transformers loads: config.json and safetensors
+    (sharded with an index beyond `max_shard_bytes`). Sharded (DTensor) parameters are gathered,
+    so call it on every rank of their mesh."""
+    config = model.config
+    converter = _converter_for_config(config)
+    if model.tok_embeddings is None or model.output is None or model.norm is None or \
+            len(model.layers) != config.num_layers:
+        raise ValueError("to_hf needs the whole model; this one is a pipeline stage (modules were removed)")
+    hf_config = converter.config_to_hf(config)
+    entries = []
+    for name, tensor in model.state_dict().items():
+        if config.tie_embeddings and name == "output.weight":
+            continue
+        try:
+            hf_names = converter.hf_names(config, name)
+        except NoHFName:
+            raise ValueError(f"{name} has no place in Hugging Face {hf_config['architectures'][0]}") from None
+        if tensor.is_meta:
+            raise ValueError(f"{name} is on the meta device; initialise or load the model before to_hf")
+        tensor = _full(tensor).detach()
+        if not hf_names:
+            if tensor.any():
+                warnings.warn(f"{name} is not stored by Hugging Face {hf_config['architectures'][0]}; "
+                              "its nonzero values are dropped", stacklevel=2)
+            continue
+        if len(hf_names) == 1:
+            entries.append((hf_names[0], tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().contiguous()))
+        else:
+            for e, hf_name in enumerate(hf_names):
+                entries.append((hf_name, tuple(tensor.shape[1:]), tensor.dtype, lambda t=tensor, e=e: t[e].cpu().clone()))
+    for hf_name, tensor in converter.extra_tensors(model):
+        tensor = _full(tensor).detach()
+        entries.append((hf_name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().clone()))
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    write_safetensors(folder, entries, max_shard_bytes=max_shard_bytes)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return tensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

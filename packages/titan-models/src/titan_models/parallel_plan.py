@@ -1,0 +1,51 @@
+"""Parallelism declared as data: the model says what may be split, a trainer decides how.
+
+Patterns are module paths relative to the model with `*` standing for one path component (as in
+`override`). Tensor-parallel styles, in words a trainer maps onto its library:
+
+- "colwise": shard the Linear's output features (heads or hidden units) across ranks.
+- "rowwise": shard the input features; the partial outputs are summed (or reduce-scattered).
+- "embedding": shard the embedding table over the vocabulary; lookups are summed.
+- "output": colwise over the vocabulary for the output projection (a loss may stay sharded).
+- "sequence_parallel": a norm applied to activations sharded along the sequence dimension.
+- "replicate": keep the parameters whole on every rank (small projections, per-head norms).
+
+Attention reshapes with an inferred head count, so colwise q/k/v shards run unchanged with
+num_heads / tp local heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TP_STYLES: tuple[str, ...] = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "replicate")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelPlan:
+    # module pattern -> tensor-parallel style (one of TP_STYLES)
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    # modules holding routed experts (each a `GroupedExperts`: w1/w3 [E, ffn, dim], w2 [E, dim, ffn]);
+    # the MoE modules around them are what an expert-parallel library overrides
+    experts: tuple[str, ...] = ()
+    moe: tuple[str, ...] = ()
+    # a pipeline stage may start before any of these modules (in model order); the first stage
+    # keeps `tok_embeddings`, the last keeps `norm` and `output` (and `mtp` where present)
+    pipeline_cut_points: tuple[str, ...] = ()
+    # the unit one activation checkpoint wraps
+    activation_checkpoint_unit: str = "layers.*"
+
+    def __post_init__(self) -> None:
+        for pattern, style in self.tensor_parallel.items():
+            if style not in TP_STYLES:
+                raise ValueError(f"tensor-parallel style {style!r} for {pattern!r} is not one of {TP_STYLES}")
+
+
+def attention_plan(prefix: str, *, qk_norm: bool) -> dict[str, str]:
+    plan = {f"{prefix}.wq": "colwise", f"{prefix}.wk": "colwise", f"{prefix}.wv": "colwise", f"{prefix}.wo": "rowwise"}
+    if qk_norm:
+        plan |= {f"{prefix}.q_norm": "replicate", f"{prefix}.k_norm": "replicate"}
+    return plan
+
+
+def feed_forward_plan(prefix: str) -> dict[str, str]:
+    return {f"{prefix}.w1": "colwise", f"{prefix}.w3": "colwise", f"{prefix}.w2": "rowwise"}
