@@ -22,8 +22,9 @@ def test_correct_program_runs_in_a_fresh_directory_that_is_removed():
 
 
 def test_cpu_limit():
-    r = run_sandboxed("while True:\n    pass", FAST)
-    assert r.status == "cpu_limit" and r.seconds < FAST.wall_seconds
+    # A generous wall clock, so that only the CPU limit can stop it even on a loaded machine.
+    r = run_sandboxed("while True:\n    pass", SandboxConfig(cpu_seconds=1, wall_seconds=60.0))
+    assert r.status == "cpu_limit" and r.returncode in (-24, -9), r
 
 
 def test_wall_clock_limit_kills_a_sleeping_program():

@@ -1,0 +1,58 @@
+"""`batch_invariant(model)`: make a titan-models model compute with the batch-invariant ops.
+
+Uses titan-models' `override` on each module it replaces (Linear, RMSNorm, FeedForward, the inner
+attention), so parameter names and shapes are checked to be unchanged and the model definition is
+not forked. Logprobs from such a model should be taken with `titan_rl.token_logprobs`, which then
+uses the batch-invariant log-softmax as well.
+"""
+from __future__ import annotations
+
+import titan_models as tm
+from torch import nn
+from titan_models.components.ffn import FeedForward
+from titan_models.components.norms import RMSNorm
+
+from titan_rl.batch_invariant.modules import (
+    BatchInvariantAttention, BatchInvariantFeedForward, BatchInvariantLinear, BatchInvariantRMSNorm,
+)
+
+
+def is_batch_invariant(model: nn.Module) -> bool:
+    return getattr(model, "_titan_rl_batch_invariant", False)
+
+
+def batch_invariant(model: nn.Module) -> nn.Module:
+    """Switch `model` (in place) to batch-invariant computation and return it. Idempotent.
+
+    Raises ValueError for models with MoE layers or LayerNorm (not provided in batch-invariant form).
+    """
+    if is_batch_invariant(model):
+        return model
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError(f"batch_invariant() expects a titan-models Transformer (with .layers); got {type(model).__name__}")
+    names = dict(model.named_modules())
+    unsupported = sorted(n for n, m in names.items() if n.endswith(".moe") and m is not None or isinstance(m, nn.LayerNorm))
+    if unsupported:
+        raise ValueError(f"batch_invariant() supports dense models with RMSNorm; found unsupported modules {unsupported[:4]}")
+    # Order matters: FeedForward first (it takes over its own w1/w2/w3), then the remaining modules.
+    for name, module in names.items():
+        if isinstance(module, FeedForward):
+            tm.override(model, name, lambda _, old: BatchInvariantFeedForward(old))
+    for name, module in dict(model.named_modules()).items():
+        if isinstance(module, RMSNorm):
+            tm.override(model, name, lambda _, old: BatchInvariantRMSNorm(old))
+        elif isinstance(module, nn.Linear):
+            tm.override(model, name, lambda _, old: BatchInvariantLinear(old))
+        elif name.endswith(".attention.inner"):
+            tm.override(model, name, lambda _, old: _invariant_inner(old))
+    model._titan_rl_batch_invariant = True
+    return model
+
+
+def _invariant_inner(old: nn.Module) -> nn.Module:
+    # A generator may have wrapped the inner attention already: swap what it wraps.
+    wrapped = getattr(old, "base", None)
+    if wrapped is not None and hasattr(old, "replace_base"):
+        return old.replace_base(BatchInvariantAttention(scale=wrapped.scale))
+    return BatchInvariantAttention(scale=old.scale)

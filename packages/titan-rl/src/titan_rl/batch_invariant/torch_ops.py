@@ -1,0 +1,130 @@
+"""Batch-invariant ops in plain torch (CPU, and any device without Triton).
+
+"Batch-invariant" means: a row's result is bitwise the same whatever other rows share the call and
+however many there are. Three facts about torch on CPU (checked by tests/test_batch_invariant.py on
+the machine that runs them) shape these implementations:
+
+- GEMM (MKL/oneDNN) picks kernels and blockings by problem size: `x[:1] @ w` and `x[:9] @ w` give
+  different bits for row 0 (gemv for one row, small-M paths). With the rows padded to a multiple of
+  ROW_TILE every call takes the full-tile path, whose per-element reduction order over K depends on
+  K only. `matmul` pads rows to that tile.
+- Reductions (`sum`, `mean`) choose their order from the tensor's size and layout, and may split
+  a reduction across threads; `tree_sum` instead adds fixed halves elementwise (a reduction order
+  fixed by the reduced length alone, independent of the other dimensions and of threading).
+- Elementwise kernels compute the trailing `numel % vector_width` elements (and every thread-chunk
+  boundary) with a scalar loop; for `rsqrt`, `sigmoid` and `silu` that loop rounds differently from the
+  vector body, so an element's bits depend on where it lands. These ops avoid them: `1 / sqrt` and
+  `x / (1 + exp(-x))` use only correctly rounded IEEE operations and `exp`, whose scalar and vector
+  paths agree.
+
+Attention walks the keys in fixed blocks of KEY_BLOCK from slot 0 with an online softmax: keys past
+a query's position are masked to probability exactly 0, and a block that is entirely masked leaves
+the running max, sum and accumulator bitwise unchanged (scale 1.0, add 0.0), so a query's result
+does not depend on how many keys (or padding) follow it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 8
+KEY_BLOCK = 64
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    rows = x.shape[-2]
+    pad = (-rows) % multiple
+    if rows == 0:
+        pad = multiple
+    return (F.pad(x, (0, 0, 0, pad)) if pad else x), rows
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] (a Linear without bias), rows padded to ROW_TILE."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    padded, rows = _pad_rows(flat, ROW_TILE)
+    return F.linear(padded, weight)[:rows].reshape(*lead, weight.shape[0])
+
+
+def tree_sum(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
+    """Sum over the last dim by pairwise halving (zero-padded to a power of two): the order of the
+    additions depends only on the last dim's length."""
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x if keepdim else x.squeeze(-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Computed in float32 and cast back before the weight (the rounding titan-models' RMSNorm uses)."""
+    xf = x.float()
+    mean_square = tree_sum(xf * xf, keepdim=True) / x.shape[-1]
+    normed = xf / torch.sqrt(mean_square + eps)
+    return weight * normed.to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Over the last dim, in float32 (or wider)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    shifted = x - x.amax(dim=-1, keepdim=True).detach()  # max is exact in any order
+    return shifted - torch.log(tree_sum(torch.exp(shifted), keepdim=True))
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True).detach())
+    return e / tree_sum(e, keepdim=True)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
+              scale: float, kv_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention by position over key slots.
+
+    q [b, s, hq, d]; k, v [b, L, hkv, d] where key slot j holds position j; q_positions [b, s].
+    Query (i, position p) attends slots j <= p (and j < kv_len[b] if given). Returns [b, s, hq, d_v]
+    in q's dtype; softmax statistics and the accumulator are float32.
+    """
+    b, s, hq, d = q.shape
+    L, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    # rows of one (batch, kv-head) problem: the g query heads sharing that kv head, times s queries
+    qh = q.permute(0, 2, 1, 3).reshape(b, hkv, g * s, d)            # [b, hkv, g*s, d]
+    qh, rows = _pad_rows(qh, ROW_TILE)                               # [b, hkv, R, d]
+    R = qh.shape[2]
+    row_pos = q_positions[:, None, :].expand(b, g, s).reshape(b, 1, g * s, 1)
+    row_pos = F.pad(row_pos, (0, 0, 0, R - rows), value=0)           # padded rows attend slot 0 only
+    limit = row_pos if kv_len is None else torch.minimum(row_pos, kv_len.view(b, 1, 1, 1) - 1)
+    kh = k.permute(0, 2, 1, 3)                                       # [b, hkv, L, d]
+    vh = v.permute(0, 2, 1, 3)
+    pad_keys = (-L) % KEY_BLOCK
+    if pad_keys:
+        kh = F.pad(kh, (0, 0, 0, pad_keys))
+        vh = F.pad(vh, (0, 0, 0, pad_keys))
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    m = torch.full((b, hkv, R, 1), float("-inf"), dtype=acc_dtype, device=q.device)
+    denom = torch.zeros((b, hkv, R, 1), dtype=acc_dtype, device=q.device)
+    acc = torch.zeros((b, hkv, R, dv), dtype=acc_dtype, device=q.device)
+    for start in range(0, L, KEY_BLOCK):
+        kb = kh[:, :, start:start + KEY_BLOCK]                         # [b, hkv, KB, d]
+        vb = vh[:, :, start:start + KEY_BLOCK]
+        scores = torch.matmul(qh, kb.transpose(-1, -2)).to(acc_dtype) * scale   # [b, hkv, R, KB]
+        slots = torch.arange(start, start + KEY_BLOCK, device=q.device)
+        scores = scores.masked_fill(slots > limit, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True)).detach()
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(scores - m_safe)
+        denom = denom * alpha + tree_sum(p, keepdim=True)
+        acc = acc * alpha + torch.matmul(p.to(v.dtype), vb).to(acc_dtype)
+        m = m_new
+    out = (acc / denom)[:, :, :rows]                                 # [b, hkv, g*s, dv]
+    return out.reshape(b, hkv, g, s, dv).reshape(b, hq, s, dv).permute(0, 2, 1, 3).to(q.dtype)

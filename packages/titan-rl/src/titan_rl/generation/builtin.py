@@ -1,0 +1,109 @@
+"""The built-in generator: batched prefill, then decode with a KV cache, on a titan-models model."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+from torch import nn
+
+from titan_rl.batch_invariant import is_batch_invariant
+from titan_rl.batch_invariant.torch_ops import KEY_BLOCK
+from titan_rl.generation.base import Completion
+from titan_rl.generation.kv_cache import GenerationContext, install_kv_cache
+from titan_rl.generation.sampling import SamplingConfig, sample_next
+from titan_rl.logprobs import logprobs_from_logits
+
+
+class BuiltinGenerator:
+    """Generates from `model`'s own definition; its inner attentions get a KV cache (override).
+
+    copy_model: keep a private copy of the model, so that a trainer can step the original while this
+      generator runs in another thread; weights then arrive through `update_weights`. With False the
+      generator shares the trainer's model (synchronous use, no weight transfer at all).
+    pad_id: token fed in padded prompt positions (any valid id: padded positions are never attended).
+    """
+
+    def __init__(self, model: nn.Module, *, copy_model: bool = False, pad_id: int = 0, policy_version: int = 0) -> None:
+        self.model = copy.deepcopy(model) if copy_model else model
+        if copy_model:
+            self.model.requires_grad_(False)
+        install_kv_cache(self.model)
+        self.pad_id = pad_id
+        self.policy_version = policy_version
+        self._lock = threading.Lock()  # weights never change during a generate() call
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
+        """Copy new weights in (names as in model.state_dict()) and take their version."""
+        with self._lock, torch.no_grad():
+            params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+            unknown = sorted(set(state_dict) - set(params))
+            if unknown:
+                raise ValueError(f"update_weights got names the model does not have: {unknown[:5]}")
+            for name, value in state_dict.items():
+                params[name].copy_(value)
+            self.policy_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate() needs at least one prompt, each with at least one token")
+        with self._lock:
+            return self._generate(prompts, sampling)
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        model, device = self.model, next(self.model.parameters()).device
+        invariant = is_batch_invariant(model)
+        rng = None
+        if sampling.seed is not None:
+            rng = torch.Generator(device=device)
+            rng.manual_seed(sampling.seed)
+        batch = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        longest = int(lengths.max())
+        capacity = -(-(longest + sampling.max_new_tokens) // KEY_BLOCK) * KEY_BLOCK
+        tokens = torch.full((batch, longest), self.pad_id, dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, device=device)
+
+        # Prefill: every prompt position at once (right-padded); the next-token logits of each
+        # sequence sit at its last real position.
+        positions = torch.arange(longest, device=device).expand(batch, longest)
+        context = GenerationContext(positions=positions, kv_len=torch.full((batch,), longest, device=device),
+                                    capacity=capacity)
+        logits = model(tokens, positions=positions, context=context)
+        last_logits = logits[torch.arange(batch, device=device), lengths - 1]   # [B, V]
+
+        out_tokens: list[list[int]] = [[] for _ in range(batch)]
+        out_logprobs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        stops = set(sampling.stop_token_ids)
+        cur_len = lengths.clone()
+        for step in range(sampling.max_new_tokens):
+            nxt = sample_next(last_logits, sampling, rng)
+            logp = logprobs_from_logits(last_logits, nxt, temperature=sampling.temperature, batch_invariant=invariant)
+            for i in range(batch):
+                if done[i]:
+                    continue
+                tok = int(nxt[i])
+                out_tokens[i].append(tok)
+                out_logprobs[i].append(logp[i])
+                if tok in stops or any(out_tokens[i][-len(s):] == list(s) for s in sampling.stop_sequences):
+                    done[i] = True
+                    finish[i] = "stop"
+            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+                break
+            # Decode: one token per sequence at its own position (finished ones keep going on
+            # padding; their outputs are ignored).
+            positions = cur_len[:, None]
+            context.positions, context.kv_len = positions, cur_len + 1
+            context._cache.clear()
+            last_logits = model(nxt[:, None], positions=positions, context=context)[:, 0]
+            cur_len = cur_len + 1
+        return [
+            Completion(prompt=list(prompts[i]), tokens=out_tokens[i],
+                       logprobs=torch.stack(out_logprobs[i]).float().cpu(), finish_reason=finish[i],
+                       policy_version=self.policy_version)
+            for i in range(batch)
+        ]

@@ -1,0 +1,29 @@
+"""Per-token log-probabilities, computed the same way by the trainer and the built-in generator."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_rl.batch_invariant import is_batch_invariant, ops
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
+                         batch_invariant: bool = False) -> torch.Tensor:
+    """logits [..., V], tokens [...] -> log p(token) under softmax(logits / temperature), float32.
+
+    temperature 0 (greedy sampling) reports the temperature-1 distribution."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}; must be >= 0")
+    logits = logits.float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logp = ops.log_softmax(logits) if batch_invariant else F.log_softmax(logits, dim=-1)
+    return logp.gather(-1, tokens[..., None].long()).squeeze(-1)
+
+
+def token_logprobs(model: nn.Module, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's view: one forward over full sequences tokens [B, S] (right-padded) ->
+    logprobs [B, S-1] of tokens[:, 1:] given their prefixes. Differentiable."""
+    logits = model(tokens)[:, :-1]
+    return logprobs_from_logits(logits, tokens[:, 1:], temperature=temperature, batch_invariant=is_batch_invariant(model))

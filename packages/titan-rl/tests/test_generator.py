@@ -1,0 +1,133 @@
+"""The built-in generator: KV-cache correctness, sampling and stop conditions, and bitwise agreement
+with the trainer's logprobs in batch-invariant mode."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from titan_rl import BuiltinGenerator, SamplingConfig, batch_invariant, token_logprobs
+
+
+def _trainer_logprobs(model, completions, order, extra_pad, rng):
+    """Trainer view: one right-padded batch of full sequences in `order`, plus unrelated rows."""
+    seqs = [completions[i].prompt + completions[i].tokens for i in order]
+    seqs += [[rng.randrange(512) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(0, 2))]
+    S = max(map(len, seqs)) + extra_pad
+    tokens = torch.full((len(seqs), S), 7, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        tokens[r, :len(s)] = torch.tensor(s)
+    with torch.no_grad():
+        lp = token_logprobs(model, tokens)
+    out = {}
+    for r, i in enumerate(order):
+        P, C = len(completions[i].prompt), len(completions[i].tokens)
+        out[i] = lp[r, P - 1:P - 1 + C]
+    return out
+
+
+def test_trainer_and_generator_logprobs_are_bitwise_equal_in_batch_invariant_mode(tiny_llama):
+    model = batch_invariant(tiny_llama())
+    gen = BuiltinGenerator(model)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 9, 30, 64, 70, 3)]
+    # Two generator batches of different composition: all prompts, and a subset in another order.
+    first = gen.generate(prompts, SamplingConfig(max_new_tokens=10, seed=1))
+    subset = [4, 1]
+    again = gen.generate([prompts[i] for i in subset], SamplingConfig(max_new_tokens=10, seed=1))
+    for trial in range(2):
+        order = rng.sample(range(len(prompts)), rng.randint(1, len(prompts)))
+        trainer = _trainer_logprobs(model, first, order, extra_pad=rng.randint(0, 9), rng=rng)
+        for i in order:
+            # token 0 was reached by prefill, the others by decode
+            assert torch.equal(trainer[i], first[i].logprobs), (trial, i)
+    trainer = _trainer_logprobs(model, again, [0, 1], extra_pad=3, rng=rng)
+    for r in range(2):
+        assert torch.equal(trainer[r], again[r].logprobs)
+
+
+def test_mismatch_without_the_mode_is_small_but_not_zero(tiny_llama, capsys):
+    model = tiny_llama()
+    gen = BuiltinGenerator(model)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (2, 17, 40, 5)]
+    comps = gen.generate(prompts, SamplingConfig(max_new_tokens=10, seed=2))
+    trainer = _trainer_logprobs(model, comps, [2, 0, 3, 1], extra_pad=5, rng=rng)
+    diffs = torch.cat([(trainer[i] - comps[i].logprobs).abs() for i in trainer])
+    print(f"normal mode |dlogprob|: max {diffs.max():.3g} mean {diffs.mean():.3g} over {diffs.numel()} tokens")
+    assert diffs.max() < 1e-3  # same math, different kernels: rounding-level differences only
+
+
+def test_greedy_generation_matches_recomputing_the_full_sequence(tiny_llama):
+    # The KV cache must give what a cache-free forward over the whole sequence gives.
+    model = tiny_llama()
+    gen = BuiltinGenerator(model)
+    prompts = [[5, 9, 100], [17] * 20]
+    comps = gen.generate(prompts, SamplingConfig(max_new_tokens=6, temperature=0.0))
+    for prompt, comp in zip(prompts, comps):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        assert comp.tokens == seq[len(prompt):] and comp.finish_reason == "length"
+        assert comp.logprobs.shape == (6,) and bool((comp.logprobs <= 0).all())
+
+
+def test_stop_conditions_and_seeded_sampling(tiny_llama):
+    model = tiny_llama()
+    gen = BuiltinGenerator(model)
+    prompt = [[3, 4, 5]]
+    free = gen.generate(prompt, SamplingConfig(max_new_tokens=8, seed=11))[0]
+    assert free.tokens == gen.generate(prompt, SamplingConfig(max_new_tokens=8, seed=11))[0].tokens
+    stop_tok = free.tokens[3]
+    cut = free.tokens.index(stop_tok) + 1
+    stopped = gen.generate(prompt, SamplingConfig(max_new_tokens=8, seed=11, stop_token_ids=(stop_tok,)))[0]
+    assert stopped.tokens == free.tokens[:cut] and stopped.finish_reason == "stop"
+    assert torch.equal(stopped.logprobs, free.logprobs[:cut])
+    seq = tuple(free.tokens[1:3])
+    by_seq = gen.generate(prompt, SamplingConfig(max_new_tokens=8, seed=11, stop_sequences=(seq,)))[0]
+    assert tuple(by_seq.tokens[-2:]) == seq and by_seq.finish_reason == "stop"
+
+
+def test_top_p_keeps_only_the_nucleus():
+    from titan_rl.generation import sample_next
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    drawn = sample_next(logits, SamplingConfig(top_p=0.7), g)
+    counts = torch.bincount(drawn, minlength=4).double() / len(drawn)
+    assert counts[2] == 0 and counts[3] == 0
+    assert abs(counts[0] - 0.5 / 0.8) < 0.03
+    assert torch.equal(sample_next(logits[:2], SamplingConfig(temperature=0.0), g), torch.tensor([0, 0]))
+
+
+def test_batch_invariant_mode_keeps_parameters_and_outputs(tiny_llama):
+    model = tiny_llama()
+    before = {k: v for k, v in model.state_dict().items()}
+    x = torch.randint(0, 512, (2, 33))
+    with torch.no_grad():
+        ref = model(x)
+        batch_invariant(model)
+        out = model(x)
+    after = model.state_dict()
+    assert list(before) == list(after) and all(before[k] is after[k] or torch.equal(before[k], after[k]) for k in before)
+    assert (out - ref).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="packed documents"):
+        import titan_models as tm
+        model(x, context=tm.AttentionContext(document_ids=torch.zeros_like(x)))
+
+
+def test_weight_update_bumps_the_version(tiny_llama):
+    trainer_model = tiny_llama(seed=0)
+    gen = BuiltinGenerator(trainer_model, copy_model=True)
+    prompt = [[1, 2, 3]]
+    greedy = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    old = gen.generate(prompt, greedy)[0]
+    new_weights = tiny_llama(seed=1)
+    gen.update_weights(new_weights.state_dict(), version=1)
+    new = gen.generate(prompt, greedy)[0]
+    assert new.policy_version == 1 and old.policy_version == 0
+    expected = BuiltinGenerator(new_weights).generate(prompt, greedy)[0]
+    assert new.tokens == expected.tokens and torch.equal(new.logprobs, expected.logprobs)
+    with pytest.raises(ValueError, match="does not have"):
+        gen.update_weights({"nope": torch.zeros(1)}, version=2)
