@@ -1,0 +1,35 @@
+"""One rank of a multi-process test (launched by conftest.run_ranks): init gloo, run, report, exit."""
+import importlib.util
+import os
+import pickle
+import sys
+import traceback
+from pathlib import Path
+
+path, fn_name, rank, world, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6])
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(path).parent))
+code = 0
+try:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    spec = importlib.util.spec_from_file_location(f"flexshard_rank_test_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kwargs = pickle.loads((out / "kwargs.pkl").read_bytes())
+    result = getattr(module, fn_name)(rank, world, **kwargs)
+    (out / f"{rank}.pkl").write_bytes(pickle.dumps(result))
+except BaseException:
+    (out / f"{rank}.err").write_text(traceback.format_exc())
+    code = 1
+finally:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    os._exit(code)
