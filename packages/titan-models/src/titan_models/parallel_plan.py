@@ -40,12 +40,23 @@ class ParallelPlan:
                 raise ValueError(f"tensor-parallel style {style!r} for {pattern!r} is not one of {TP_STYLES}")
 
 
-def attention_plan(prefix: str, *, qk_norm: bool) -> dict[str, str]:
-    plan = {f"{prefix}.wq": "colwise", f"{prefix}.wk": "colwise", f"{prefix}.wv": "colwise", f"{prefix}.wo": "rowwise"}
-    if qk_norm:
-        plan |= {f"{prefix}.q_norm": "replicate", f"{prefix}.k_norm": "replicate"}
-    return plan
+GQA_ATTENTION = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+QK_NORM = {"q_norm": "replicate", "k_norm": "replicate"}
 
 
-def feed_forward_plan(prefix: str) -> dict[str, str]:
-    return {f"{prefix}.w1": "colwise", f"{prefix}.w3": "colwise", f"{prefix}.w2": "rowwise"}
+def decoder_plan(*, num_layers: int, attention: dict[str, str], moe: bool = False) -> ParallelPlan:
+    """The plan of a Transformer: `attention` maps the attention's projections (relative names) to
+    styles; dense blocks' `feed_forward` and, with `moe`, the MoE blocks' router, shared experts and
+    routed experts are added (a pattern may match only some layers, e.g. dense leading layers)."""
+    tp = {"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output",
+          "layers.*.attention_norm": "sequence_parallel", "layers.*.ffn_norm": "sequence_parallel"}
+    tp |= {f"layers.*.attention.{name}": style for name, style in attention.items()}
+    tp |= {"layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+           "layers.*.feed_forward.w2": "rowwise"}
+    if moe:
+        tp |= {"layers.*.moe.router.gate": "replicate", "layers.*.moe.shared_experts.w1": "colwise",
+               "layers.*.moe.shared_experts.w3": "colwise", "layers.*.moe.shared_experts.w2": "rowwise"}
+    return ParallelPlan(tensor_parallel=tp,
+                        experts=("layers.*.moe.experts",) if moe else (),
+                        moe=("layers.*.moe",) if moe else (),
+                        pipeline_cut_points=tuple(f"layers.{i}" for i in range(1, num_layers)))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_models.components.norms import RMSNormConfig
+from titan_models.components.norms import NormConfig
 from titan_models.components.rope import apply_rotary
 from titan_models.context import AttentionContext
 
@@ -143,12 +143,12 @@ class FlexAttention(nn.Module):
 
 @dataclass(kw_only=True, frozen=True)
 class AttentionConfig:
-    """Grouped-query attention. `qk_norm` adds per-head RMSNorms on q and k before RoPE (Qwen3)."""
+    """Grouped-query attention. `qk_norm` adds per-head norms on q and k before RoPE (Qwen3)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    qk_norm: RMSNormConfig | None = None
+    qk_norm: NormConfig | None = None
     backend: AttentionBackend = "sdpa"
 
     def build(self, dim: int) -> "Attention":

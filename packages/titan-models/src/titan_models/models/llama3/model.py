@@ -11,7 +11,7 @@ from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import Llama3RopeScaling, RopeConfig
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
-from titan_models.parallel_plan import ParallelPlan, attention_plan, feed_forward_plan
+from titan_models.parallel_plan import GQA_ATTENTION, decoder_plan
 
 
 @dataclass(kw_only=True)
@@ -51,12 +51,5 @@ class Llama3Config:
             ]
             return Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
                                norm=self.norm.build(self.dim), rope=rope.build(),
-                               tie_embeddings=self.tie_embeddings, parallel_plan=dense_parallel_plan(self))
-
-
-def dense_parallel_plan(config, *, qk_norm: bool = False) -> ParallelPlan:
-    tp = {"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output",
-          "layers.*.attention_norm": "sequence_parallel", "layers.*.ffn_norm": "sequence_parallel"}
-    tp |= attention_plan("layers.*.attention", qk_norm=qk_norm) | feed_forward_plan("layers.*.feed_forward")
-    return ParallelPlan(tensor_parallel=tp,
-                        pipeline_cut_points=tuple(f"layers.{i}" for i in range(1, config.num_layers)))
+                               tie_embeddings=self.tie_embeddings, parallel_plan=decoder_plan(
+                                   num_layers=self.num_layers, attention=GQA_ATTENTION))
