@@ -5,11 +5,16 @@ __version__ = "0.1.0"
 from titan_rl.algorithms import AlgorithmConfig, dapo, grpo, gspo
 from titan_rl.batch_invariant import batch_invariant, is_batch_invariant
 from titan_rl.generation import BuiltinGenerator, Completion, Generator, SamplingConfig
+from titan_rl.loop import RLConfig, RLLoop, TrainBatch
+from titan_rl.rollout import AsyncRollouts, RolloutBatch, Sample, collect_rollouts
+from titan_rl.tokenizer import ByteTokenizer, CharTokenizer, Tokenizer
 from titan_rl.logprobs import logprobs_from_logits, token_logprobs
 from titan_rl.losses import PolicyLossConfig, PolicyLossOutput, group_advantages, informative_groups, policy_loss
 
 __all__ = [
     "AlgorithmConfig", "BuiltinGenerator", "Completion", "Generator", "PolicyLossConfig", "PolicyLossOutput",
+    "AsyncRollouts", "ByteTokenizer", "CharTokenizer", "RLConfig", "RLLoop", "RolloutBatch", "Sample", "Tokenizer",
+    "TrainBatch", "collect_rollouts",
     "SamplingConfig", "batch_invariant", "is_batch_invariant", "logprobs_from_logits", "token_logprobs",
     "dapo", "grpo", "gspo", "group_advantages", "informative_groups", "policy_loss",
 ]

@@ -41,7 +41,8 @@ class BuiltinGenerator:
             if unknown:
                 raise ValueError(f"update_weights got names the model does not have: {unknown[:5]}")
             for name, value in state_dict.items():
-                params[name].copy_(value)
+                if value is not params[name]:  # a generator sharing the trainer's model gets its own tensors
+                    params[name].copy_(value)
             self.policy_version = version
 
     @torch.no_grad()
