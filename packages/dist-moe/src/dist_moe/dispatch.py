@@ -107,7 +107,8 @@ def combine(y: Tensor, dispatched: Dispatched) -> Tensor:
     returned = _AllToAll.apply(y, back.send_splits, back.recv_splits, back.group)  # [T*k, dim] expert order
     by_slot = _PermuteRows.apply(returned, back.inverse, back.order)  # [T*k, dim] slot order
     tokens, top_k = back.weights.shape
-    weighted = by_slot.view(tokens, top_k, -1).float() * back.weights.unsqueeze(-1).float()
+    wide = torch.promote_types(y.dtype, torch.float32)
+    weighted = by_slot.view(tokens, top_k, -1).to(wide) * back.weights.unsqueeze(-1).to(wide)
     return weighted.sum(dim=1).to(y.dtype)
 
 

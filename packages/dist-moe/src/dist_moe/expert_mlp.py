@@ -72,7 +72,8 @@ def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights) -> Tenso
         start = end
     y = torch.cat(outs) if outs else routed.new_zeros(0, dim)  # [R, dim]
     if weights is not None:
-        y = (y.float() * weights.reshape(-1).float()[row_slot].unsqueeze(1)).to(x.dtype)
+        wide = torch.promote_types(x.dtype, torch.float32)  # weight in float32 (float64 stays float64)
+        y = (y.to(wide) * weights.reshape(-1).to(wide)[row_slot].unsqueeze(1)).to(x.dtype)
     slots = torch.zeros_like(y).index_copy(0, row_slot, y)  # row r -> slot row_slot[r]
     return slots.view(rows, top_k, dim).sum(dim=1)
 

@@ -1,0 +1,158 @@
+"""The Triton kernels under TRITON_INTERPRET=1 (CPU, float32), against float64 references.
+
+Run by test_triton_interpret.py in a subprocess (the interpreter must be chosen before triton is
+imported); prints one JSON object {check name: {"ok", "err"}}. Shapes are tiny and cover: groups
+of uneven size, an empty group, K and N tails that are not a multiple of the tile, grid and
+persistent launches, TMA descriptors for both weight layouts, the fused expert MLP with top_k 2
+and routing weights, and with top_k 1 and no weights (the expert-parallel case).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+
+import dist_moe  # noqa: E402
+from dist_moe.kernels import configs  # noqa: E402
+from dist_moe.kernels.configs import RowConfig, WeightConfig  # noqa: E402
+from dist_moe.kernels.launch import RowOperands, row_gemm, weight_gemm  # noqa: E402
+
+# Integer-overflow checks of every interpreted op cost time and test nothing here.
+interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
+                                                              sanitize_overflow=False)
+TOL = 1e-5  # float32 kernels against float64, relative to the reference's largest entry
+results: dict[str, dict] = {}
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.double() - want).abs().max().item()
+    scale = max(want.abs().max().item(), 1e-30)
+    results[name] = {"ok": err <= TOL * scale, "err": err, "scale": scale}
+
+
+def groups(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def loop_reference(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        out.append(x[start:start + c].double() @ w[e].double())
+        start += c
+    return torch.cat(out)
+
+
+def grouped_mm_checks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    counts = [5, 0, 19, 17]  # uneven, one empty, tails against 16-row tiles
+    rows, k, n = sum(counts), 40, 36  # K and N tails against 16 and 32
+    x = torch.randn(rows, k, generator=gen)
+    linear_w = torch.randn(len(counts), n, k, generator=gen)  # stored [E, N, K]
+    offsets = groups(counts)
+    want = loop_reference(x, linear_w.transpose(1, 2), counts)
+    variants = {
+        "grid": RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1),
+        "persistent": RowConfig(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1,
+                                persistent=True),
+        "tma": RowConfig(block_m=16, block_n=16, block_k=16, group_m=3, num_warps=4, num_stages=1, tma=True),
+    }
+    for name, config in variants.items():
+        out = torch.full((rows, n), float("nan"))
+        row_gemm(RowOperands(a=x, b=linear_w.transpose(1, 2), offsets=offsets, out=out, num_rows=rows), config)
+        check(f"row_gemm_k_contiguous_weights_{name}", out, want)
+    # Row-major weights [E, K, N] (the input-gradient layout); TMA needs K to be whole tiles.
+    w_rows = torch.randn(len(counts), 48, n, generator=gen)
+    x48 = torch.randn(rows, 48, generator=gen)
+    want48 = loop_reference(x48, w_rows, counts)
+    for name, config in variants.items():
+        out = torch.full((rows, n), float("nan"))
+        row_gemm(RowOperands(a=x48, b=w_rows, offsets=offsets, out=out, num_rows=rows), config)
+        check(f"row_gemm_n_contiguous_weights_{name}", out, want48)
+    # Weight gradient written in a transposed layout, two tile shapes.
+    dy = torch.randn(rows, n, generator=gen)
+    want_dw, start = [], 0
+    for c in counts:
+        want_dw.append(x[start:start + c].double().T @ dy[start:start + c].double())
+        start += c
+    for name, config in {"16": WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_stages=1),
+                         "32": WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_stages=1)}.items():
+        dw = torch.full_like(linear_w, float("nan"))  # [E, N, K]; the kernel writes [E, K, N] views
+        weight_gemm(p=x, q=dy, offsets=offsets, out=dw.transpose(1, 2), config=config)
+        check(f"weight_gemm_{name}", dw.transpose(1, 2), torch.stack(want_dw))
+    # The public function: forward and both gradients through autograd.
+    xg, wg = x.clone().requires_grad_(), linear_w.clone().requires_grad_()
+    out = dist_moe.grouped_mm(xg, wg.transpose(1, 2), offsets, backend="triton")
+    out.backward(dy)
+    xr, wr = x.double().requires_grad_(), linear_w.double().requires_grad_()
+    loop_reference(xr, wr.transpose(1, 2), counts).backward(dy.double())
+    check("grouped_mm_forward", out, want)
+    check("grouped_mm_grad_x", xg.grad, xr.grad)
+    check("grouped_mm_grad_w", wg.grad, wr.grad)
+
+
+def expert_mlp_reference(x, w1, w2, w3, expert_ids, weights):
+    """Per token, per choice, straight from the definition (float64)."""
+    outs = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for j in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, j])
+            h = torch.nn.functional.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
+            acc = acc + (weights[t, j] if weights is not None else 1.0) * (w2[e] @ h)
+        outs.append(acc)
+    return torch.stack(outs)
+
+
+def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: int = 24, ffn: int = 40) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_experts = 5
+    ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(rows)])
+    ids[ids == 2] = 3  # experts 2 and 4 receive nothing; expert 3 gets more
+    flat = ids.flatten()
+    row_slot = flat.argsort(stable=True)
+    offsets = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    params = {
+        "x": torch.randn(rows, dim, generator=gen),
+        "w1": 0.3 * torch.randn(num_experts, ffn, dim, generator=gen),
+        "w2": 0.3 * torch.randn(num_experts, dim, ffn, generator=gen),
+        "w3": 0.3 * torch.randn(num_experts, ffn, dim, generator=gen),
+    }
+    if with_weights:
+        params["weights"] = torch.rand(rows, top_k, generator=gen)
+    grad = torch.randn(rows, dim, generator=gen)
+    mine = {k: v.clone().requires_grad_() for k, v in params.items()}
+    out = dist_moe.expert_mlp(mine["x"], mine["w1"], mine["w2"], mine["w3"], offsets, row_slot, top_k=top_k,
+                              weights=mine.get("weights"), backend="triton")
+    out.backward(grad)
+    ref = {k: v.double().requires_grad_() for k, v in params.items()}
+    want = expert_mlp_reference(ref["x"], ref["w1"], ref["w2"], ref["w3"], ids, ref.get("weights"))
+    want.backward(grad.double())
+    check(f"{name}_forward", out, want.detach())
+    for key in params:
+        check(f"{name}_grad_{key}", mine[key].grad, ref[key].grad)
+
+
+def main() -> None:
+    grouped_mm_checks()
+    expert_mlp_case("expert_mlp_top2_weighted", rows=11, top_k=2, with_weights=True)
+    expert_mlp_case("expert_mlp_top1_unweighted", rows=9, top_k=1, with_weights=False)
+    # The fused kernels again with TMA weight descriptors and persistent launches.
+    configs.row_candidates = lambda role, device: [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2,
+                                                             num_warps=4, num_stages=1, persistent=True,
+                                                             tma=True)]
+    configs._chosen.clear()
+    import dist_moe.kernels.launch as launch
+
+    launch.row_candidates = configs.row_candidates
+    # Whole tiles, so every weight operand (both layouts) can go through a descriptor.
+    expert_mlp_case("expert_mlp_top2_tma_persistent", rows=11, top_k=2, with_weights=True, dim=32, ffn=48)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The MoE module: the documented parameter names and shapes, numerics against a dense float64
+reference layer, the auxiliary loss reaching the router, the buffers, and host reads."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dist_moe
+
+DEEPSEEK_LIKE = dict(dim=16, num_experts=8, top_k=3, expert_dim=12, num_shared_experts=2, score_func="sigmoid",
+                     n_group=4, topk_group=2, route_scale=2.5)
+QWEN_LIKE = dict(dim=16, num_experts=6, top_k=2, expert_dim=10)
+
+
+def dense_reference(moe, x):
+    """Every token through every expert, masked by its routing weights (float64; shares no code
+    with the layer except the routing rule, which test_routing checks on its own)."""
+    cfg = moe.config
+    tokens = x.reshape(-1, cfg.dim).double()
+    p = {k: v.double() for k, v in moe.named_parameters()}
+    routing = dist_moe.route(tokens @ p["router.gate.weight"].T, top_k=cfg.top_k, score_func=cfg.score_func,
+                             n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                             route_scale=cfg.route_scale, bias=moe.expert_bias)
+    mask = torch.zeros(tokens.shape[0], cfg.num_experts, dtype=torch.float64)
+    mask.scatter_(1, routing.expert_ids, routing.weights.double())
+    out = torch.zeros_like(tokens)
+    for e in range(cfg.num_experts):
+        h = F.silu(tokens @ p["experts.w1"][e].T) * (tokens @ p["experts.w3"][e].T)
+        out += mask[:, e:e + 1] * (h @ p["experts.w2"][e].T)
+    if moe.shared_experts is not None:
+        h = F.silu(tokens @ p["shared_experts.w1.weight"].T) * (tokens @ p["shared_experts.w3.weight"].T)
+        out += h @ p["shared_experts.w2.weight"].T
+    return out.view(x.shape)
+
+
+def test_parameter_names_and_shapes_follow_the_conventions():
+    moe = dist_moe.MoEConfig(**DEEPSEEK_LIKE).build()
+    shapes = {k: tuple(v.shape) for k, v in moe.state_dict().items()}
+    assert shapes == {
+        "router.gate.weight": (8, 16),
+        "experts.w1": (8, 12, 16), "experts.w2": (8, 16, 12), "experts.w3": (8, 12, 16),
+        "shared_experts.w1.weight": (24, 16), "shared_experts.w2.weight": (16, 24),
+        "shared_experts.w3.weight": (24, 16),
+        "expert_bias": (8,),
+    }
+    assert dict(moe.named_buffers())["tokens_per_expert"].shape == (8,)  # not persistent
+    assert "shared_experts" not in dict(dist_moe.MoEConfig(**QWEN_LIKE).build().named_modules())
+
+
+@pytest.mark.parametrize("fields", [DEEPSEEK_LIKE, QWEN_LIKE], ids=["deepseek_like", "qwen_like"])
+def test_forward_and_gradients_match_a_dense_reference(fields):
+    torch.manual_seed(0)
+    moe = dist_moe.MoEConfig(**fields).build().double()
+    with torch.no_grad():
+        moe.expert_bias.copy_(0.1 * torch.randn(moe.config.num_experts))
+    x = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
+    out = moe(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    got = {"out": out.detach(), "x": x.grad} | {k: v.grad for k, v in moe.named_parameters()}
+
+    moe.zero_grad()
+    x_ref = x.detach().clone().requires_grad_()
+    params = dict(moe.named_parameters())
+    want_out = dense_reference(moe, x_ref)
+    want_out.backward(grad)
+    want = {"out": want_out.detach(), "x": x_ref.grad} | {k: v.grad for k, v in params.items()}
+    for name in got:
+        # Routing runs in float32 (as in titan-models), which bounds the agreement.
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_tokens_per_expert_and_bias_update():
+    torch.manual_seed(0)
+    moe = dist_moe.MoEConfig(**QWEN_LIKE).build()
+    moe(torch.randn(1, 20, 16))
+    counts = moe.tokens_per_expert
+    assert counts.dtype == torch.float32 and counts.sum().item() == 20 * 2
+    before = moe.expert_bias.clone()
+    dist_moe.update_expert_bias(moe.expert_bias, counts, rate=1e-3)
+    assert torch.equal(torch.sign(moe.expert_bias - before), torch.sign(counts.mean() - counts))
+
+
+def test_aux_loss_adds_its_gradient_without_changing_the_output():
+    torch.manual_seed(0)
+    moe = dist_moe.MoEConfig(**QWEN_LIKE, aux_loss_alpha=0.5).build().train()
+    plain = dist_moe.MoEConfig(**QWEN_LIKE).build()
+    plain.load_state_dict(moe.state_dict())
+    x = torch.randn(2, 7, 16)
+    out, plain_out = moe(x), plain(x)
+    out.sum().backward()
+    plain_out.sum().backward()
+    torch.testing.assert_close(out, plain_out)
+    # The aux loss's own gradient, computed directly from its definition's inputs.
+    gate = plain.router.gate.weight.detach().clone().requires_grad_()
+    routing = dist_moe.route(x.reshape(-1, 16) @ gate.T, top_k=2)
+    aux = dist_moe.sequence_balance_loss(routing.scores.view(2, 7, -1), routing.expert_ids.view(2, 7, -1),
+                                         alpha=0.5)
+    aux.backward()
+    assert gate.grad.abs().max() > 0
+    assert moe.aux_loss.item() == pytest.approx(aux.item())
+    torch.testing.assert_close(moe.router.gate.weight.grad, plain.router.gate.weight.grad + gate.grad,
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_local_layer_reads_the_host_once_on_the_torch_path_and_never_in_backward():
+    moe = dist_moe.MoEConfig(**QWEN_LIKE).build()
+    with dist_moe.count_host_syncs() as forward:
+        out = moe(torch.randn(1, 5, 16))
+    with dist_moe.count_host_syncs() as backward:
+        out.sum().backward()
+    assert forward.reasons == ["expert_mlp: per-expert row ends (torch path)"]
+    assert backward.count == 0
+
+
+def test_config_like_copies_routing_fields_by_name():
+    class Other:  # e.g. titan-models' MoEConfig
+        num_experts, top_k, expert_dim, num_shared_experts = 8, 2, 32, 1
+        score_func, n_group, topk_group, norm_topk_prob, route_scale = "sigmoid", 2, 1, False, 1.5
+        implementation = "auto"  # not a field here: ignored
+
+    cfg = dist_moe.MoEConfig.like(Other(), dim=64, backend="torch")
+    assert (cfg.dim, cfg.num_experts, cfg.score_func, cfg.n_group, cfg.route_scale, cfg.backend) == (
+        64, 8, "sigmoid", 2, 1.5, "torch")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(top_k=9), "top_k"), (dict(expert_dim=0), "expert_dim"), (dict(backend="cuda"), "backend"),
+    (dict(aux_loss_alpha=-1.0), "aux_loss_alpha"),
+])
+def test_config_errors_are_named(change, message):
+    with pytest.raises(ValueError, match=message):
+        dist_moe.MoEConfig(**{**QWEN_LIKE, **change})
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)")
+
+
+@cuda
+def test_triton_layer_matches_torch_layer_on_gpu_without_host_syncs():
+    torch.manual_seed(0)
+    fields = dict(DEEPSEEK_LIKE, dim=256, expert_dim=128)
+    ref = dist_moe.MoEConfig(**fields, backend="torch").build().cuda()
+    moe = dist_moe.MoEConfig(**fields, backend="triton").build().cuda()
+    moe.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 64, 256, device="cuda")
+    torch.testing.assert_close(moe(x), ref(x), rtol=2e-4, atol=2e-5)  # float32: tf32 off by default
+    moe(x).sum().backward()  # tune every kernel once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
