@@ -135,9 +135,10 @@ class Bucket:
 
     # ---- all-gather ----
 
-    def launch_gather(self) -> None:
+    def launch_gather(self) -> torch.Tensor | None:
+        """Start the all-gather; returns the receive buffer [W * segment] uint8 (for inspection)."""
         if self.state is not BucketState.SHARDED:
-            return
+            return None
         send = torch.empty(self.ag_segment, dtype=torch.uint8, device=self.device)
         for i, slot in enumerate(self.slots):
             self._pack_param(slot, self.ag[self.rank][i], send)
@@ -145,6 +146,7 @@ class Bucket:
         work = all_gather_single(recv, send, group=self.group, async_op=True)
         self._ag = (work, send, recv)
         self.state = BucketState.GATHERING
+        return recv
 
     def wait_gather(self) -> None:
         if self.state is not BucketState.GATHERING:
