@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"titan-train: stopped: {e}", file=sys.stderr)
         return 1
-    except ConfigError as e:
+    except ValueError as e:  # user errors (bad degrees, paths, sizes) are ValueErrors naming the field
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,101 @@
+"""Fixtures: the tiny job, the real `titan-train` command in a subprocess, and gloo ranks running train().
+
+Ranks are forked from the test process (torch.multiprocessing, start method fork): they inherit the
+imported modules, which saves each rank the seconds of importing torch on a busy 2-core machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from titan_train import TrainConfig, load_recipe
+from titan_train.overrides import apply_override
+
+# Forked ranks must not inherit a busy OpenMP pool; one thread per process also keeps runs reproducible.
+torch.set_num_threads(1)
+
+# A tiny, fast job: the debug Llama cut to 2 layers, short sequences, fp32 on CPU, nothing to resume.
+TINY = {"model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4", "metrics.tensorboard": "false",
+        "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false"}
+
+
+def tiny_config(folder: Path, **overrides: str) -> TrainConfig:
+    config = load_recipe("llama3_debug")
+    for name, value in {**TINY, "job.folder": str(folder), **overrides}.items():
+        apply_override(config, name, value)
+    return config
+
+
+def as_args(overrides: dict[str, str]) -> list[str]:
+    return [part for name, value in overrides.items() for part in (f"--{name}", value)]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def command(args: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "titan_train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "titan_train", *args]
+
+
+def run(args: list[str], *, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(command(args, nproc), env=env(), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"titan-train {' '.join(args)} failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    return result
+
+
+def losses(folder: Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl (a later line for the same step wins: a resumed run)."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _rank_main(rank: int, world: int, port: int, config: TrainConfig) -> None:
+    import torch.distributed as dist
+
+    from titan_train import train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    try:
+        train(config)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # torch sometimes aborts at interpreter exit after gloo
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_on_ranks(config: TrainConfig, nproc: int) -> dict[int, float]:
+    """Run train(config) on `nproc` gloo ranks; the loss curve rank 0 wrote."""
+    mp.start_processes(_rank_main, args=(nproc, _free_port(), config), nprocs=nproc, start_method="fork")
+    return losses(Path(config.job.folder))
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """cli.run(args, nproc=1), cli.command(args, nproc), cli.env(), cli.losses(folder), cli.TINY (as args)."""
+    return SimpleNamespace(run=run, command=command, env=env, losses=losses, TINY=as_args(TINY))
+
+
+@pytest.fixture(scope="session")
+def jobs():
+    """jobs.tiny(folder, **overrides) -> TrainConfig; jobs.on_ranks(config, nproc) -> loss curve."""
+    return SimpleNamespace(tiny=tiny_config, on_ranks=train_on_ranks)

@@ -1,0 +1,92 @@
+"""The command line: --help lists every typed field, overrides are type-checked, errors name the
+offending flag and list the valid choices, recipes resolve by name or module:function."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from titan_train import TrainConfig, load_recipe
+from titan_train.cli import main, parse_args
+from titan_train.overrides import field_types, section_types
+
+REQUIRED_FLAGS = ["--training.steps", "--training.batch_size", "--training.seq_len", "--job.folder",
+                  "--parallelism.dp_replicate", "--parallelism.dp_shard", "--parallelism.tp", "--parallelism.pp",
+                  "--parallelism.cp", "--parallelism.ep", "--checkpoint.interval"]
+
+
+def test_help_lists_every_field_with_type_and_default(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    config = TrainConfig()
+    for section, cls in section_types(config).items():
+        for name in field_types(cls):
+            assert f"--{section}.{name} " in out, f"--{section}.{name} missing from --help"
+    for flag in REQUIRED_FLAGS:
+        assert flag in out
+    assert "--training.steps int  (default: 120)" in out  # the default of the default recipe
+    assert "--lr_schedule.kind {wsd,cosine,constant}" in out
+
+
+def test_overrides_are_typed_and_applied():
+    config, actions = parse_args(["--training.steps", "7", "--optimizer.lr=0.01", "--data.shuffle", "false",
+                                  "--lr_schedule.kind", "cosine", "--parallelism.dp_shard", "-1"])
+    assert not actions
+    assert (config.training.steps, config.optimizer.lr, config.data.shuffle) == (7, 0.01, False)
+    assert config.lr_schedule.kind == "cosine" and config.parallelism.dp_shard == -1
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--training.stpes", "3"], ["unknown field --training.stpes", "did you mean training.steps", "valid: training.steps"]),
+    (["--trainin.steps", "3"], ["unknown section in --trainin.steps", "did you mean training", "valid: "]),
+    (["--training.steps", "three"], ["--training.steps expects int, got 'three'"]),
+    (["--optimizer.lr", "fast"], ["--optimizer.lr expects float, got 'fast'"]),
+    (["--data.shuffle", "maybe"], ["--data.shuffle expects bool"]),
+    (["--lr_schedule.kind", "cos"], ["'cos' is not a valid choice", "did you mean cosine", "valid: wsd, cosine, constant"]),
+    (["--recipe", "llama3_debgu"], ["unknown recipe 'llama3_debgu'", "did you mean llama3_debug", "valid: "]),
+    (["--recipe", "no_such_module_xyz:fn"], ["cannot import module 'no_such_module_xyz'"]),
+    (["--recipe", "titan_train.recipes:nope"], ["has no function 'nope'", "valid: "]),
+    (["--training.steps"], ["--training.steps needs a value"]),
+    (["stray"], ["unexpected argument 'stray'"]),
+])
+def test_errors_name_the_problem_and_the_choices(capsys, argv, expected):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("titan-train: error: ")
+    for text in expected:
+        assert text in err, (text, err)
+
+
+def test_degrees_that_do_not_fit_are_errors(capsys):
+    assert main(["--parallelism.pp", "2", "--checkpoint.resume", "false"]) == 2
+    assert "pp > 1 arrives in issue 7" in capsys.readouterr().err
+    assert main(["--parallelism.tp", "2", "--checkpoint.resume", "false"]) == 2  # one process, tp 2
+    assert "world size 1 is not divisible by dp_replicate * tp = 2" in capsys.readouterr().err
+    assert main(["--parallelism.dp_shard", "2", "--checkpoint.resume", "false"]) == 2
+    assert "dp_shard=2 x tp=1 = 2, but the world size is 1" in capsys.readouterr().err
+    assert main(["--training.batch_size", "0", "--checkpoint.resume", "false"]) == 2
+    assert "training.batch_size must be >= 1" in capsys.readouterr().err
+
+
+def my_recipe() -> TrainConfig:
+    config = load_recipe("llama3_debug")
+    config.training.steps = 3
+    return config
+
+
+def test_recipe_from_a_module_function_then_overrides(capsys):
+    config, _ = parse_args(["--recipe", f"{__name__}:my_recipe", "--training.seq_len", "32"])
+    assert (config.training.steps, config.training.seq_len) == (3, 32)
+    assert main(["--print-config", "--training.batch_size", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {**dataclasses.asdict(load_recipe("llama3_debug")),
+                       "training": {**dataclasses.asdict(load_recipe("llama3_debug").training), "batch_size": 2}}
+
+
+def test_python_dash_m_lists_recipes():
+    out = subprocess.run([sys.executable, "-m", "titan_train", "--list-recipes"], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert "llama3_debug" in out and "llama3_1b" in out

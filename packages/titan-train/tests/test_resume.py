@@ -1,0 +1,64 @@
+"""Checkpoint and resume: a run killed with SIGKILL after a checkpoint and resumed gives bitwise the
+losses of the run that was never stopped (CPU, one process each); a non-finite loss stops the run
+naming the step and leaves only good checkpoints behind."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+from torch_checkpointing import Checkpointer
+
+from titan_train import NonFiniteLossError, train
+from titan_train.cli import main
+
+STEPS, INTERVAL, KILL_AFTER = 14, 4, 6
+
+
+def test_kill_and_resume_matches_the_uninterrupted_run(tmp_path, cli, jobs):
+    job = {"training.steps": str(STEPS), "checkpoint.interval": str(INTERVAL)}
+    uninterrupted = train(jobs.tiny(tmp_path / "whole", **job)).losses
+
+    folder = tmp_path / "killed"
+    # Blocking saves: when step KILL_AFTER's progress line appears, step 4's checkpoint is committed.
+    args = [*cli.TINY, *(p for k, v in job.items() for p in (f"--{k}", v)), "--job.folder", str(folder),
+            "--checkpoint.async_save", "false", "--metrics.progress", "true", "--checkpoint.resume", "true"]
+    proc = subprocess.Popen(cli.command(args), env=cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if f"step {KILL_AFTER}/{STEPS}" in line:
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed: {proc.stderr.read()[-2000:]}"
+    killed_at = max(json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines())
+    assert KILL_AFTER <= killed_at < STEPS
+
+    result = cli.run(args)  # resumes from the newest committed checkpoint
+    assert f"resuming after step {INTERVAL}" in result.stdout
+    resumed = cli.losses(folder)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert resumed == uninterrupted  # bitwise: JSON floats round-trip exactly
+
+
+def test_non_finite_loss_stops_the_run_without_a_bad_checkpoint(tmp_path, cli, jobs, capsys):
+    # A learning rate of 1e6 drives the tiny model to NaN at step 3 (deterministic on CPU).
+    job = {"training.steps": "10", "checkpoint.interval": "1", "optimizer.lr": "1e6",
+           "lr_schedule.warmup_steps": "0", "checkpoint.keep_last": "0"}
+    with pytest.raises(NonFiniteLossError) as stop:
+        train(jobs.tiny(tmp_path, **job))
+    assert stop.value.step == 3 and "at step 3" in str(stop.value)
+    with Checkpointer(str(tmp_path / "checkpoints")) as checkpoints:
+        assert checkpoints.steps() == [1, 2]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+
+    # The command line says the same and exits 1; resuming starts from the last good step.
+    args = [*(p for k, v in {**job, "job.folder": str(tmp_path)}.items() for p in (f"--{k}", v))]
+    assert main([*cli.TINY, *args, "--checkpoint.resume", "true"]) == 1
+    out, err = capsys.readouterr()
+    assert "resuming after step 2" in out and "non-finite loss at step 3" in err
+
