@@ -190,16 +190,28 @@ class _TwoMatrixFFN(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
 
-def test_parallel_plan_names_real_modules(config):
+@pytest.mark.parametrize(("family", "name", "mtp"), [("llama3", "debug", False), ("qwen3", "debug", False),
+                                                     ("qwen3", "debug_moe", False), ("deepseek_v3", "debug", True)])
+def test_parallel_plan_names_real_modules(family, name, mtp):
     from titan_models.override import _matches
 
-    model = build(config)
+    config = tm.flavor(family, name)
+    if mtp:
+        config = dataclasses.replace(config, mtp=True)
+    with torch.device("meta"):
+        model = config.build()
     plan = model.parallel_plan
-    names = [n for n, _ in model.named_modules()]
+    modules = dict(model.named_modules())
     for pattern, style in plan.tensor_parallel.items():
-        assert any(_matches(pattern, n) for n in names), pattern
-    assert plan.pipeline_cut_points == ("layers.1",)
-    assert any(_matches(plan.activation_checkpoint_unit, n) for n in names)
+        matched = [m for n, m in modules.items() if _matches(pattern, n)]
+        assert matched, pattern
+        if style in ("colwise", "rowwise", "output"):
+            assert all(isinstance(m, nn.Linear) for m in matched), pattern
+    for pattern in plan.experts:
+        assert all(isinstance(m, tm.components.moe.GroupedExperts) for n, m in modules.items() if _matches(pattern, n))
+    assert bool(plan.moe) == any(isinstance(m, tm.components.moe.MoE) for m in modules.values())
+    assert plan.pipeline_cut_points == tuple(f"layers.{i}" for i in range(1, config.num_layers))
+    assert any(_matches(plan.activation_checkpoint_unit, n) for n in modules)
 
 
 def test_param_count_and_flops_formula(config):
@@ -212,3 +224,20 @@ def test_param_count_and_flops_formula(config):
     expected = 6 * (counts.total - counts.embedding) + 12 * config.num_layers * config.num_heads * hd * seq
     assert tm.flops_per_token(model, seq) == expected
     assert tm.count_params(config) == counts  # a config is counted via a meta build
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention is exercised on a CUDA GPU")
+def test_compiled_flex_matches_sdpa_on_gpu(config):
+    config = tm.transforms.dtype(torch.bfloat16)(config)
+    with torch.device("meta"):
+        sdpa, flex = config.build(), tm.transforms.attention("flex")(config).build()
+    sdpa.to_empty(device="cuda"), flex.to_empty(device="cuda")
+    sdpa.init_weights(seed=0), flex.init_weights(seed=0)
+    tokens = torch.randint(0, config.vocab_size, (2, 256), device="cuda")
+    doc_ids = (torch.arange(256, device="cuda") >= 100).long().expand(2, 256)
+    with torch.no_grad():
+        for context in (None, tm.AttentionContext(document_ids=doc_ids)):
+            a, b = flex(tokens, context=context).float(), sdpa(tokens, context=context).float()
+            assert (a - b).norm() / b.norm() < 2e-2
+    flex(tokens).float().logsumexp(-1).mean().backward()  # compiled backward runs
+    assert flex.layers["0"].attention.wq.weight.grad is not None

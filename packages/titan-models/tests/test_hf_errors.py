@@ -88,3 +88,26 @@ def test_to_hf_refuses_what_hf_cannot_hold(tmp_path):
         meta_model = config.build()
     with pytest.raises(ValueError, match="meta device"):
         tm.to_hf(meta_model, tmp_path)
+
+
+def test_deepseek_and_qwen_settings_outside_the_models(tmp_path):
+    config = tm.transforms.num_layers(2)(tm.flavor("deepseek_v3", "debug"))
+    tm.to_hf(build(config), tmp_path)
+    _edit_config(tmp_path, scoring_func="softmax")
+    with pytest.raises(ValueError, match="field scoring_func='softmax' is not supported"):
+        tm.from_hf(tmp_path)
+    qwen = tmp_path / "qwen"
+    tm.to_hf(build(tm.transforms.num_layers(1)(tm.flavor("qwen3", "debug"))), qwen)
+    _edit_config(qwen, use_sliding_window=True)
+    with pytest.raises(ValueError, match="field use_sliding_window=True is not supported"):
+        tm.from_hf(qwen)
+
+
+def test_expert_tensor_missing_or_misshapen(tmp_path):
+    tm.to_hf(build(tm.transforms.num_layers(1)(tm.flavor("qwen3", "debug_moe"))), tmp_path)
+    _edit_tensors(tmp_path, lambda t: t.pop("model.layers.0.mlp.experts.3.down_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.0.mlp.experts.3.down_proj.weight'\]"):
+        tm.from_hf(tmp_path)
+    _edit_tensors(tmp_path, lambda t: t.update({"model.layers.0.mlp.experts.3.down_proj.weight": torch.zeros(256, 64)}))
+    with pytest.raises(ValueError, match=r"experts.3.down_proj.weight' has shape \[256, 64\], expected \[256, 128\]"):
+        tm.from_hf(tmp_path)

@@ -8,7 +8,8 @@ Training FLOPs per token = 6 * N + 6 * seq_len * sum over layers of heads * (qk_
 - The second term is attention's score and value matmuls (q.k over seq_len keys and p.v), again
   * 2 * 3, not halved for causality (the convention of PaLM's MFU and torchtitan; it is 12 * L * H
   * head_dim * seq_len when qk and v head dims are equal).
-- The MTP module (DeepSeek-V3) is excluded unless `include_mtp`.
+- The MTP module (DeepSeek-V3) is excluded unless `include_mtp` (then its active parameters and a
+  second pass through the shared output projection are added).
 """
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ class ParamCount:
     total: int  # every parameter of the module (tied weights once), MTP included
     active: int  # parameters one token uses in the main model: experts scaled by top_k / E, MTP excluded
     embedding: int  # the input embedding table
-    mtp: int  # parameters only the multi-token-prediction module holds
+    mtp: int  # parameters of the multi-token-prediction module (it shares embedding and output)
+
+    @property
+    def main(self) -> int:
+        """Parameters of the main model (what published sizes count)."""
+        return self.total - self.mtp
 
 
 def _as_model(model_or_config: Any) -> nn.Module:
@@ -36,23 +42,22 @@ def _as_model(model_or_config: Any) -> nn.Module:
         return model_or_config.build()
 
 
+def _inactive_expert_params(module: nn.Module) -> int:
+    inactive = 0
+    for sub in module.modules():
+        if isinstance(sub, MoE):
+            experts = sum(p.numel() for p in sub.experts.parameters())
+            inactive += experts - experts * sub.config.top_k // sub.config.num_experts
+    return inactive
+
+
 def count_params(model_or_config: Any) -> ParamCount:
     """Count a model's parameters (a config is built on the meta device first, allocating nothing)."""
     model = _as_model(model_or_config)
     total = sum(p.numel() for p in model.parameters())
     mtp_module = getattr(model, "mtp", None)
     mtp = sum(p.numel() for p in mtp_module.parameters()) if mtp_module is not None else 0
-    if mtp_module is not None and model.tok_embeddings is not None:
-        # MTP shares the embedding and output with the main model; count them in the main model.
-        shared = {id(p) for p in model.tok_embeddings.parameters()}
-        if model.output is not None:
-            shared |= {id(p) for p in model.output.parameters()}
-        mtp = sum(p.numel() for p in mtp_module.parameters() if id(p) not in shared)
-    inactive = 0
-    for name, module in model.named_modules():
-        if isinstance(module, MoE) and not name.startswith("mtp"):
-            experts = sum(p.numel() for p in module.experts.parameters())
-            inactive += experts - experts * module.config.top_k // module.config.num_experts
+    inactive = _inactive_expert_params(model) - (_inactive_expert_params(mtp_module) if mtp_module is not None else 0)
     embedding = model.tok_embeddings.weight.numel() if model.tok_embeddings is not None else 0
     return ParamCount(total=total, active=total - mtp - inactive, embedding=embedding, mtp=mtp)
 
@@ -67,9 +72,11 @@ def flops_per_token(model_or_config: Any, seq_len: int, *, include_mtp: bool = F
     attention = 0
     for name, module in model.named_modules():
         dims = getattr(module, "score_dims", None)
-        if dims is not None and (include_mtp or not name.startswith("mtp")):
+        if dims is not None and (include_mtp or not name.startswith("mtp.")):
             heads, qk_dim, v_dim = dims
             attention += 6 * seq_len * heads * (qk_dim + v_dim)
-    if include_mtp:
-        matmul_params += counts.mtp
+    mtp_module = getattr(model, "mtp", None)
+    if include_mtp and mtp_module is not None:
+        # the MTP block's active parameters, plus a second pass through the shared output projection
+        matmul_params += counts.mtp - _inactive_expert_params(mtp_module) + model.output.weight.numel()
     return 6 * matmul_params + attention

@@ -44,18 +44,22 @@ GQA_ATTENTION = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwi
 QK_NORM = {"q_norm": "replicate", "k_norm": "replicate"}
 
 
-def decoder_plan(*, num_layers: int, attention: dict[str, str], moe: bool = False) -> ParallelPlan:
+def decoder_plan(*, num_layers: int, attention: dict[str, str], dense: bool = True, moe: bool = False,
+                 shared_experts: bool = False) -> ParallelPlan:
     """The plan of a Transformer: `attention` maps the attention's projections (relative names) to
-    styles; dense blocks' `feed_forward` and, with `moe`, the MoE blocks' router, shared experts and
-    routed experts are added (a pattern may match only some layers, e.g. dense leading layers)."""
+    styles; `dense` adds the dense blocks' feed_forward, `moe` the MoE blocks' router and routed
+    experts, `shared_experts` their shared experts (patterns may match only some layers)."""
     tp = {"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output",
           "layers.*.attention_norm": "sequence_parallel", "layers.*.ffn_norm": "sequence_parallel"}
     tp |= {f"layers.*.attention.{name}": style for name, style in attention.items()}
-    tp |= {"layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
-           "layers.*.feed_forward.w2": "rowwise"}
+    if dense:
+        tp |= {"layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+               "layers.*.feed_forward.w2": "rowwise"}
     if moe:
-        tp |= {"layers.*.moe.router.gate": "replicate", "layers.*.moe.shared_experts.w1": "colwise",
-               "layers.*.moe.shared_experts.w3": "colwise", "layers.*.moe.shared_experts.w2": "rowwise"}
+        tp["layers.*.moe.router.gate"] = "replicate"
+    if moe and shared_experts:
+        tp |= {"layers.*.moe.shared_experts.w1": "colwise", "layers.*.moe.shared_experts.w3": "colwise",
+               "layers.*.moe.shared_experts.w2": "rowwise"}
     return ParallelPlan(tensor_parallel=tp,
                         experts=("layers.*.moe.experts",) if moe else (),
                         moe=("layers.*.moe",) if moe else (),

@@ -125,10 +125,11 @@ class RotaryEmbedding(nn.Module):
 
     def _inv_freq(self) -> torch.Tensor:
         cfg = self.config
-        exponents = torch.arange(0, cfg.dim, 2, dtype=torch.int64, device="cpu").float() / cfg.dim
-        inv_freq = 1.0 / (cfg.theta**exponents)
-        if cfg.scaling is not None:
-            inv_freq = cfg.scaling.scale(inv_freq, theta=cfg.theta)
+        with torch.device("cpu"):  # real values even while modules are built on meta
+            exponents = torch.arange(0, cfg.dim, 2, dtype=torch.int64).float() / cfg.dim
+            inv_freq = 1.0 / (cfg.theta**exponents)
+            if cfg.scaling is not None:
+                inv_freq = cfg.scaling.scale(inv_freq, theta=cfg.theta)
         return inv_freq
 
     def reset_buffers(self) -> None:

@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from titan_models.hf.converter import Converter
+from titan_models.hf.deepseek_v3 import DeepSeekV3Converter
 from titan_models.hf.llama3 import Llama3Converter
 from titan_models.hf.names import NoHFName
 from titan_models.hf.qwen3 import Qwen3Converter
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
-CONVERTERS: tuple[Converter, ...] = (Llama3Converter(), Qwen3Converter())
+CONVERTERS: tuple[Converter, ...] = (Llama3Converter(), Qwen3Converter(), DeepSeekV3Converter())
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -63,9 +63,9 @@ class Transformer(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
 
-    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None,
-               context: AttentionContext | None) -> torch.Tensor:
-        """Hidden states after the last block, before the final norm."""
+    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None, context: AttentionContext | None
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(hidden states after the last block and final norm, the RoPE cos/sin used)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             batch, seq = h.shape[:2]
@@ -73,13 +73,12 @@ class Transformer(nn.Module):
         rope = self.rope(positions)
         for block in self.layers.values():
             h = block(h, rope, context=context)
-        return h
+        return (self.norm(h) if self.norm is not None else h), rope
 
     def hidden_states(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                       context: AttentionContext | None = None) -> torch.Tensor:
         """Final normed hidden states [b, s, dim], without the output projection (for chunked losses)."""
-        h = self._trunk(tokens, positions, context)
-        return self.norm(h) if self.norm is not None else h
+        return self._trunk(tokens, positions, context)[0]
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 context: AttentionContext | None = None) -> torch.Tensor:

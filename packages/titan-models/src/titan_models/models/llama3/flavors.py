@@ -26,4 +26,4 @@ FLAVORS: dict[str, Llama3Config] = {
 
 # Total parameters as published on the Hugging Face model cards (meta-llama/Llama-3.2-1B,
 # Llama-3.1-8B, -70B, -405B).
-PUBLISHED_PARAMS: dict[str, float] = {"1B": 1.24e9, "8B": 8.03e9, "70B": 70.6e9, "405B": 406e9}
+PUBLISHED_PARAMS: dict[str, str] = {"1B": "1.24B", "8B": "8.03B", "70B": "70.6B", "405B": "406B"}

@@ -34,7 +34,7 @@ FLAVORS: dict[str, Qwen3Config] = {
 }
 
 # (total, activated) parameters as the Qwen3 model cards state them (activated only for MoE).
-PUBLISHED_PARAMS: dict[str, tuple[float, float | None]] = {
-    "0.6B": (0.6e9, None), "1.7B": (1.7e9, None), "4B": (4.0e9, None), "8B": (8.2e9, None),
-    "14B": (14.8e9, None), "32B": (32.8e9, None), "30B-A3B": (30.5e9, 3.3e9), "235B-A22B": (235e9, 22e9),
+PUBLISHED_PARAMS: dict[str, tuple[str, str | None]] = {
+    "0.6B": ("0.6B", None), "1.7B": ("1.7B", None), "4B": ("4.0B", None), "8B": ("8.2B", None),
+    "14B": ("14.8B", None), "32B": ("32.8B", None), "30B-A3B": ("30.5B", "3.3B"), "235B-A22B": ("235B", "22B"),
 }

@@ -53,7 +53,10 @@ class Qwen3Config:
                 mlp = {"moe": self.moe.build(self.dim)} if self.is_moe_layer(i) else {"feed_forward": ffn.build(self.dim)}
                 blocks.append(TransformerBlock(attention=attention.build(self.dim), attention_norm=self.norm.build(self.dim),
                                                ffn_norm=self.norm.build(self.dim), **mlp))
-            plan = decoder_plan(num_layers=self.num_layers, attention=GQA_ATTENTION | QK_NORM, moe=self.moe is not None)
+            moe_layers = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+            plan = decoder_plan(num_layers=self.num_layers, attention=GQA_ATTENTION | QK_NORM,
+                                dense=len(moe_layers) < self.num_layers, moe=bool(moe_layers),
+                                shared_experts=bool(moe_layers) and self.moe.num_shared_experts > 0)
             return Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
                                norm=self.norm.build(self.dim), rope=rope.build(),
                                tie_embeddings=self.tie_embeddings, parallel_plan=plan)

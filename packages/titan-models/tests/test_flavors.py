@@ -1,0 +1,102 @@
+"""Flavors: published parameter counts (meta device, counts only), debug models of every family."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tm_reference import build
+
+import titan_models as tm
+from titan_models.models import deepseek_v3, llama3, qwen3
+
+
+def within_published(ours: int, published: str) -> bool:
+    """Published sizes are rounded to the digits they show ("3.3B", "37B", "8.03B"): accept a count within
+    one unit of the last shown digit, or within 0.5%, whichever is wider."""
+    assert published.endswith("B"), published
+    mantissa = published[:-1]
+    value = float(mantissa) * 1e9
+    unit = 10.0 ** -(len(mantissa.split(".")[1]) if "." in mantissa else 0) * 1e9
+    return abs(ours - value) <= max(unit, 0.005 * value)
+
+
+def test_within_published_tolerance_rule():
+    assert within_published(3.35e9, "3.3B") and not within_published(3.45e9, "3.3B")
+    assert within_published(671.9e9, "671B") and not within_published(675e9, "671B")  # 0.5% of 671B is wider
+    assert within_published(8.07e9, "8.03B") and not within_published(8.09e9, "8.03B")
+
+
+@pytest.mark.parametrize("name", list(llama3.flavors.PUBLISHED_PARAMS))
+def test_llama3_counts_match_published(name):
+    assert within_published(tm.count_params(tm.flavor("llama3", name)).total, llama3.flavors.PUBLISHED_PARAMS[name])
+
+
+def test_llama3_counts_match_exact_hf_checkpoints():
+    # sums of the tensor sizes in the released safetensors (tied 1B stores the table once)
+    exact = {"1B": 1_235_814_400, "8B": 8_030_261_248, "70B": 70_553_706_496, "405B": 405_853_388_800}
+    for name, count in exact.items():
+        assert tm.count_params(tm.flavor("llama3", name)).total == count, name
+
+
+@pytest.mark.parametrize("name", list(qwen3.flavors.PUBLISHED_PARAMS))
+def test_qwen3_counts_match_published(name):
+    total, active = qwen3.flavors.PUBLISHED_PARAMS[name]
+    counts = tm.count_params(tm.flavor("qwen3", name))
+    assert within_published(counts.total, total)
+    if active is not None:  # Qwen's activated figures include the embedding table
+        assert within_published(counts.active, active)
+
+
+@pytest.mark.parametrize("name", list(deepseek_v3.flavors.PUBLISHED_PARAMS))
+def test_deepseek_v3_counts_match_published(name):
+    total, active = deepseek_v3.flavors.PUBLISHED_PARAMS[name]
+    counts = tm.count_params(tm.flavor("deepseek_v3", name))
+    assert within_published(counts.main, total)
+    # DeepSeek's activated figures leave out the input embedding (a lookup, not a matmul)
+    assert within_published(counts.active - counts.embedding, active)
+
+
+def test_671b_builds_on_meta_in_seconds():
+    config = tm.flavor("deepseek_v3", "671B")
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = config.build()
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10, f"building took {elapsed:.1f}s"
+    assert all(p.is_meta for p in model.parameters())
+    counts = tm.count_params(model)
+    assert counts.mtp > 11e9 and model.mtp is not None  # one MoE block + eh_proj
+    assert len(model.layers) == 61 and model.layers["2"].feed_forward is not None and model.layers["3"].moe is not None
+    assert model.layers["3"].moe.experts.w1.shape == (256, 2048, 7168)
+
+
+def test_every_family_has_a_tiny_debug_flavor():
+    for family in tm.families():
+        config = tm.flavor(family, "debug")
+        assert config.dim <= 256 and 4 <= config.num_layers <= 6 and config.vocab_size >= 264
+        assert tm.count_params(config).total < 10e6
+
+
+@pytest.mark.parametrize(("family", "name"), [("llama3", "debug"), ("qwen3", "debug"), ("qwen3", "debug_moe"),
+                                              ("deepseek_v3", "debug")])
+def test_debug_models_agree_across_attention_backends_and_train(family, name):
+    config = tm.transforms.num_layers(2)(tm.flavor(family, name))
+    sdpa, flex = build(config), build(tm.transforms.attention("flex")(config))
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
+    with torch.no_grad():
+        for context in (None, tm.AttentionContext(document_ids=doc_ids)):
+            assert torch.allclose(flex(tokens, context=context), sdpa(tokens, context=context), atol=2e-5)
+    loss = sdpa(tokens).logsumexp(-1).mean()
+    loss.backward()
+    assert all(p.grad is not None for n, p in sdpa.named_parameters() if "mtp" not in n)
+
+
+def test_flops_per_token_uses_the_attention_head_dims():
+    config = tm.flavor("deepseek_v3", "671B")
+    counts = tm.count_params(config)
+    seq = 4096
+    attention = 6 * seq * 61 * 128 * (192 + 128)  # MLA: qk head 128 + 64, v head 128
+    assert tm.flops_per_token(config, seq) == 6 * (counts.active - counts.embedding) + attention
+    assert tm.flops_per_token(config, seq, include_mtp=True) > tm.flops_per_token(config, seq)
