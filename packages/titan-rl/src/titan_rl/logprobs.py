@@ -12,13 +12,21 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, *, temperat
                          batch_invariant: bool = False) -> torch.Tensor:
     """logits [..., V], tokens [...] -> log p(token) under softmax(logits / temperature), float32.
 
-    temperature 0 (greedy sampling) reports the temperature-1 distribution."""
+    temperature 0 (greedy sampling) reports the temperature-1 distribution.
+
+    The log-softmax is torch's on CPU in both modes: its CPU kernel reduces each row on its own with an
+    order fixed by the row length (tests/test_batch_invariant_ops.py checks this), and it is the op
+    vLLM's sampler uses, so trainer and vLLM logprobs can agree bitwise. On CUDA, batch-invariant mode
+    uses titan-rl's Triton log-softmax."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature}; must be >= 0")
     logits = logits.float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
-    logp = ops.log_softmax(logits) if batch_invariant else F.log_softmax(logits, dim=-1)
+    if batch_invariant and logits.is_cuda:
+        logp = ops.log_softmax(logits)
+    else:
+        logp = F.log_softmax(logits, dim=-1)
     return logp.gather(-1, tokens[..., None].long()).squeeze(-1)
 
 

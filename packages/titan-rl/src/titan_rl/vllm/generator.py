@@ -1,0 +1,94 @@
+"""VLLMGenerator: the Generator interface over a vLLM engine running titan-models' definition."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import titan_models as tm
+import torch
+from torch import nn
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from titan_rl.generation.base import Completion
+from titan_rl.generation.sampling import SamplingConfig
+from titan_rl.vllm.plugin import ARCHITECTURES
+
+_TITAN_ARCH = {hf: ours for ours, hf in ARCHITECTURES.items()}
+
+
+def _load_titan_weights(worker, weights: dict[str, torch.Tensor]) -> int:
+    """Runs inside the vLLM worker (collective_rpc): hands the tensors to the model's load_weights."""
+    model = worker.model_runner.model
+    return len(model.load_weights(weights.items()))
+
+
+class VLLMGenerator:
+    """Generates with vLLM from a titan model's weights.
+
+    `from_model(model)` writes the model as a Hugging Face folder (titan_models.to_hf) and starts an
+    engine on it, with the architecture routed to the titan plugin. `update_weights` pushes new
+    weights into the running engine (no restart) through `collective_rpc` -> the model's `load_weights`.
+    Logprobs are vLLM's of the sampled token (logprobs=0), under the temperature-scaled distribution
+    ("processed_logprobs"), which is what titan_rl.token_logprobs(temperature=T) computes.
+    """
+
+    def __init__(self, llm: LLM, *, policy_version: int = 0) -> None:
+        self.llm = llm
+        self.policy_version = policy_version
+
+    @classmethod
+    def from_model(cls, model: nn.Module, *, max_model_len: int = 512, seed: int = 0, batch_invariant: bool = False,
+                   workdir: str | Path | None = None, **llm_kwargs) -> "VLLMGenerator":
+        folder = Path(workdir or tempfile.mkdtemp(prefix="titan-vllm-"))
+        tm.to_hf(model, folder)
+        import json
+        arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+        if arch not in _TITAN_ARCH:
+            raise ValueError(f"no titan vLLM architecture for {arch}; supported: {sorted(_TITAN_ARCH)}")
+        os.environ["TITAN_RL_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        dtype = next(model.parameters()).dtype
+        llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, hf_overrides={"architectures": [_TITAN_ARCH[arch]]},
+                  dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=True,
+                  logprobs_mode="processed_logprobs", enable_prefix_caching=False, **llm_kwargs)
+        return cls(llm)
+
+    def close(self) -> None:
+        """Drops the engine (in-process engines free their memory once unreferenced)."""
+        import gc
+        self.llm = None
+        gc.collect()
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
+        weights = {k: v.detach().to("cpu") for k, v in state_dict.items()}
+        if weights:
+            self.llm.collective_rpc(_load_titan_weights, args=(weights,))
+        self.policy_version = version
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        # One SamplingParams per prompt: a shared seed would give every sample of a group the same draws.
+        params = [SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False, ignore_eos=True,
+            seed=None if sampling.seed is None else sampling.seed + i,
+        ) for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        completions = []
+        for prompt, out in zip(prompts, outputs):
+            seq = out.outputs[0]
+            tokens = list(seq.token_ids)
+            logprobs = torch.tensor([float(step[tok].logprob) for tok, step in zip(tokens, seq.logprobs)])
+            tokens, logprobs, reason = _apply_stop_sequences(tokens, logprobs, sampling, seq.finish_reason)
+            completions.append(Completion(prompt=list(prompt), tokens=tokens, logprobs=logprobs,
+                                          finish_reason=reason, policy_version=self.policy_version))
+        return completions
+
+
+def _apply_stop_sequences(tokens, logprobs, sampling: SamplingConfig, finish_reason):
+    """vLLM stops on strings, not token sequences; cut at the first token-id stop sequence."""
+    reason = "stop" if finish_reason == "stop" else "length"
+    for end in range(1, len(tokens) + 1):
+        if any(tuple(tokens[max(0, end - len(s)):end]) == tuple(s) for s in sampling.stop_sequences):
+            return tokens[:end], logprobs[:end], "stop"
+    return tokens, logprobs, reason
