@@ -136,28 +136,42 @@ _owner_load: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def assign_owners(numels: list[int], fixed: list[int | None], world: int, mesh: object) -> list[int]:
-    """Owners for a bucket's Owned parameters. `fixed[i]` set: that rank (it still counts as load).
-    Otherwise largest first, each to the rank with the fewest elements in this bucket, ties broken
-    by the load across earlier buckets on the same mesh, then by rank."""
+    """Owners for a bucket's Owned parameters (`fixed[i]` set: that rank).
+
+    Two goals: even segments within the bucket (the all-gather pads every rank to the largest) and
+    an even total over the model (the optimizer step waits for the busiest owner). So: pack the
+    bucket into `world` bins, largest first into the lightest bin, then give the heaviest bin to
+    the rank with the least load from earlier buckets on this mesh. With repeated layers the
+    uneven bins rotate over the ranks instead of always landing on the same one.
+    """
     try:
         total = _owner_load.setdefault(mesh, [0] * world)
     except TypeError:  # a mesh that cannot be weakly referenced: balance within the bucket only
         total = [0] * world
-    bucket = [0] * world
+    for rank in fixed:
+        if rank is not None and not 0 <= rank < world:
+            raise ValueError(f"Owned(rank={rank}) is outside the mesh (ranks 0..{world - 1})")
+    pinned = any(rank is not None for rank in fixed)  # pinned parameters tie bins to ranks
+    load = [0] * world  # per bin
     owners = [0] * len(numels)
     for i, rank in enumerate(fixed):
         if rank is not None:
-            if not 0 <= rank < world:
-                raise ValueError(f"Owned(rank={rank}) is outside the mesh (ranks 0..{world - 1})")
             owners[i] = rank
-            bucket[rank] += numels[i]
-            total[rank] += numels[i]
-    free = [i for i in range(len(numels)) if fixed[i] is None]
-    for i in sorted(free, key=lambda i: (-numels[i], i)):
-        rank = min(range(world), key=lambda r: (bucket[r], total[r], r))
-        owners[i] = rank
-        bucket[rank] += numels[i]
-        total[rank] += numels[i]
+            load[rank] += numels[i]
+    bin_of = {}
+    for i in sorted((i for i in range(len(numels)) if fixed[i] is None), key=lambda i: (-numels[i], i)):
+        bin_of[i] = min(range(world), key=lambda b: (load[b], b))
+        load[bin_of[i]] += numels[i]
+    rank_of_bin = list(range(world))
+    if not pinned:
+        by_load = sorted(range(world), key=lambda b: (-load[b], b))
+        by_total = sorted(range(world), key=lambda r: (total[r], r))
+        for b, r in zip(by_load, by_total):
+            rank_of_bin[b] = r
+    for i, b in bin_of.items():
+        owners[i] = rank_of_bin[b]
+    for i, n in enumerate(numels):
+        total[owners[i]] += n
     return owners
 
 
