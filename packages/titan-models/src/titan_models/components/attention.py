@@ -89,9 +89,22 @@ def _causal(b, h, q_idx, kv_idx):
 
 @functools.lru_cache(maxsize=16)
 def _causal_block_mask(seq: int, device: torch.device):
+    return _create_block_mask(_causal, None, seq, device)
+
+
+_compiled_create_block_mask = None
+
+
+def _create_block_mask(mask_mod, batch: int | None, seq: int, device: torch.device):
+    """Compiled on CUDA (the eager version materialises the full seq x seq mask)."""
+    global _compiled_create_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(_causal, None, None, seq, seq, device=device)
+    if device.type != "cuda":
+        return create_block_mask(mask_mod, batch, None, seq, seq, device=device)
+    if _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    return _compiled_create_block_mask(mask_mod, batch, None, seq, seq, device=device)
 
 
 class FlexAttention(nn.Module):
@@ -105,12 +118,10 @@ class FlexAttention(nn.Module):
 
     @staticmethod
     def _block_mask(batch: int, seq: int, device: torch.device, document_ids: torch.Tensor):
-        from torch.nn.attention.flex_attention import create_block_mask
-
         def doc_mask_mod(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-        return create_block_mask(doc_mask_mod, batch, None, seq, seq, device=device)
+        return _create_block_mask(doc_mask_mod, batch, seq, device)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context: AttentionContext | None = None

@@ -148,7 +148,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)  # [T, dim]
         weights, experts = self.router(tokens, self.expert_bias)  # [T, k] each
         flat_experts = experts.flatten()  # [T*k], slot t*k + j = token t's j-th choice
-        counts = torch.bincount(flat_experts, minlength=self.config.num_experts)
+        # scatter_add into a fixed-size buffer: unlike bincount it needs no device -> host sync
+        counts = torch.zeros(self.config.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts))
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts)
         order = flat_experts.argsort(stable=True)  # slots sorted by expert

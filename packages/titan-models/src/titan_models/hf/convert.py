@@ -23,13 +23,18 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _converter_for_architecture(hf: dict[str, Any]) -> Converter:
+def converter_for(hf: dict[str, Any]) -> Converter:
+    """The converter for a Hugging Face config dict (by its `architectures`): its `config_from_hf`,
+    `config_to_hf` and `hf_names(config, titan_name)` map configs and tensor names both ways."""
     architectures = hf.get("architectures") or []
     for converter in CONVERTERS:
         if any(arch in converter.architectures for arch in architectures):
             return converter
     supported = sorted(a for c in CONVERTERS for a in c.architectures)
     raise ValueError(f"config.json field architectures={architectures} is not supported; supported: {supported}")
+
+
+_converter_for_architecture = converter_for  # the name titan-rl first imported
 
 
 def _converter_for_config(config: Any) -> Converter:
@@ -68,7 +73,7 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     if not (folder / "config.json").exists():
         raise ValueError(f"{folder} has no config.json")
     hf = json.loads((folder / "config.json").read_text())
-    converter = _converter_for_architecture(hf)
+    converter = converter_for(hf)
     files = SafetensorsFolder(folder)
     config = converter.config_from_hf(hf, files.names())
     config = dataclasses.replace(config, dtype=dtype or _checkpoint_dtype(hf))
@@ -122,6 +127,7 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
             len(model.layers) != config.num_layers:
         raise ValueError("to_hf needs the whole model; this one is a pipeline stage (modules were removed)")
     hf_config = converter.config_to_hf(config)
+    hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # as stored, even after .to()
     entries = []
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "output.weight":

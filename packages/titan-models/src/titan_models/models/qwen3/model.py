@@ -39,6 +39,10 @@ class Qwen3Config:
     attention: AttentionBackend = "sdpa"
     dtype: torch.dtype = torch.float32
 
+    @property
+    def resolved_head_dim(self) -> int:  # same accessor as Llama3Config
+        return self.head_dim
+
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i not in self.dense_layers and (i + 1) % self.moe_every == 0
 
