@@ -1,0 +1,254 @@
+"""Batch-invariant ops as Triton kernels (GPU), with fixed tiles and no split reductions.
+
+Why these are batch-invariant: every output element is produced by one program whose reduction
+loop has a fixed tile size and a fixed start, whatever the number of rows:
+- matmul: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps (no split-K,
+  no autotuning: the tile sizes never change with the problem's shape);
+- rms_norm / log_softmax: one program per row, reducing the row in fixed BLOCK-sized chunks;
+- attention: one program per (batch, query head, BLOCK_M queries) walks the keys in BLOCK_N blocks
+  from slot 0 with an online softmax; blocks past a row's position are masked to exact zeros, which
+  leave the running statistics bitwise unchanged.
+
+Backward passes use torch on the saved inputs (they need not be batch-invariant: only the forward
+logprobs are compared with a generator).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MATMUL_TILE = (64, 64, 32)  # BLOCK_M, BLOCK_N, BLOCK_K
+ROW_BLOCK = 1024            # chunk of a row for rms_norm / log_softmax
+ATTN_TILE = (64, 64)        # BLOCK_M queries, BLOCK_N keys
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    # float32 inputs would otherwise run the dot in TF32; "ieee" keeps float32 products exact.
+    # For 16-bit inputs the option does not apply (None = Triton's default).
+    return "ieee" if dtype == torch.float32 else None
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _matmul_fwd(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    M, K = x2d.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, dtype=x2d.dtype, device=x2d.device)
+    bm, bn, bk = MATMUL_TILE
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _matmul_kernel[grid](x2d, weight, out, M, N, K, x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1),
+                         out.stride(0), out.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         PRECISION=_precision(x2d.dtype), num_warps=4)
+    return out
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight):
+        ctx.save_for_backward(x2d, weight)
+        return _matmul_fwd(x2d, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x2d
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N]."""
+    lead = x.shape[:-1]
+    out = _Matmul.apply(x.reshape(-1, x.shape[-1]), weight.to(x.dtype))
+    return out.reshape(*lead, weight.shape[0])
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, D, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=c0 + cols < D, other=0.0).to(tl.float32)
+        acc += x * x
+    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
+    for c0 in range(0, D, BLOCK):
+        m = c0 + cols < D
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=m, other=0.0)
+        w = tl.load(w_ptr + c0 + cols, mask=m, other=0.0)
+        normed = (x.to(tl.float32) * inv).to(x.dtype)  # cast back before the weight, as titan-models does
+        tl.store(out_ptr + row * stride_out + c0 + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, eps):
+        out = torch.empty(x2d.shape, dtype=torch.promote_types(x2d.dtype, weight.dtype), device=x2d.device)
+        _rms_norm_kernel[(x2d.shape[0],)](x2d, weight, out, x2d.shape[1], x2d.stride(0), out.stride(0), eps,
+                                          BLOCK=ROW_BLOCK, num_warps=4)
+        ctx.save_for_backward(x2d, weight)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, w = x2d.detach().requires_grad_(), weight.detach().requires_grad_()
+            xf = x.float()
+            ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+            gx, gw = torch.autograd.grad(ref, (x, w), grad)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    lead = x.shape[:-1]
+    return _RMSNorm.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).reshape(*lead, x.shape[-1])
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, V, BLOCK):  # per-lane online max/sum: fixed order for a given V
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=c0 + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    total = tl.sum(s * tl.exp(m - row_max), axis=0)
+    lse = row_max + tl.log(total)
+    for c0 in range(0, V, BLOCK):
+        msk = c0 + cols < V
+        x = tl.load(x_ptr + row * stride_x + c0 + cols, mask=msk, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + c0 + cols, x - lse, mask=msk)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d):
+        out = torch.empty(x2d.shape, dtype=torch.float32, device=x2d.device)
+        _log_softmax_kernel[(x2d.shape[0],)](x2d, out, x2d.shape[1], x2d.stride(0), out.stride(0),
+                                             BLOCK=ROW_BLOCK, num_warps=4)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad - out.exp() * grad.sum(-1, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Over the last dim; float32 out."""
+    lead = x.shape[:-1]
+    return _LogSoftmax.apply(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*lead, x.shape[-1])
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, S, L, HQ, G, scale,
+                      sqb, sqs, sqh, skb, skl, skh, svb, svl, svh, sob, sos, soh, spb,
+                      D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dcol = tl.arange(0, D)
+    vcol = tl.arange(0, DV)
+    row_ok = rows < S
+    q = tl.load(q_ptr + b * sqb + rows[:, None] * sqs + h * sqh + dcol[None, :], mask=row_ok[:, None], other=0.0)
+    pos = tl.load(pos_ptr + b * spb + rows, mask=row_ok, other=0)
+    limit = tl.minimum(pos, tl.load(kvlen_ptr + b) - 1)  # slot j is visible iff j <= limit
+    hi = tl.minimum(tl.max(tl.where(row_ok, limit, 0), axis=0) + 1, L)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
+    for n0 in range(0, hi, BLOCK_N):
+        slots = n0 + tl.arange(0, BLOCK_N)
+        in_range = slots < L
+        k = tl.load(k_ptr + b * skb + slots[None, :] * skl + hk * skh + dcol[:, None], mask=in_range[None, :], other=0.0)
+        v = tl.load(v_ptr + b * svb + slots[:, None] * svl + hk * svh + vcol[None, :], mask=in_range[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale
+        visible = (slots[None, :] <= limit[:, None]) & in_range[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(o_ptr + b * sob + rows[:, None] * sos + h * soh + vcol[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def _attention_reference(q, k, v, q_positions, scale, kv_len):
+    """Plain torch math attention (for backward)."""
+    g = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    scores = torch.einsum("bshd,blhd->bhsl", q.float(), kk.float()) * scale
+    slots = torch.arange(k.shape[1], device=q.device)
+    limit = q_positions if kv_len is None else torch.minimum(q_positions, kv_len[:, None] - 1)
+    scores = scores.masked_fill(slots[None, None, None, :] > limit[:, None, :, None], float("-inf"))
+    return torch.einsum("bhsl,blhd->bshd", scores.softmax(-1), vv.float()).to(q.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_positions, kv_len, scale):
+        b, s, hq, d = q.shape
+        L, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        pos = q_positions.to(torch.int32).contiguous()
+        lens = (torch.full((b,), L, dtype=torch.int32, device=q.device) if kv_len is None
+                else kv_len.to(torch.int32).contiguous())
+        out = torch.empty(b, s, hq, dv, dtype=q.dtype, device=q.device)
+        bm, bn = ATTN_TILE
+        grid = (triton.cdiv(s, bm), b * hq)
+        _attention_kernel[grid](q, k, v, out, pos, lens, s, L, hq, hq // hkv, scale,
+                                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                                pos.stride(0), D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(q.dtype),
+                                num_warps=4)
+        ctx.save_for_backward(q, k, v, q_positions, kv_len)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, q_positions, kv_len = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            ref = _attention_reference(q, k, v, q_positions, ctx.scale, kv_len)
+            gq, gk, gv = torch.autograd.grad(ref, (q, k, v), grad)
+        return gq, gk, gv, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor, scale: float,
+              kv_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as torch_ops.attention (head dims must be powers of two, >= 16)."""
+    return _Attention.apply(q, k, v, q_positions, kv_len, scale)
