@@ -101,3 +101,19 @@ def test_from_hf_dtype_and_device_arguments(tmp_path, tokens):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope.inv_freq.dtype == torch.float32  # RoPE frequencies stay exact
     assert model(tokens).dtype == torch.bfloat16
+
+
+def test_bf16_model_writes_bf16_safetensors_transformers_reads(tmp_path, tokens):
+    config = tm.llama3.Llama3Config(vocab_size=96, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=96,
+                                    dtype=torch.bfloat16)
+    model = build(config, seed=2)
+    tm.to_hf(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, param in reference.named_parameters():
+        assert param.dtype == torch.bfloat16, name
+    assert torch.equal(reference.model.layers[1].mlp.down_proj.weight, model.layers["1"].feed_forward.w2.weight)
+    loaded = tm.from_hf(tmp_path)  # dtype from config.json
+    assert loaded.tok_embeddings.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))

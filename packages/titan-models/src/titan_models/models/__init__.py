@@ -1,0 +1,1 @@
+"""Model families: each builds the shared Transformer from its own typed config."""
