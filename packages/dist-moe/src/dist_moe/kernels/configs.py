@@ -72,7 +72,7 @@ def row_candidates(role: str, device: torch.device) -> list[RowConfig]:
                 RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
                 RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),
                 RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
-                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4),
+                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3),  # 2 programs per SM
             ]
         return [
             RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
@@ -86,14 +86,23 @@ def row_candidates(role: str, device: torch.device) -> list[RowConfig]:
     ]
 
 
-def weight_candidates(device: torch.device) -> list[WeightConfig]:
+def weight_candidates(device: torch.device, *, two_outputs: bool = False) -> list[WeightConfig]:
+    """Two outputs (gate and up gradients) mean two accumulators: half the tile each."""
     if interpreting():
         return [WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_warps=4, num_stages=1)]
     if _capability(device) >= (9, 0):
+        if two_outputs:
+            return [
+                WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=3),
+                WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4),
+                WeightConfig(block_k=128, block_n=64, block_r=64, num_warps=4, num_stages=4),
+            ]
         return [
             WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3),
             WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4),
             WeightConfig(block_k=256, block_n=128, block_r=64, num_warps=8, num_stages=3),
+            # 96 KiB of shared memory: two programs per SM, one's epilogue hiding the other's loads.
+            WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3),
         ]
     return [WeightConfig(block_k=128, block_n=128, block_r=32, num_warps=4, num_stages=4)]
 

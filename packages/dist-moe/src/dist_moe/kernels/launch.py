@@ -5,7 +5,6 @@ upper bounds), so a launch never synchronises.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ from dist_moe.kernels.row_gemm import (
     EPILOGUE_SWIGLU,
     EPILOGUE_SWIGLU_BWD,
     row_gemm_kernel,
+    tile_map_kernel,
 )
 from dist_moe.kernels.weight_gemm import weight_gemm_kernel
 
@@ -125,10 +125,13 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
     if ops.partial is not None:
         assert ops.partial.shape[0] >= triton.cdiv(n, bn), "partial needs a row per N tile"
         ops.partial.zero_()  # rows past this config's N tiles must not keep another config's sums
-    counts = torch.diff(ops.offsets, prepend=ops.offsets.new_zeros(1))
-    tile_ends = torch.cumsum((counts + (bm - 1)) // bm, 0, dtype=torch.int32)
-    # Tiles in use <= floor(rows / BLOCK_M) + E (each group adds at most one partial tile).
-    max_tiles = (ops.num_rows // bm + num_experts) * triton.cdiv(n, bn)
+    # Row tiles in use <= floor(rows / BLOCK_M) + E (each group adds at most one partial tile).
+    max_row_tiles = ops.num_rows // bm + num_experts
+    tile_info = torch.empty((max_row_tiles + 1) * 3, device=ops.a.device, dtype=torch.int32)
+    block_e = triton.next_power_of_2(max(num_experts, 16))
+    tile_map_kernel[(1,)](ops.offsets, tile_info, num_experts, max_row_tiles, BLOCK_M=bm, BLOCK_E=block_e,
+                          BLOCK_T=max(16, 8192 // block_e), num_warps=4)
+    max_tiles = max_row_tiles * triton.cdiv(n, bn)
     grid = (min(max_tiles, _num_sms(ops.a.device)) if config.persistent else max_tiles,)
 
     a_desc = a2_desc = b_desc = b2_desc = None
@@ -160,15 +163,14 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
         ops.b2 if ops.b2 is not None else ops.b, b2_desc if b2_desc is not None else ops.b,
         ops.out, ops.out2 if ops.out2 is not None else dummy, ops.out3 if ops.out3 is not None else dummy,
         *(ops.aux if ops.aux is not None else (dummy, dummy, dummy)),
-        ops.offsets, tile_ends, slot,
+        tile_info, slot,
         ops.weight if ops.weight is not None else dummy,
         ops.partial if ops.partial is not None else dummy,
-        n, k, k2, num_experts, ops.out.shape[0], ops.top_k,
+        n, k, k2, max_row_tiles, ops.out.shape[0], ops.top_k,
         ops.a.stride(0), ops.a.stride(1),
         ops.b.stride(0), ops.b.stride(1), ops.b.stride(2),
         ops.out.stride(0), ops.out.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-        LOG2_E=max(1, math.ceil(math.log2(num_experts + 1))),
         A_GATHER=ops.gather_a, A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_K_CONTIG=b_k_contig,
         TWO_B=ops.b2 is not None and ops.a2 is None, CONCAT_K=ops.a2 is not None,
         EPILOGUE=ops.epilogue, SAVE_PREACT=ops.save_preact, HAS_WEIGHT=ops.weight is not None,
@@ -196,7 +198,7 @@ def weight_gemm(
         return config
     key = ("weight", gather_p, gather_q, weight is not None, q2 is not None, kp, nq, p.dtype,
            tuple(out.stride()), str(p.device))
-    chosen = choose(key, weight_candidates(p.device),
+    chosen = choose(key, weight_candidates(p.device, two_outputs=q2 is not None),
                     lambda c: _launch_weight(p, q, q2, out, out2, offsets, slot, weight, top_k, gather_p,
                                              gather_q, c))
     _launch_weight(p, q, q2, out, out2, offsets, slot, weight, top_k, gather_p, gather_q, chosen)

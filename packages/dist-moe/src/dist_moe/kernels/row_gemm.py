@@ -1,10 +1,10 @@
 """Row-tiled grouped GEMM (Triton): out[rows of expert e] = A[rows] @ B[e], one expert per tile.
 
 Rows are sorted by expert; `offsets` [E] int32 holds each expert's end row. A tile covers
-BLOCK_M rows of one expert and BLOCK_N output columns. `tile_ends` [E] int32 (cumulative
-ceil(rows_e / BLOCK_M), made on the device by the launcher) maps a tile to its expert by binary
-search, so the launch needs no host knowledge of the per-expert counts: the grid is an upper
-bound and surplus programs find no tile. With PERSISTENT launches, a program loops over tiles.
+BLOCK_M rows of one expert and BLOCK_N output columns. A one-program kernel first writes the
+row-tile table (expert, first row, end row) from the offsets on the device, so the launch needs
+no host knowledge of the per-expert counts: the grid is an upper bound (rows / BLOCK_M + E row
+tiles) and surplus programs find no tile. With persistent launches a program loops over tiles.
 
 Variants (constexpr), all fused into the same main loop and epilogue:
 - A_GATHER: A row r is `a[slot[r] // top_k]`, gathered inside the kernel (no permuted copy).
@@ -29,18 +29,31 @@ EPILOGUE_SWIGLU_BWD = 3
 
 
 @triton.jit
-def expert_of_tile(tile_m, tile_ends_ptr, num_experts, LOG2_E: tl.constexpr):
-    """First expert e with tile_ends[e] > tile_m (tile_ends is non-decreasing)."""
-    lo = tile_m * 0
-    hi = lo + num_experts
-    for _ in tl.static_range(LOG2_E):
-        mid = (lo + hi) // 2
-        ends = tl.load(tile_ends_ptr + tl.minimum(mid, num_experts - 1))
-        active = lo < hi
-        right = ends <= tile_m
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (~right), mid, hi)
-    return lo
+def tile_map_kernel(offsets_ptr, info_ptr, num_experts, max_tiles,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: info[t] = (expert, first row, end row) for every row tile t < max_tiles, and
+    info[max_tiles] = (number of tiles in use, 0, 0). Tiles past that number stay unused."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    ends = tl.load(offsets_ptr + e, mask=e_ok, other=0)
+    starts = tl.load(offsets_ptr + e - 1, mask=e_ok & (e > 0), other=0)
+    tiles = tl.where(e_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, axis=0)
+    tile_start = tile_end - tiles
+    for t0 in range(0, max_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        # [BLOCK_T, BLOCK_E] one-hot: the expert whose tile range holds t (empty experts hold none).
+        inside = (tile_start[None, :] <= t[:, None]) & (t[:, None] < tile_end[None, :])
+        expert = tl.sum(tl.where(inside, e[None, :], 0), axis=1)
+        first = tl.sum(tl.where(inside, starts[None, :] + (t[:, None] - tile_start[None, :]) * BLOCK_M, 0), axis=1)
+        end = tl.sum(tl.where(inside, ends[None, :], 0), axis=1)
+        ok = t < max_tiles
+        tl.store(info_ptr + t * 3, expert, mask=ok)
+        tl.store(info_ptr + t * 3 + 1, first, mask=ok)
+        tl.store(info_ptr + t * 3 + 2, end, mask=ok)
+    tl.store(info_ptr + max_tiles * 3, tl.sum(tiles, axis=0))
+    tl.store(info_ptr + max_tiles * 3 + 1, 0)
+    tl.store(info_ptr + max_tiles * 3 + 2, 0)
 
 
 @triton.jit
@@ -87,20 +100,19 @@ def row_gemm_kernel(
     b_ptr, b_desc, b2_ptr, b2_desc,
     out_ptr, out2_ptr, out3_ptr,
     aux_ptr, aux2_ptr, aux3_ptr,
-    offsets_ptr, tile_ends_ptr, slot_ptr, weight_ptr, partial_ptr,
-    N, K, K2, num_experts, num_slots, top_k,
+    tile_info_ptr, slot_ptr, weight_ptr, partial_ptr,
+    N, K, K2, max_tiles, num_slots, top_k,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    LOG2_E: tl.constexpr,
     A_GATHER: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_K_CONTIG: tl.constexpr,
     TWO_B: tl.constexpr, CONCAT_K: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_PREACT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
-    total_m = tl.load(tile_ends_ptr + num_experts - 1)
+    total_m = tl.load(tile_info_ptr + max_tiles * 3)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -114,12 +126,9 @@ def row_gemm_kernel(
         tile_m = first_m + (tile % width) % group_rows
         tile_n = (tile % width) // group_rows
 
-        e = expert_of_tile(tile_m, tile_ends_ptr, num_experts, LOG2_E)
-        prev = tl.maximum(e - 1, 0)
-        first_tile_e = tl.where(e > 0, tl.load(tile_ends_ptr + prev), 0)
-        row_start = tl.where(e > 0, tl.load(offsets_ptr + prev), 0)
-        row_end = tl.load(offsets_ptr + e)
-        m0 = row_start + (tile_m - first_tile_e) * BLOCK_M
+        e = tl.load(tile_info_ptr + tile_m * 3)
+        m0 = tl.load(tile_info_ptr + tile_m * 3 + 1)
+        row_end = tl.load(tile_info_ptr + tile_m * 3 + 2)
         n0 = tile_n * BLOCK_N
         rows = m0 + offs_m
         row_ok = rows < row_end
