@@ -33,7 +33,9 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     rows, cols = x.shape
     tiles = _tiled(x.float(), block)
     amax = tiles.abs().amax(dim=(1, 3))
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: CUDA turns division by a Python scalar into multiplication by its
+    # reciprocal, which rounds differently; a true division is reproducible by any kernel.
+    scales = torch.where(amax > 0, amax / amax.new_full((), FP8_MAX), torch.ones_like(amax))
     q = (tiles / scales[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     q = q.view(tiles.shape[0] * block[0], tiles.shape[2] * block[1])[:rows, :cols]
     return q.contiguous(), scales
