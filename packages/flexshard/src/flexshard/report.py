@@ -35,13 +35,15 @@ class ShardLayout:
                 f"reduce-scatter {_size(b.reduce_scatter_bytes())} ({b.rs_dtype}), "
                 f"reshard after forward: {b.reshard_after_forward}"
             )
-            width = max(len(s.fqn) for s in b.slots) + len(prefix) + 1
-            for s in b.slots:
-                name = f"{prefix}.{s.fqn}" if prefix else s.fqn
-                placement = s.layout.placement
-                shown = f"Owned(rank={s.layout.owner()})" if isinstance(placement, Owned) else str(placement)
+            names = [f"{prefix}.{s.fqn}" if prefix else s.fqn for s in b.slots]
+            shown = [
+                f"Owned(rank={s.layout.owner()})" if isinstance(s.layout.placement, Owned) else str(s.layout.placement)
+                for s in b.slots
+            ]
+            w_name, w_shown = max(map(len, names)), max(map(len, shown))
+            for s, name, placement in zip(b.slots, names, shown):
                 counts = " ".join(f"{s.layout.local_numel(r):>8}" for r in range(world))
-                lines.append(f"  {name:<{width}} {str(list(s.layout.shape)):<14} {shown:<40} {counts}")
+                lines.append(f"  {name:<{w_name}} {str(list(s.layout.shape)):<14} {placement:<{w_shown}} {counts}")
         return "\n".join(lines)
 
 
