@@ -135,7 +135,7 @@ def row_gemm_kernel(
         cols = n0 + offs_n
         col_ok = cols < N
 
-        if A_GATHER or EPILOGUE == 2 or EPILOGUE == 3:
+        if (A_GATHER or EPILOGUE == 2) or EPILOGUE == 3:  # chained and/or needs parentheses in older triton
             slot = tl.load(slot_ptr + rows, mask=row_ok, other=0)
         if A_GATHER:
             a_row_offsets = (slot // top_k).to(tl.int64) * stride_am

@@ -57,7 +57,7 @@ def weight_gemm_kernel(
     for r0 in range(row_start, row_end, BLOCK_R):
         rows = r0 + offs_r
         row_ok = rows < row_end
-        if P_GATHER or Q_GATHER or Q_SCALE:
+        if (P_GATHER or Q_GATHER) or Q_SCALE:  # chained and/or needs parentheses in older triton
             slot = tl.load(slot_ptr + rows, mask=row_ok, other=0)
         if P_GATHER:
             p_rows = (slot // top_k).to(tl.int64)
