@@ -1,0 +1,336 @@
+"""The Checkpointer: save (asynchronous by default), load with resharding, list and retain steps."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .commit import (
+    Committer, CommitError, RetentionPolicy, committed_steps, remove_leftovers, step_outcome, wait_for_outcome, work_dir,
+)
+from .config import CheckpointerConfig, group_rank_and_size
+from .file_format import COMMIT, FAILED, dtype_name, record_file, step_dir, tensor_bytes
+from .layout import RankLayout, build_rank_layout, layout_key, leaf_kind, merge_layouts
+from .rank_writer import ExtraPiece, write_rank
+from .reader import StepReader, load_step
+from .staging import HostPool, Staged, StagingPlan, plan_staging, stage
+from .state_tree import encode_value, flatten
+from .storage import Storage, storage_for
+
+_PLAN_CACHE_SIZE = 4  # layouts remembered (e.g. alternating model-only and full saves)
+
+
+class SaveHandle:
+    """One save in progress.
+
+    `staged()` / `wait_staged()`: the state has been copied to host memory and may change. By default
+    `save()` already orders the current CUDA stream after the copies, so work queued later on it
+    (an optimizer step) is safe without waiting; `wait_staged()` also waits on the host.
+    `wait()`: the step is durable and committed on storage (or raises why not).
+    """
+
+    def __init__(self, checkpointer: Checkpointer, step: int, staged: Staged, local: Future, commit: Future | None):
+        self.step = step
+        self._checkpointer, self._staged, self._local, self._commit = checkpointer, staged, local, commit
+        self._committed = False
+        self._raised = False  # its failure reached the caller once; Checkpointer.wait/close skip it
+
+    def staged(self) -> bool:
+        return self._staged.ready()
+
+    def wait_staged(self) -> None:
+        self._staged.wait()
+
+    def done(self) -> bool:
+        if self._committed:
+            return True
+        if self._commit is not None:
+            return self._commit.done()
+        return self._local.done() and self._checkpointer._outcome(self.step) != "pending"
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._committed:
+            return
+        try:
+            self._local.result(timeout)
+            if self._commit is not None:
+                self._commit.result(timeout)
+            else:
+                ckpt = self._checkpointer
+                wait_for_outcome(ckpt.storage, self.step, timeout or ckpt.config.commit_timeout_s,
+                                 later=lambda: ckpt._saved_after(self.step))
+        except BaseException:
+            self._raised = True
+            raise
+        self._committed = True
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, staged={self.staged()}, done={self.done()})"
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    layout: RankLayout
+    staging: StagingPlan
+
+
+class Checkpointer:
+    """Saves and loads steps of a (possibly distributed) state under one path or storage.
+
+    `Checkpointer(path_or_storage, config=None, *, process_group=None, **fields)`: fields override
+    the config's (e.g. keep_last=3). Every rank of the process group makes the same calls.
+    """
+
+    def __init__(
+        self,
+        path_or_storage: str | os.PathLike | Storage,
+        config: CheckpointerConfig | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **fields: Any,
+    ):
+        config = config or CheckpointerConfig()
+        unknown = set(fields) - {f.name for f in dataclasses.fields(CheckpointerConfig)}
+        if unknown:
+            allowed = ", ".join(f.name for f in dataclasses.fields(CheckpointerConfig))
+            raise TypeError(f"unknown Checkpointer settings {sorted(unknown)}; allowed: {allowed}")
+        self.config = dataclasses.replace(config, **fields)
+        self.storage = storage_for(path_or_storage)
+        self.process_group = process_group
+        self.rank, self.world_size = group_rank_and_size(process_group)
+        self._io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="ckpt-io")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
+        self._committer_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if self.rank == 0 else None
+        self._committer = Committer(
+            self.storage, self.world_size, timeout_s=self.config.commit_timeout_s,
+            retention=RetentionPolicy(self.config.keep_last, self.config.keep_every),
+        ) if self.rank == 0 else None
+        self._pool = HostPool()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._plans: dict[tuple, _Plan] = {}
+        self._exchanged = False
+        self._handles: list[SaveHandle] = []
+        self._saved_steps: list[int] = []  # in save order: a later one committed settles earlier ones
+        self._closed = False
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict, *, blocking: bool = False, manual_release: bool = False) -> SaveHandle:
+        """Save `state` as `step`; returns once the state has been staged (see SaveHandle).
+
+        blocking: also wait until the step is committed.
+        manual_release: do not order the current CUDA stream after the staging copies; the caller
+            calls handle.wait_staged() (or checks staged()) before changing the state.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if step in self._saved_steps:
+            raise ValueError(f"step {step} was already saved by this Checkpointer")
+        if self._handles:  # its staging buffers are about to be reused
+            wait_futures([self._handles[-1]._local])
+        tree = flatten(state)
+        kinds = [leaf_kind(leaf, self.config.per_rank) for leaf in tree.leaves]
+        key = layout_key(tree.leaves, kinds)
+        plan = self._plans.get(key)
+        if plan is None:
+            layout = build_rank_layout(tree.leaves, kinds, rank=self.rank, world_size=self.world_size)
+            sources = self._sources(tree.leaves, layout)
+            plan = _Plan(layout, plan_staging(layout.pieces, sources, slab_bytes=self.config.slab_bytes))
+            if len(self._plans) >= _PLAN_CACHE_SIZE:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        if not self._exchanged:
+            self._first_save_exchange(plan.layout)
+        if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
+            raise ValueError(f"step {step} is already committed in {self.storage}; delete it or save another step")
+        sources = self._sources(tree.leaves, plan.layout)
+        extras, values = self._per_rank_entries(tree.leaves, kinds)
+        devices = {s.device for s in sources if s.device.type == "cuda"}
+        for device in devices:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+        streams = {d: self._streams[d] for d in devices}
+        staged = stage(plan.staging, plan.layout.pieces, sources, self._pool, streams, direct_cpu=blocking)
+        if not manual_release:
+            for device, stream in streams.items():
+                torch.cuda.current_stream(device).wait_stream(stream)
+        local = self._writer.submit(self._write_local, step, plan, staged, extras, values)
+        commit = self._committer_thread.submit(self._commit, step, local) if self._committer_thread else None
+        handle = SaveHandle(self, step, staged, local, commit)
+        self._saved_steps.append(step)
+        # finished saves need no tracking (the last one stays: its buffers are reused next)
+        self._handles = [h for h in self._handles if not (h._committed or h._raised)] + [handle]
+        if blocking:
+            handle.wait()
+        return handle
+
+    def _sources(self, leaves, layout: RankLayout) -> list[torch.Tensor]:
+        out = []
+        for piece in layout.pieces:
+            value = leaves[piece.leaf].value
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            out.append(local.detach()[piece.slices])
+        return out
+
+    def _per_rank_entries(self, leaves, kinds) -> tuple[list[ExtraPiece], dict]:
+        extras, values = [], {}
+        for leaf, kind in zip(leaves, kinds):
+            if kind == "value":
+                values[leaf.path] = {"value": encode_value(leaf.value)}
+            elif kind == "bytes":
+                data = bytes(leaf.value)
+                extras.append(ExtraPiece(leaf.path, "U8", (len(data),), memoryview(data), data))
+                values[leaf.path] = {"bytes": leaf.path}
+            elif kind == "rank_tensor":
+                copy = leaf.value.detach().to("cpu", copy=True).contiguous()
+                extras.append(ExtraPiece(leaf.path, dtype_name(copy.dtype, leaf.path), tuple(copy.shape),
+                                         tensor_bytes(copy), copy))
+                values[leaf.path] = {"tensor": leaf.path}
+        return extras, values
+
+    def _first_save_exchange(self, layout: RankLayout) -> None:
+        """The only collective: every rank's layout, gathered once and checked by every rank.
+
+        Rank 0 removes earlier runs' unfinished steps first; no rank writes before this gather
+        returns, so nothing new is removed.
+        """
+        if self.rank == 0:
+            remove_leftovers(self.storage)
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, (layout.record, layout.fingerprint), group=self.process_group)
+        else:
+            gathered = [(layout.record, layout.fingerprint)]
+        records = [record_file(r, fp) for r, (_, fp) in enumerate(gathered)]
+        merge_layouts([g[0] for g in gathered], records)  # the same error on every rank if they disagree
+        if self._committer is not None:
+            self._committer.set_layouts([g[0] for g in gathered], [g[1] for g in gathered])
+        self._exchanged = True
+
+    def _write_local(self, step: int, plan: _Plan, staged: Staged, extras, values) -> None:
+        directory = work_dir(self.storage, step)
+        self.storage.makedirs(directory)
+        try:
+            write_rank(
+                self.storage, directory, step=step, rank=self.rank, layout=plan.layout, plan=plan.staging,
+                staged=staged, extras=extras, values=values, block_bytes=self.config.block_bytes, io_pool=self._io,
+            )
+        finally:
+            staged.keepalive.clear()  # let go of the state's tensors once their bytes are written
+
+    def _commit(self, step: int, local: Future) -> None:
+        try:
+            local.result()
+        except BaseException as e:
+            directory = work_dir(self.storage, step)
+            self.storage.write_file(f"{directory}/{FAILED}", f"rank 0 failed to write: {type(e).__name__}: {e}".encode())
+            raise
+        self._committer.commit(step)
+
+    def _saved_after(self, step: int) -> tuple[int, ...]:
+        return tuple(self._saved_steps[self._saved_steps.index(step) + 1:])
+
+    def _outcome(self, step: int) -> str:
+        return step_outcome(self.storage, step, self._saved_after(step))[0]
+
+    def wait(self) -> None:
+        """Wait until every save so far is committed; raises the first failure not raised before."""
+        for handle in list(self._handles):
+            if not handle._raised:
+                handle.wait()
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def load(self, state: dict, step: int | None = None) -> int:
+        """Fill `state` in place from `step` (default: the latest committed); returns the step.
+
+        Tensors and DTensors are copied into (resharded from whatever layout saved them); plain
+        values are replaced in their containers; stateful objects get load_state_dict() afterwards.
+        Entries of the checkpoint that `state` lacks are ignored; the reverse is an error.
+        """
+        self._check_open()
+        for handle in self._handles:  # every rank must see the outcome of saves in flight to agree on "latest"
+            raised = handle._raised
+            try:
+                handle.wait()
+            except Exception:
+                handle._raised = raised  # still that handle's to report
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                raise ValueError(f"no committed step to load in {self.storage}")
+            step = steps[-1]
+        elif step not in steps:
+            raise ValueError(f"step {step} is not committed in {self.storage}; committed steps: {steps[-20:]}")
+        tree = flatten(state)
+        reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._io, world_size=self.world_size)
+        load_step(reader, tree.leaves, per_rank=self.config.per_rank, rank=self.rank)
+        for obj, inner in reversed(tree.statefuls):
+            obj.load_state_dict(inner)
+        return step
+
+    # ---- export ----------------------------------------------------------------------------
+
+    def export_hf(self, out: str | os.PathLike | Storage, *, step: int | None = None, prefix: str = "model.",
+                  rename=None, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> list[str]:
+        """Write the tensors under `prefix` of a committed step as a Hugging Face-style folder.
+
+        See torch_checkpointing.hf_export.export_hf; every rank writes its share of the files.
+        """
+        from .hf_export import export_hf
+
+        steps = self.steps()
+        step = steps[-1] if step is None and steps else step
+        if step is None or step not in steps:
+            raise ValueError(f"step {step} is not committed in {self.storage}; committed steps: {steps[-20:]}")
+        reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._io, world_size=self.world_size)
+        return export_hf(reader, storage_for(out), prefix=prefix, rename=rename, dtype=dtype,
+                         max_shard_bytes=max_shard_bytes, rank=self.rank, world_size=self.world_size,
+                         timeout_s=self.config.commit_timeout_s)
+
+    # ---- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for pending saves (raising their failure), then free threads and host buffers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._writer.shutdown(wait=True)
+            if self._committer_thread is not None:
+                self._committer_thread.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+            self._pool.release()
+            self._plans.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this Checkpointer is closed")
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.storage!r}, rank={self.rank}, world_size={self.world_size})"

@@ -1,0 +1,157 @@
+"""Copying the state to host memory so it may change while the copy is written out.
+
+Pieces are cut into segments and packed into equal host "slabs" (pinned on CUDA, reused across saves:
+allocating pinned memory is slow, and equal power-of-two slabs waste nothing in torch's pinned
+allocator). CUDA copies run on a side stream, one event per slab, so the writer starts on the first
+slab while later ones are still copying, and the trainer's own stream continues.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .file_format import tensor_bytes
+from .layout import Piece
+
+SEGMENT_ALIGNMENT = 4096
+
+
+@dataclass(slots=True)
+class Segment:
+    piece: int
+    start: int  # byte offset within the piece
+    nbytes: int
+    rows: tuple[int, int] | None  # rows [r0, r1) of a non-contiguous source; None: flat bytes
+    slab: int
+    slab_offset: int
+
+
+@dataclass(slots=True)
+class StagingPlan:
+    segments: list[Segment]
+    slab_bytes: int
+    num_slabs: int
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def plan_staging(pieces: list[Piece], sources: list[torch.Tensor], *, slab_bytes: int) -> StagingPlan:
+    """Segments of at most one slab each, packed into slabs in file order.
+
+    Flat segments are cut at multiples of slab_bytes (a multiple of the checksum block size), so
+    checksum blocks stay aligned to the piece; non-contiguous sources (boxes of a strided shard)
+    are cut at row boundaries and copied with their strides.
+    """
+    cuts: list[tuple[int, int, int, tuple[int, int] | None]] = []
+    for index, (piece, source) in enumerate(zip(pieces, sources)):
+        if source.is_contiguous():
+            for start in range(0, piece.nbytes, slab_bytes):
+                cuts.append((index, start, min(slab_bytes, piece.nbytes - start), None))
+        else:
+            row_bytes = piece.nbytes // piece.shape[0]
+            slab_bytes = max(slab_bytes, _next_power_of_two(row_bytes))
+            rows_per = max(1, slab_bytes // row_bytes)
+            for r0 in range(0, piece.shape[0], rows_per):
+                r1 = min(piece.shape[0], r0 + rows_per)
+                cuts.append((index, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1)))
+    segments, slab, offset = [], 0, 0
+    for index, start, nbytes, rows in cuts:
+        if offset + nbytes > slab_bytes:
+            slab, offset = slab + 1, 0
+        segments.append(Segment(index, start, nbytes, rows, slab, offset))
+        offset += -(-nbytes // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
+    return StagingPlan(segments, slab_bytes, slab + 1 if segments else 0)
+
+
+class HostPool:
+    """Reusable host slabs; pinned when the state lives on CUDA."""
+
+    def __init__(self) -> None:
+        self.slabs: list[torch.Tensor] = []
+        self.slab_bytes = 0
+        self.pinned = False
+
+    def take(self, count: int, slab_bytes: int, pinned: bool) -> list[torch.Tensor]:
+        if slab_bytes != self.slab_bytes or pinned != self.pinned:
+            self.slabs, self.slab_bytes, self.pinned = [], slab_bytes, pinned
+        while len(self.slabs) < count:
+            self.slabs.append(torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pinned))
+        del self.slabs[max(count, 1):]  # a smaller layout gives memory back (keep one slab)
+        return self.slabs[:count]
+
+    def release(self) -> None:
+        self.slabs = []
+
+
+@dataclass(slots=True)
+class Staged:
+    """Where each segment's bytes are once ready, and the CUDA events that say when."""
+
+    memory: list[memoryview]
+    events: list[list[torch.cuda.Event]]  # per segment: wait on these before reading its memory
+    keepalive: list[object]  # sources read by in-flight copies must outlive them
+
+    def ready(self) -> bool:
+        return all(e.query() for evs in self.events for e in evs)
+
+    def wait(self) -> None:
+        for evs in self.events:
+            for e in evs:
+                e.synchronize()
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def stage(
+    plan: StagingPlan,
+    pieces: list[Piece],
+    sources: list[torch.Tensor],
+    pool: HostPool,
+    streams: dict[torch.device, torch.cuda.Stream],
+    *,
+    direct_cpu: bool,
+) -> Staged:
+    """Start copying every segment to host slabs; CPU copies finish before this returns.
+
+    direct_cpu: contiguous CPU sources are written straight from the state (a blocking save, where
+    the state cannot change before the write ends), skipping the copy.
+    """
+    on_cuda = any(s.device.type == "cuda" for s in sources)
+    slabs = pool.take(plan.num_slabs, plan.slab_bytes, pinned=on_cuda)
+    slab_bytes = [tensor_bytes(s) for s in slabs]
+    memory: list[memoryview] = []
+    events: list[list[torch.cuda.Event]] = [[] for _ in plan.segments]
+    for device, stream in streams.items():
+        stream.wait_stream(torch.cuda.current_stream(device))  # copy the values as of this call
+    pending: dict[torch.device, list[int]] = {}  # device -> segments whose copy awaits an event
+    for i, seg in enumerate(plan.segments):
+        piece, source = pieces[seg.piece], sources[seg.piece]
+        if direct_cpu and source.device.type == "cpu" and seg.rows is None:
+            memory.append(tensor_bytes(_flat_bytes(source))[seg.start:seg.start + seg.nbytes])
+            continue
+        dst = slabs[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes]
+        memory.append(slab_bytes[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes])
+        cuda = source.device.type == "cuda"
+        with torch.cuda.stream(streams[source.device]) if cuda else contextlib.nullcontext():
+            if seg.rows is None:
+                dst.copy_(_flat_bytes(source)[seg.start:seg.start + seg.nbytes], non_blocking=cuda)
+            else:
+                r0, r1 = seg.rows
+                dst.view(piece.dtype).view((r1 - r0, *piece.shape[1:])).copy_(source[r0:r1], non_blocking=cuda)
+        if cuda:
+            pending.setdefault(source.device, []).append(i)
+            last_of_slab = i + 1 == len(plan.segments) or plan.segments[i + 1].slab != seg.slab
+            if last_of_slab:
+                for device, waiting in pending.items():
+                    event = torch.cuda.Event()
+                    event.record(streams[device])
+                    for j in waiting:
+                        events[j].append(event)
+                pending = {}
+    return Staged(memory, events, keepalive=[sources, slabs])

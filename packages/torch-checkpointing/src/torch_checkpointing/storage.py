@@ -1,0 +1,284 @@
+"""Where checkpoint bytes live: a small interface, the local filesystem, and fsspec filesystems.
+
+Paths given to a storage are relative to its root and use "/" separators.
+"""
+from __future__ import annotations
+
+import abc
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+class FileSink(abc.ABC):
+    """One file being written; `finish` makes it durable (and, for local files, closes it)."""
+
+    @abc.abstractmethod
+    def write_at(self, offset: int, data: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def finish(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class Storage(abc.ABC):
+    """The operations checkpointing needs; implement it to checkpoint somewhere new.
+
+    `parallel_writes`: `FileSink.write_at` may be called from several threads, in any order.
+    Otherwise writes arrive in increasing, gap-free offsets from one thread.
+    `atomic_rename`: renaming a directory is atomic and cheap (a POSIX filesystem). Otherwise
+    ranks write a step in place and only the commit record makes it visible.
+    """
+
+    parallel_writes: bool = False
+    atomic_rename: bool = False
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under `path`; empty when it does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def open_sink(self, path: str) -> FileSink: ...
+
+    @abc.abstractmethod
+    def write_file(self, path: str, data: bytes) -> None:
+        """Write a whole small file so that readers see all of it or nothing; durable on return."""
+
+    @abc.abstractmethod
+    def read_file(self, path: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes at [offset, offset + len(out)) of the file."""
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str) -> None: ...
+
+    @abc.abstractmethod
+    def remove(self, path: str) -> None:
+        """Remove a file or a directory tree; missing is fine."""
+
+    def sync_dir(self, path: str) -> None:
+        """Make the directory's entries (new files, renames) durable."""
+
+    def describe(self, path: str) -> str:
+        """How to name `path` in messages."""
+        return path
+
+
+class _LocalSink(FileSink):
+    def __init__(self, path: Path, fsync: bool):
+        self.path, self.fsync = path, fsync
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        data = data.cast("B")
+        while len(data):  # pwrite may write less than asked (signals, huge sizes)
+            written = os.pwrite(self.fd, data, offset)
+            data, offset = data[written:], offset + written
+
+    def finish(self) -> None:
+        try:
+            if self.fsync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        os.close(self.fd)
+
+
+class LocalStorage(Storage):
+    """A directory on a POSIX filesystem: buffered I/O (the page cache), fsync of files and directories.
+
+    Direct I/O is not used: it needs aligned buffers and is not supported by every filesystem, and
+    buffered writes followed by fsync were as fast in our measurements (tools/bench/checkpoint).
+    `fsync=False` skips the flushes (tests on tmpfs); commits are then no longer crash-safe.
+    """
+
+    parallel_writes = True
+    atomic_rename = True
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True):
+        self.root = Path(root)
+        self.fsync = fsync
+
+    def _p(self, path: str) -> Path:
+        return self.root / path if path else self.root
+
+    def makedirs(self, path: str) -> None:
+        self._p(path).mkdir(parents=True, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(self._p(path))
+        except FileNotFoundError:
+            return []
+
+    def exists(self, path: str) -> bool:
+        return self._p(path).exists()
+
+    def open_sink(self, path: str) -> FileSink:
+        return _LocalSink(self._p(path), self.fsync)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        final = self._p(path)
+        partial = final.with_name(final.name + ".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while len(view):
+                view = view[os.write(fd, view):]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, final)  # readers never see a half-written record
+        self.sync_dir(str(Path(path).parent) if "/" in path else "")
+
+    def read_file(self, path: str) -> bytes:
+        return self._p(path).read_bytes()
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        out = out.cast("B")
+        fd = os.open(self._p(path), os.O_RDONLY)
+        try:
+            while len(out):
+                got = os.preadv(fd, [out], offset)
+                if got == 0:
+                    raise EOFError(f"{self._p(path)} ends before byte {offset + len(out)}")
+                out, offset = out[got:], offset + got
+        finally:
+            os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(self._p(src), self._p(dst))
+
+    def remove(self, path: str) -> None:
+        p = self._p(path)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+    def sync_dir(self, path: str) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(self._p(path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def describe(self, path: str) -> str:
+        return str(self._p(path))
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({str(self.root)!r})"
+
+
+class _FsspecSink(FileSink):
+    def __init__(self, storage: FsspecStorage, path: str):
+        self.file = storage.fs.open(storage._p(path), "wb")
+        self.position = 0
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        assert offset == self.position, f"sequential sink got offset {offset}, expected {self.position}"
+        self.file.write(data.cast("B"))
+        self.position += data.nbytes
+
+    def finish(self) -> None:
+        self.file.close()  # object stores make the object durable and visible on close
+
+    def abort(self) -> None:
+        self.file.close()
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem (object stores, memory://, ...): sequential writes, range reads.
+
+    Renames are atomic only on some filesystems (local, memory); elsewhere a step is written in
+    place and becomes visible through its commit record alone.
+    """
+
+    parallel_writes = False
+
+    def __init__(self, url: str, **storage_options: Any):
+        try:
+            import fsspec
+        except ImportError as e:  # the optional extra
+            raise ImportError(
+                f"checkpointing to {url!r} needs fsspec: pip install 'torch-checkpointing[fsspec]'"
+            ) from e
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        self.atomic_rename = bool({"memory", "file", "local"} & set(protocols))
+
+    def _p(self, path: str) -> str:
+        return f"{self.root.rstrip('/')}/{path}" if path else self.root
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(self._p(path), exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(self._p(path), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(self._p(path))
+
+    def open_sink(self, path: str) -> FileSink:
+        return _FsspecSink(self, path)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(self._p(path), bytes(data))
+
+    def read_file(self, path: str) -> bytes:
+        return self.fs.cat_file(self._p(path))
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        out = out.cast("B")
+        data = self.fs.cat_file(self._p(path), start=offset, end=offset + len(out))
+        if len(data) != len(out):
+            raise EOFError(f"{self.describe(path)} ends before byte {offset + len(out)}")
+        out[:] = data
+
+    def rename(self, src: str, dst: str) -> None:
+        self.fs.mv(self._p(src), self._p(dst), recursive=True)
+
+    def remove(self, path: str) -> None:
+        if self.fs.exists(self._p(path)):
+            self.fs.rm(self._p(path), recursive=True)
+
+    def describe(self, path: str) -> str:
+        return f"{self.url.rstrip('/')}/{path}"
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+
+def storage_for(path_or_storage: str | os.PathLike | Storage) -> Storage:
+    """A Storage for a local path, an fsspec URL ("memory://...", "s3://..."), or a Storage as is."""
+    if isinstance(path_or_storage, Storage):
+        return path_or_storage
+    if isinstance(path_or_storage, (str, os.PathLike)):
+        text = os.fspath(path_or_storage)
+        if "://" in text and not text.startswith("file://"):
+            return FsspecStorage(text)
+        return LocalStorage(text.removeprefix("file://"))
+    raise TypeError(
+        f"expected a path, an fsspec URL or a torch_checkpointing.Storage, got {type(path_or_storage).__name__}"
+    )
