@@ -58,7 +58,7 @@ def grouped_mm_checks() -> None:
     variants = {
         "grid": RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1),
         "persistent": RowConfig(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1,
-                                persistent=True),
+                                persistent=True, flatten=True),
         "tma": RowConfig(block_m=16, block_n=16, block_k=16, group_m=3, num_warps=4, num_stages=1, tma=True),
     }
     for name, config in variants.items():
@@ -73,14 +73,15 @@ def grouped_mm_checks() -> None:
         out = torch.full((rows, n), float("nan"))
         row_gemm(RowOperands(a=x48, b=w_rows, offsets=offsets, out=out, num_rows=rows), config)
         check(f"row_gemm_n_contiguous_weights_{name}", out, want48)
-    # Weight gradient written in a transposed layout, two tile shapes.
+    # Weight gradient written in a transposed layout, two tile shapes (grid and persistent launches).
     dy = torch.randn(rows, n, generator=gen)
     want_dw, start = [], 0
     for c in counts:
         want_dw.append(x[start:start + c].double().T @ dy[start:start + c].double())
         start += c
     for name, config in {"16": WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_stages=1),
-                         "32": WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_stages=1)}.items():
+                         "32": WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_stages=1,
+                                            persistent=True, flatten=True)}.items():
         dw = torch.full_like(linear_w, float("nan"))  # [E, N, K]; the kernel writes [E, K, N] views
         weight_gemm(p=x, q=dy, offsets=offsets, out=dw.transpose(1, 2), config=config)
         check(f"weight_gemm_{name}", dw.transpose(1, 2), torch.stack(want_dw))

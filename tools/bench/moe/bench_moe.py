@@ -146,7 +146,8 @@ def row_sweep(dry: bool):
 
     if dry:
         return [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1),
-                RowConfig(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1, persistent=True),
+                RowConfig(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1, persistent=True,
+                          flatten=True),
                 RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1, tma=True)]
     tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
              (128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)]
@@ -155,11 +156,15 @@ def row_sweep(dry: bool):
                 for g in (1, 16, 32)]
     configs += [RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=s, persistent=True)
                 for s in (3, 4)]
+    configs += [RowConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, persistent=True, flatten=True)
+                for m, n, k, w, s in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4)]]
     # TMA last: a descriptor problem on this triton should not cost the pointer-load results.
     configs += [RowConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, tma=True)
                 for m, n, k, w, s in tiles[:6]]
     configs += [RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=s, persistent=True,
                           tma=True) for s in (3, 4)]
+    configs += [RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True,
+                          flatten=True, tma=True)]
     return configs
 
 
@@ -261,12 +266,16 @@ def weight_sweep(dry: bool):
 
     if dry:
         return [WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_warps=4, num_stages=1),
-                WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_warps=4, num_stages=1)]
+                WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_warps=4, num_stages=1,
+                             persistent=True, flatten=True)]
     tiles = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4),
              (128, 128, 64, 4, 3), (128, 128, 32, 4, 4), (64, 256, 64, 4, 4), (128, 128, 128, 8, 3)]
     configs = [WeightConfig(block_k=k, block_n=n, block_r=r, num_warps=w, num_stages=s) for k, n, r, w, s in tiles]
     configs += [WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, group_k=g)
                 for g in (1, 32)]
+    configs += [WeightConfig(block_k=k, block_n=n, block_r=r, num_warps=w, num_stages=s, persistent=True,
+                             flatten=f) for k, n, r, w, s in [(128, 256, 64, 8, 3), (128, 128, 64, 4, 3)]
+                for f in (False, True)]
     return configs
 
 

@@ -26,10 +26,12 @@ class RowConfig:
     num_warps: int = 8
     num_stages: int = 3
     persistent: bool = False
+    flatten: bool = False  # persistent only: fuse the tile loop with the K loop (next tile's loads overlap)
     tma: bool = False  # TMA descriptors for the operands that allow them (un-gathered, aligned)
 
     def name(self) -> str:
-        style = ("persistent" if self.persistent else "grid") + ("+tma" if self.tma else "")
+        style = ("persistent" if self.persistent else "grid") + ("+flat" if self.flatten else "")
+        style += "+tma" if self.tma else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages} {style}")
 
@@ -44,10 +46,13 @@ class WeightConfig:
     group_k: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    persistent: bool = False
+    flatten: bool = False
 
     def name(self) -> str:
+        style = ("persistent" if self.persistent else "grid") + ("+flat" if self.flatten else "")
         return (f"{self.block_k}x{self.block_n}x{self.block_r} g{self.group_k} w{self.num_warps} "
-                f"s{self.num_stages}")
+                f"s{self.num_stages} {style}")
 
 
 def interpreting() -> bool:

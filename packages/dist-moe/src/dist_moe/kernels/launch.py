@@ -175,7 +175,7 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
         TWO_B=ops.b2 is not None and ops.a2 is None, CONCAT_K=ops.a2 is not None,
         EPILOGUE=ops.epilogue, SAVE_PREACT=ops.save_preact, HAS_WEIGHT=ops.weight is not None,
         EVEN_K=(k % bk == 0 and k2 % bk == 0), EVEN_N=(n % bn == 0),
-        DOT_PRECISION=_dot_precision(ops.a.dtype),
+        DOT_PRECISION=_dot_precision(ops.a.dtype), FLATTEN=config.persistent and config.flatten,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -211,15 +211,16 @@ def _launch_weight(p, q, q2, out, out2, offsets, slot, weight, top_k, gather_p, 
     bk, bn = config.block_k, config.block_n
     if q2 is not None:
         assert q2.stride() == q.stride() and out2 is not None and out2.stride() == out.stride()
-    grid = (triton.cdiv(kp, bk) * triton.cdiv(nq, bn), num_experts)
+    tiles = triton.cdiv(kp, bk) * triton.cdiv(nq, bn) * num_experts
+    grid = (min(tiles, _num_sms(p.device)) if config.persistent else tiles,)
     weight_gemm_kernel[grid](
         p, q, q2 if q2 is not None else q, out, out2 if out2 is not None else out,
         offsets, slot if slot is not None else offsets, weight if weight is not None else out,
-        kp, nq, top_k,
+        kp, nq, top_k, num_experts,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=config.block_r, GROUP_K=config.group_k,
         P_GATHER=gather_p, Q_GATHER=gather_q, Q_SCALE=weight is not None, TWO_Q=q2 is not None,
         EVEN_K=(kp % bk == 0), EVEN_N=(nq % bn == 0), DOT_PRECISION=_dot_precision(p.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=config.persistent and config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -109,15 +109,17 @@ def row_gemm_kernel(
     A_GATHER: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_K_CONTIG: tl.constexpr,
     TWO_B: tl.constexpr, CONCAT_K: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_PREACT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     total_m = tl.load(tile_info_ptr + max_tiles * 3)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Non-persistent launches give each program at most one tile; persistent ones loop.
-    for tile in range(tl.program_id(0), total_m * num_n, tl.num_programs(0)):
+    # Non-persistent launches give each program at most one tile; persistent ones loop, and with
+    # FLATTEN the compiler fuses this loop with the K loop so the next tile's loads overlap this
+    # tile's epilogue.
+    for tile in tl.range(tl.program_id(0), total_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         # Grouped ordering: GROUP_M row tiles sweep the N tiles together, so the B tiles they
         # share stay in L2.
         width = GROUP_M * num_n

@@ -1,7 +1,8 @@
 """Per-expert reduction GEMM (Triton): out[e] = P[rows of e]^T @ Q[rows of e], the weight gradient.
 
-Program (tile, e) owns a [BLOCK_K, BLOCK_N] tile of out[e] and loops over the expert's rows in
+A tile is a [BLOCK_K, BLOCK_N] block of out[e]; its program loops over the expert's rows in
 chunks of BLOCK_R, so empty experts write zeros and no host knowledge of the counts is needed.
+Tiles go to programs one each, or in a persistent loop over as many programs as SMs.
 Variants (constexpr): P_GATHER / Q_GATHER read row `x[slot[r] // top_k]` inside the kernel,
 Q_SCALE multiplies Q's row by weight[slot[r]] (the routing weight), TWO_Q adds a second Q with
 its own output (gate and up weight gradients share the P tile). Outputs take any strides, so a
@@ -25,17 +26,34 @@ def _load_rows(ptr, row_offsets, row_ok, cols, col_ok, stride_c, EVEN: tl.conste
 def weight_gemm_kernel(
     p_ptr, q_ptr, q2_ptr, out_ptr, out2_ptr,
     offsets_ptr, slot_ptr, weight_ptr,
-    KP, NQ, top_k,
+    KP, NQ, top_k, num_experts,
     stride_pr, stride_pk, stride_qr, stride_qn,
     stride_oe, stride_ok, stride_on,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_K: tl.constexpr,
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, Q_SCALE: tl.constexpr, TWO_Q: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
     num_k = tl.cdiv(KP, BLOCK_K)
     num_n = tl.cdiv(NQ, BLOCK_N)
+    tiles_per_expert = num_k * num_n
+    offs_r = tl.arange(0, BLOCK_R)
+    # Expert-major tile order; a non-persistent launch gives each program one tile.
+    for tile in tl.range(tl.program_id(0), tiles_per_expert * num_experts, tl.num_programs(0), flatten=FLATTEN):
+        _weight_tile(tile, tiles_per_expert, num_n, num_k, p_ptr, q_ptr, q2_ptr, out_ptr, out2_ptr, offsets_ptr,
+                     slot_ptr, weight_ptr, KP, NQ, top_k, stride_pr, stride_pk, stride_qr, stride_qn,
+                     stride_oe, stride_ok, stride_on, offs_r, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_K,
+                     P_GATHER, Q_GATHER, Q_SCALE, TWO_Q, EVEN_K, EVEN_N, DOT_PRECISION)
+
+
+@triton.jit
+def _weight_tile(tile, tiles_per_expert, num_n, num_k, p_ptr, q_ptr, q2_ptr, out_ptr, out2_ptr, offsets_ptr,
+                 slot_ptr, weight_ptr, KP, NQ, top_k, stride_pr, stride_pk, stride_qr, stride_qn,
+                 stride_oe, stride_ok, stride_on, offs_r,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_K: tl.constexpr,
+                 P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, Q_SCALE: tl.constexpr, TWO_Q: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    e = tile // tiles_per_expert
+    pid = tile % tiles_per_expert
     # Grouped ordering over the [num_k, num_n] output tiles of this expert (L2 reuse of P and Q rows).
     width = GROUP_K * num_n
     first_k = (pid // width) * GROUP_K
@@ -49,7 +67,6 @@ def weight_gemm_kernel(
     ns = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = ks < KP
     n_ok = ns < NQ
-    offs_r = tl.arange(0, BLOCK_R)
 
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     if TWO_Q:
