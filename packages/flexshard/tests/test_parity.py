@@ -68,27 +68,41 @@ def _vs_fully_shard(rank, world, mesh):
     return report
 
 
-def _vs_single_rank(rank, world, mesh, placements, buckets=None):
-    """fp32, SGD with momentum, against one process training on the global batch."""
+def _vs_single_rank(rank, world, mesh, placements, buckets=None, *, tied=False, checkpointed=False, micro=1, reshard=True):
+    """fp32, SGD with momentum, against one process training on the global batch.
+    tied: output shares the embedding weight; checkpointed: layers under torch's checkpoint_wrapper
+    (non-reentrant, applied before sharding as with fully_shard); micro: gradient accumulation over
+    micro-batches before each step; reshard: reshard_after_forward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     import flexshard
     from flexshard_testmodel import loss_fn, make_model
 
-    ref = make_model()
-    ours = _shard_tiny(make_model(), mesh, placements=placements, buckets=buckets)
+    ref, ours = make_model(), make_model()
+    if tied:
+        ref.output.weight = ref.tok_embeddings.weight
+        ours.output.weight = ours.tok_embeddings.weight
+    if checkpointed:
+        for i, layer in enumerate(ours.layers):
+            ours.layers[i] = checkpoint_wrapper(layer)
+    _shard_tiny(ours, mesh, placements=placements, buckets=buckets, reshard_after_forward=reshard)
     opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     errors, counts = [], []
     for step in range(STEPS):
-        tokens, targets, all_tokens, all_targets = _local_batch(step, rank, world)
         with flexshard.CollectiveCounter() as counter:
-            loss_fn(ours(tokens), targets).backward()
+            for m in range(micro):
+                tokens, targets, _, _ = _local_batch(step * micro + m, rank, world)
+                (loss_fn(ours(tokens), targets) / micro).backward()
         counts.append(counter.by_op())
         opt.step()
         opt.zero_grad()
-        loss_fn(ref(all_tokens), all_targets).backward()
+        all_batches = [_local_batch(step * micro + m, rank, world)[2:] for m in range(micro)]
+        loss_fn(ref(torch.cat([b[0] for b in all_batches])), torch.cat([b[1] for b in all_batches])).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        errors.append(max((flexshard.full_tensor(p) - q).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters())))
+        want = dict(ref.named_parameters())
+        errors.append(max((flexshard.full_tensor(p) - want[n.replace("._checkpoint_wrapped_module", "")]).abs().max().item() for n, p in ours.named_parameters()))
     return {"errors": errors, "counts": counts, "layout": str(flexshard.layout(ours)), "n_buckets": len(flexshard.layout(ours).buckets)}
 
 
@@ -121,6 +135,10 @@ def parity_worker(rank, world):
         "block": _vs_single_rank(rank, world, mesh, block),
         "buckets": _vs_single_rank(rank, world, mesh, None, buckets=[["wqkv.*", "attention_norm.*"], "w1.*", "tok_embeddings.*"]),
         "sized": _vs_single_rank(rank, world, mesh, flexshard.Owned(), buckets=4096),
+        "checkpointed": _vs_single_rank(rank, world, mesh, block, buckets=[["*w1*", "*w2*"]], checkpointed=True),
+        "tied": _vs_single_rank(rank, world, mesh, flexshard.Owned(), tied=True),
+        "accumulate": _vs_single_rank(rank, world, mesh, block, micro=2),
+        "keep_gathered": _vs_single_rank(rank, world, mesh, flexshard.Owned(), reshard=False),
         "inference_frees": _inference_frees(rank, world, mesh),
     }
 
@@ -154,7 +172,9 @@ def test_rowshard_issues_the_same_collectives_as_fully_shard(report):
     assert fs["flexshard_bytes"] <= fs["fully_shard_bytes"] * 1.05  # alignment padding only
 
 
-@pytest.mark.parametrize("scenario", ["owned", "block", "buckets", "sized"])
+@pytest.mark.parametrize(
+    "scenario", ["owned", "block", "buckets", "sized", "checkpointed", "tied", "accumulate", "keep_gathered"]
+)
 def test_matches_single_rank_training(report, scenario):
     """fp32 everywhere; the only difference from one process is that the batch gradient is the
     average of two half-batch gradients (different summation order), i.e. float32 rounding that
@@ -187,6 +207,17 @@ def test_blockshard_has_uneven_and_empty_shards(report):
     assert gate.split()[-2:] == ["24", "0"]  # one tile, on rank 0
     wqkv = next(line for line in text.splitlines() if "layers.0.wqkv.weight" in line)
     assert wqkv.split()[-2:] == ["896", "832"]  # [72, 24] in (8, 16) tiles: 9 x 2 tiles, edge tiles narrower
+
+
+def test_collectives_with_checkpointing_accumulation_and_keeping(report):
+    r = report[0]
+    # 5 buckets (2 per layer, 1 root). Recomputation under activation checkpointing reuses the
+    # parameters gathered for backward: 5 gathers in forward + 4 in backward, as without checkpointing.
+    assert r["checkpointed"]["counts"][-1] == {"_allgather_base_": 9, "_reduce_scatter_base_": 5}
+    per_step = r["owned"]["counts"][-1]
+    assert r["accumulate"]["counts"][-1] == {k: 2 * v for k, v in r["block"]["counts"][-1].items()}  # per micro-batch
+    assert r["keep_gathered"]["counts"][-1] == {"_allgather_base_": 3, "_reduce_scatter_base_": 3}
+    assert per_step == {"_allgather_base_": 5, "_reduce_scatter_base_": 3}
 
 
 def test_inference_frees_gathered_parameters(report):

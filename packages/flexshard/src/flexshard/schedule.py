@@ -75,6 +75,8 @@ class Schedule:
 
     def end_iteration(self) -> None:
         for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.swap_out()  # in case a forward was cut short (see ParamSlot.swap_in)
             if bucket.state is not BucketState.SHARDED:
                 bucket.reshard()
             bucket.reset_iteration()
@@ -107,12 +109,10 @@ class ShardState:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.lazy_init()
-        if self.is_root and not self.schedule.in_backward and self.schedule.pending == []:
-            # A forward without a backward before it (evaluation) leaves buckets gathered: start clean.
-            for bucket in self.schedule.buckets:
-                if bucket.forwarded:
-                    self.schedule.end_iteration()
-                    break
+        schedule = self.schedule
+        if self.is_root and not schedule.in_backward and any(b.forwarded for b in schedule.buckets):
+            # A grad-enabled forward never followed by backward left buckets gathered: start clean.
+            schedule.end_iteration()
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = cast_floating(self.mp.param_dtype, (args, kwargs))
         return args, kwargs

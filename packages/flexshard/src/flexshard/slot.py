@@ -58,8 +58,12 @@ class ParamSlot:
             self.unsharded.untyped_storage().resize_(0)
 
     def swap_in(self) -> None:
-        """Point every registration at the unsharded parameter (for the bucket's forward)."""
-        assert self.unsharded is not None and not self._swapped_out
+        """Point every registration at the unsharded parameter (for the bucket's forward).
+        Idempotent: a forward cut short (checkpoint recomputation stops as soon as it has what
+        backward needs) never runs the post-forward hook that swaps back."""
+        assert self.unsharded is not None
+        if self._swapped_out:
+            return
         for module, name in self.registrations:
             self._swapped_out.append(module._parameters[name])
             module._parameters[name] = self.unsharded
