@@ -420,6 +420,21 @@ def layer_reference(inputs, expert_ids, grad_out):
     return [out.detach(), *grads]
 
 
+def kernel_breakdown(step, rows: int = 14) -> list[str]:
+    """GPU time per kernel name over one step (torch.profiler), the largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+        return table.splitlines()
+    except Exception as err:  # the profiler is a diagnostic: never fail the run over it
+        return [f"profiler unavailable: {type(err).__name__}: {err}"]
+
+
 def section_layer(setup: Setup, budget_s: float) -> dict:
     import torch
 
@@ -467,9 +482,14 @@ def section_layer(setup: Setup, budget_s: float) -> dict:
                 fwd_ms = setup.time_ms(lambda: forward(), reps=5)
                 step_ms = setup.time_ms(lambda: step(), reps=5)
                 entry[name] = {"errors": errors, "ok": ok, "forward_ms": fwd_ms, "forward_backward_ms": step_ms}
+                if routing == "uniform" and not setup.dry:
+                    entry[name]["kernels"] = kernel_breakdown(step)
             except Exception as err:
                 entry[name] = {"error": f"{type(err).__name__}: {err}"[:400], "trace": traceback.format_exc()[-2000:]}
-            print(f"[layer] {routing} {name}: {entry[name]}", flush=True)
+            shown = {k: v for k, v in entry[name].items() if k != "kernels"}
+            print(f"[layer] {routing} {name}: {shown}", flush=True)
+            for line in entry[name].get("kernels", []):
+                print(f"[layer]   {line}", flush=True)
         result["routings"][routing] = entry
     result["tuned"] = {str(k): v.name() for k, v in chosen_configs().items()}
     return result
@@ -518,8 +538,9 @@ def report(results: dict) -> list[str]:
             loop = anchors.get("per-expert loop", {}).get("tflops")
             ratio = best / torch_gmm if best and torch_gmm else None
             fmt = lambda v, w: f"{v:{w}.0f}" if v else f"{'-':>{w}s}"  # noqa: E731
+            verdict = "" if ratio is None else ("  meets 0.95x" if ratio >= 0.95 else "  BELOW 0.95x")
             lines.append(f"{key:22s} {fmt(best, 11)} {fmt(tuned, 10)} {fmt(torch_gmm, 10)} {fmt(loop, 7)} "
-                         f"{(f'{ratio:10.3f}' if ratio else '         -')}  {config}")
+                         f"{(f'{ratio:10.3f}' if ratio else '         -')}  {config}{verdict}")
         failed = [f"{r['config']}: {r['error']}" for r in gemm["sweep"] if "error" in r]
         wrong = [r["config"] for r in gemm["sweep"] if any(not v["ok"] for v in r.get("results", {}).values())]
         if failed:
@@ -547,9 +568,12 @@ def report(results: dict) -> list[str]:
                              f"{max(v['errors'].values()):12.2e}{'' if v['ok'] else '  WRONG'}")
             usual, ours = entry.get("usual (torch._grouped_mm)", {}), entry.get("dist_moe fused", {})
             if "forward_backward_ms" in usual and "forward_backward_ms" in ours:
+                speedup = usual["forward_backward_ms"] / ours["forward_backward_ms"]
                 lines.append(f"{routing:10s} {'speed-up (usual / fused)':28s} "
-                             f"{usual['forward_ms'] / ours['forward_ms']:8.2f} "
-                             f"{usual['forward_backward_ms'] / ours['forward_backward_ms']:9.2f}")
+                             f"{usual['forward_ms'] / ours['forward_ms']:8.2f} {speedup:9.2f}"
+                             f"  {'meets 1.2x' if speedup >= 1.2 else 'BELOW 1.2x'}")
+        for name, config in layer.get("tuned", {}).items():
+            lines.append(f"  tuned {name}: {config}")
     elif "error" in layer:
         lines.append(f"layer section failed: {layer['error'][-500:]}")
     wgrad = results.get("wgrad", {})

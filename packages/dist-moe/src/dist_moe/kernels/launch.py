@@ -53,9 +53,16 @@ def _aligned(t: Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+# A TMA box row wider than the widest shared-memory swizzle (128 bytes) is not used: such boxes
+# are left to pointer loads rather than relying on the compiler to split them.
+_TMA_MAX_INNER_BYTES = 128
+
+
 def _a_descriptor(a: Tensor, rows: int, k: int, config: RowConfig):
     """TMA descriptor over A [rows, K] (row-major, 16-byte aligned), or None."""
     if TensorDescriptor is None or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or not _aligned(a):
+        return None
+    if config.block_k * a.element_size() > _TMA_MAX_INNER_BYTES:
         return None
     return TensorDescriptor(a, [rows, k], [a.stride(0), 1], [config.block_m, config.block_k])
 
@@ -66,11 +73,12 @@ def _b_descriptor(b: Tensor, config: RowConfig):
         return None
     e, k, n = b.shape
     size = b.element_size()
-    if b.stride(1) == 1 and b.stride(0) == n * b.stride(2) and (b.stride(2) * size) % 16 == 0:
+    if (b.stride(1) == 1 and b.stride(0) == n * b.stride(2) and (b.stride(2) * size) % 16 == 0
+            and config.block_k * size <= _TMA_MAX_INNER_BYTES):
         return TensorDescriptor(b, [e * n, k], [b.stride(2), 1], [config.block_n, config.block_k])
     # [E*K, N] rows cross experts at K, so a K tail would read the next expert: only when K is whole.
     if (b.stride(2) == 1 and b.stride(0) == k * b.stride(1) and (b.stride(1) * size) % 16 == 0
-            and k % config.block_k == 0):
+            and k % config.block_k == 0 and config.block_n * size <= _TMA_MAX_INNER_BYTES):
         return TensorDescriptor(b, [e * k, n], [b.stride(1), 1], [config.block_k, config.block_n])
     return None
 
