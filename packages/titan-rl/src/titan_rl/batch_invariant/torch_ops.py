@@ -60,12 +60,38 @@ def tree_sum(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
     return x if keepdim else x.squeeze(-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Computed in float32 and cast back before the weight (the rounding titan-models' RMSNorm uses)."""
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     mean_square = tree_sum(xf * xf, keepdim=True) / x.shape[-1]
     normed = xf / torch.sqrt(mean_square + eps)
     return weight * normed.to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Batch-invariant forward; the backward (which no generator compares against) recomputes with
+    torch's fused rms_norm, several times cheaper than differentiating through the tree reduction."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rms_norm_forward(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, w = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            ref = w * F.rms_norm(x.float(), (x.shape[-1],), eps=ctx.eps).to(x.dtype)
+            gx, gw = torch.autograd.grad(ref, (x, w), grad)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Computed in float32 and cast back before the weight (the rounding titan-models' RMSNorm uses)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return _rms_norm_forward(x, weight, eps)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -85,8 +111,50 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return e / tree_sum(e, keepdim=True)
 
 
+def _visible(q_positions: torch.Tensor, L: int, kv_len: torch.Tensor | None) -> torch.Tensor:
+    """[b, 1, s, L] bool: key slot j is visible to a query at position p iff j <= p (and j < kv_len)."""
+    limit = q_positions if kv_len is None else torch.minimum(q_positions, kv_len[:, None] - 1)
+    return (torch.arange(L, device=q_positions.device)[None, None, :] <= limit[:, :, None])[:, None]
+
+
+class _Attention(torch.autograd.Function):
+    """Batch-invariant forward; backward by recomputing with torch's SDPA (not compared with anything,
+    and much cheaper than differentiating through the blocked loop)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_positions, kv_len, scale):
+        ctx.save_for_backward(q, k, v, q_positions, kv_len)
+        ctx.scale = scale
+        return _attention_forward(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, q_positions, kv_len = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            mask = _visible(q_positions, k.shape[1], kv_len)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask, scale=ctx.scale,
+                                                 enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad)
+        return gq, gk, gv, None, None, None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
               scale: float, kv_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention by position over key slots.
+
+    q [b, s, hq, d]; k, v [b, L, hkv, d] where key slot j holds position j; q_positions [b, s].
+    Query (i, position p) attends slots j <= p (and j < kv_len[b] if given). Returns [b, s, hq, d_v]
+    in q's dtype; softmax statistics and the accumulator are float32.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, q_positions, kv_len, scale)
+    return _attention_forward(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len)
+
+
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
+                       scale: float, kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention by position over key slots.
 
     q [b, s, hq, d]; k, v [b, L, hkv, d] where key slot j holds position j; q_positions [b, s].
@@ -113,13 +181,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions:
     m = torch.full((b, hkv, R, 1), float("-inf"), dtype=acc_dtype, device=q.device)
     denom = torch.zeros((b, hkv, R, 1), dtype=acc_dtype, device=q.device)
     acc = torch.zeros((b, hkv, R, dv), dtype=acc_dtype, device=q.device)
-    for start in range(0, L, KEY_BLOCK):
+    # Blocks past every row's last visible slot would be exact no-ops: skip them.
+    visible_end = min(L, int(limit.max()) + 1)
+    for start in range(0, visible_end, KEY_BLOCK):
         kb = kh[:, :, start:start + KEY_BLOCK]                         # [b, hkv, KB, d]
         vb = vh[:, :, start:start + KEY_BLOCK]
         scores = torch.matmul(qh, kb.transpose(-1, -2)).to(acc_dtype) * scale   # [b, hkv, R, KB]
         slots = torch.arange(start, start + KEY_BLOCK, device=q.device)
         scores = scores.masked_fill(slots > limit, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True)).detach()
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
         alpha = torch.exp(m - m_safe)
         p = torch.exp(scores - m_safe)
