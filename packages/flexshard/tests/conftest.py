@@ -27,8 +27,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(fn, world: int = 2, timeout: float = 300.0, **kwargs) -> list:
-    """fn(rank, world, **kwargs) on `world` gloo ranks; returns [result of rank 0, rank 1, ...]."""
+def run_ranks(fn, world: int = 2, timeout: float = 300.0, backend: str = "gloo", **kwargs) -> list:
+    """fn(rank, world, **kwargs) on `world` ranks (gloo; nccl: one GPU per rank); returns [result of rank 0, ...]."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
@@ -36,7 +36,7 @@ def run_ranks(fn, world: int = 2, timeout: float = 300.0, **kwargs) -> list:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         procs = [
             subprocess.Popen(
-                [sys.executable, str(RANK_MAIN), fn.__code__.co_filename, fn.__name__, str(rank), str(world), str(port), str(tmp)],
+                [sys.executable, str(RANK_MAIN), fn.__code__.co_filename, fn.__name__, str(rank), str(world), str(port), str(tmp), backend],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

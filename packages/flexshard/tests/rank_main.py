@@ -6,7 +6,7 @@ import sys
 import traceback
 from pathlib import Path
 
-path, fn_name, rank, world, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6])
+path, fn_name, rank, world, port, out, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6]), sys.argv[7]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -15,7 +15,9 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(path).parent))
 code = 0
 try:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     spec = importlib.util.spec_from_file_location(f"flexshard_rank_test_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -89,6 +89,7 @@ def shard(
                 trigger_name=trigger_name,
             )
         )
+    _move_buffers(module, device)
     state = ShardState(module, state_buckets, mp, mesh)
     module._flexshard_state = state
     register_hooks(state)
@@ -190,6 +191,14 @@ def _common_module(paths: list[str]) -> str:
             break
         common.append(level[0])
     return ".".join(common)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Buffers follow the parameters to the mesh device, as with fully_shard (meta ones wait for to_empty)."""
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                mod._buffers[name] = buf.to(device)
 
 
 def _shard_param(full: torch.Tensor, slot: ParamSlot, mesh: DeviceMesh, device: torch.device) -> DTensor:
