@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 import torch_checkpointing as tc
 
@@ -208,6 +208,13 @@ def save_on_four(rank: int, world_size: int, root: str) -> None:
         ckpt.save(3, states[3]).wait()
     assert repeat.calls == {} and repeat.sequence == 0, (repeat.calls, repeat.sequence)
     assert ckpt.steps() == [1, 2, 3]
+    partial = DTensor.from_local(torch.ones(2), layout["w"][0], [Partial()], run_check=False)
+    for bad, message in (({"p": partial}, "Partial placement"), ({"rng": states[1]["model"]["w"]}, "cannot be per_rank")):
+        try:
+            ckpt.save(9, bad)
+            raise AssertionError(f"saved {bad}")
+        except ValueError as e:
+            assert message in str(e), e
     target = build_state(layout, 2, rank, zeros=True)
     assert ckpt.load(target, step=2) == 2
     check_dtensors(target, layout, 2)
@@ -217,7 +224,7 @@ def save_on_four(rank: int, world_size: int, root: str) -> None:
     ckpt.close()
 
 
-def load_on_two(rank: int, world_size: int, root: str, failing_root: str) -> None:
+def load_on_two(rank: int, world_size: int, root: str, failing_root: str, hf_root: str) -> None:
     """Step 2 (saved on 4 ranks) into other placements on 2; partial reads; a per-rank value that
     cannot be resharded; then a save on 2 ranks (step 4) for the 1-rank test, and a rank failing."""
     layout = layout_b(rank, world_size)
@@ -247,6 +254,9 @@ def load_on_two(rank: int, world_size: int, root: str, failing_root: str) -> Non
     assert share <= counting.bytes_read <= share + 4 * 2 * 4096, counting.bytes_read
     reader.close()
     ckpt.save(4, build_state(layout, 4, rank), blocking=True)
+    # The Hugging Face export is shared out: each rank writes its files, rank 0 the index at the end.
+    written = ckpt.export_hf(hf_root, step=4, max_shard_bytes=64 << 10)  # `big` (128 KiB) alone in a file
+    assert bool(written) and ("model.safetensors.index.json" in written) == (rank == 0), written
     ckpt.close()
     # A rank that cannot write fails the step everywhere, and the next save commits normally.
     failing = tc.Checkpointer(FailingStorage(failing_root, fail_rank=1, fail_step=1, rank=rank))
@@ -302,7 +312,8 @@ def fsdp2_resume(rank: int, world_size: int, root: str, out: str) -> None:
     with CollectiveCounter() as saves_only:
         ckpt.save(4, {**state, "step": 4}).wait()
     assert saves_only.calls == {} and saves_only.sequence == 0, (saves_only.calls, saves_only.sequence)
-    assert ckpt.steps() == [3, 4]
+    # rank 0 applies retention before its wait() returns; other ranks may still see step 2 a moment
+    assert ckpt.steps() == [3, 4] if rank == 0 else ckpt.steps()[-2:] == [3, 4]
 
     fresh_model, fresh_optimizer = fsdp2_model(world_size)
     resumed = {"model": tc.ModelState(fresh_model), "optim": tc.OptimizerState(fresh_model, fresh_optimizer), "step": 0}

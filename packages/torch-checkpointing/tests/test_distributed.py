@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 import torch_checkpointing as tc
@@ -46,8 +47,17 @@ def test_four_ranks_then_two_then_one(tmp_path):
         assert sum(torch.Size(c["shape"]).numel() for c in entry["chunks"]) == numel, name
     assert len(metadata["tensors"]["model.s"]["chunks"]) > 4  # strided shards: runs stored as boxes
 
-    run_ranks(2, tmp_path / "pg2", load_on_two, str(root), str(tmp_path / "failing"))
+    run_ranks(2, tmp_path / "pg2", load_on_two, str(root), str(tmp_path / "failing"), str(tmp_path / "hf"))
     assert tc.Checkpointer(root).steps() == [1, 2, 3, 4]
+
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    exported = {}
+    for name in sorted(set(index["weight_map"].values())):
+        exported.update(safetensors.torch.load_file(tmp_path / "hf" / name))
+    g = global_tensors(4)
+    assert exported.keys() == {"w", "v", "r", "s", "t", "big", "bias"}
+    for name, value in exported.items():
+        assert torch.equal(value, g[name]), name
 
     with tc.Checkpointer(root, per_rank=("rng",)) as ckpt:
         for step in (4, 2):  # saved on 2 ranks, and on 4 ranks
