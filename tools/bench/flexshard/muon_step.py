@@ -32,7 +32,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages" / "flexshard" / "src"))
     import flexshard
-from flexshard.optim import Muon, default_muon_rule
+from flexshard.optim import Muon, default_muon_rule, newton_schulz_flops
 
 
 class Layer(nn.Module):
@@ -119,7 +119,15 @@ def worker(rank: int, args, init_file: str, queue) -> None:
         set_grads(model, 10_000, rank, device)
         with flexshard.CollectiveCounter() as counter:
             opt.step()
-        results[kind] = {"ms": 1e3 * statistics.median(times), "collectives": counter.count, "bytes": counter.bytes}
+        # Newton–Schulz work on this rank: the matrices it orthogonalises (all of them for fsdp2).
+        flops = sum(
+            newton_schulz_flops(tuple(p.shape))
+            for n, p in model.named_parameters()
+            if default_muon_rule(n, p) and (kind == "fsdp2" or p._local_tensor._layout.owner() == rank)
+        )
+        busiest = torch.tensor([flops], dtype=torch.float64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        results[kind] = {"ms": 1e3 * statistics.median(times), "collectives": counter.count, "bytes": counter.bytes, "gflop": busiest.item() / 1e9}
         models[kind] = model
     # Correctness: the same gradients and the same Muon, so the same weights, bit for bit.
     same = all(
@@ -142,7 +150,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768, help="MLP width (default 768)")
     parser.add_argument("--layers", type=int, default=4, help="layers (default 4)")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary (default 1024)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument(
@@ -158,10 +166,10 @@ def main() -> None:
         out = queue.get()
     r = out["results"]
     print(f"correctness: flexshard and fsdp2 weights identical after {args.warmup + args.steps + 1} steps: {out['same']}")
-    print(f"{'approach':<34} {'step ms':>9} {'collectives':>12} {'MiB moved':>10}")
+    print(f"{'approach':<34} {'step ms':>9} {'collectives':>12} {'MiB moved':>10} {'NS GFLOP, busiest rank':>23}")
     labels = {"flexshard": "flexshard Muon (Owned)", "fsdp2": "fsdp2 (gather, NS on every rank)"}
     for kind in ("fsdp2", "flexshard"):
-        print(f"{labels[kind]:<34} {r[kind]['ms']:>9.1f} {r[kind]['collectives']:>12} {r[kind]['bytes'] / 2**20:>10.2f}")
+        print(f"{labels[kind]:<34} {r[kind]['ms']:>9.1f} {r[kind]['collectives']:>12} {r[kind]['bytes'] / 2**20:>10.2f} {r[kind]['gflop']:>23.2f}")
     ratio = r["flexshard"]["ms"] / r["fsdp2"]["ms"]
     print(f"step-time ratio flexshard / fsdp2: {ratio:.3f} (target <= 0.3); Muon matrices: {out['n_muon']}")
     if not out["same"]:
