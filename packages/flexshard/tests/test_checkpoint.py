@@ -69,6 +69,7 @@ def checkpoint_worker(rank, world, path):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
+    import flexshard
     from flexshard_testmodel import make_model
 
     mesh = init_device_mesh("cpu", (world,))
@@ -111,6 +112,16 @@ def checkpoint_worker(rank, world, path):
     _train(fsdp, fsdp_opt, rank, steps=1)  # creates optimizer state to load into
     report["fully_shard"] = load_into(fsdp, fsdp_opt)
 
+    # And back: a fully_shard checkpoint loads into Owned / BlockShard parameters.
+    _train(fsdp, fsdp_opt, rank, steps=1, first=5)
+    fsdp_params = {n: p.full_tensor() for n, p in fsdp.named_parameters()}
+    dcp.save({"model": get_model_state_dict(fsdp)}, checkpoint_id=path + "-fsdp")
+    back = _build(mesh, SAVE_RULE, seed=3)
+    target = {"model": get_model_state_dict(back)}
+    dcp.load(target, checkpoint_id=path + "-fsdp")
+    set_model_state_dict(back, target["model"])
+    report["from_fully_shard"] = all(torch.equal(flexshard.full_tensor(p), fsdp_params[n]) for n, p in back.named_parameters())
+
     # Plain tensors: every rank reads the whole of every parameter.
     plain = {n: torch.empty_like(t) for n, t in want_params.items()}
     dcp.load({"model": plain}, checkpoint_id=path)
@@ -141,6 +152,10 @@ def test_training_continues_identically_after_resharding(report):
 def test_fully_shard_loads_a_flexshard_checkpoint(report):
     for r in report:
         assert r["fully_shard"] == (True, True)
+
+
+def test_flexshard_loads_a_fully_shard_checkpoint(report):
+    assert all(r["from_fully_shard"] for r in report)
 
 
 def test_plain_tensors_load_a_flexshard_checkpoint(report):
