@@ -200,9 +200,10 @@ def save_on_four(rank: int, world_size: int, root: str) -> None:
     states[3]["model"]["v"] = make_dtensor(global_tensors(3)["v"], (layout["v"][0], [Replicate(), Replicate()]))
     with CollectiveCounter() as first:
         ckpt.save(1, states[1]).wait()
-    # all_gather_object is two all_gathers (sizes, then payloads): two collectives on the group
-    assert first.calls == {"all_gather_object": 1, "all_gather": 2}, first.calls
-    assert first.sequence == 2, first.sequence
+    # gather_object (an all_gather of sizes, a gather of payloads) and broadcast_object_list of the
+    # verdict (sizes, then payload): four collectives on the group, on the first save only
+    assert first.calls == {"gather_object": 1, "all_gather": 1, "gather": 1, "broadcast_object_list": 1, "broadcast": 2}, first.calls
+    assert first.sequence == 4, first.sequence
     with CollectiveCounter() as repeat:
         ckpt.save(2, states[2]).wait()
         ckpt.save(3, states[3]).wait()
@@ -271,6 +272,31 @@ def load_on_two(rank: int, world_size: int, root: str, failing_root: str, hf_roo
     failing.save(2, {"x": torch.ones(2)}).wait()
     assert failing.steps() == [2]
     failing.close()
+    disagreements(rank, failing_root + "-disagree")
+
+
+def disagreements(rank: int, root: str) -> None:
+    """Ranks whose states do not fit together: at the first save every rank raises the same error;
+    later (a layout changed on one rank only) the step fails instead of committing, and nobody hangs."""
+    ckpt = tc.Checkpointer(root)
+    try:
+        ckpt.save(1, {"a": torch.ones(2)} if rank == 0 else {"b": torch.ones(2)})
+        raise AssertionError("ranks with different entries saved")
+    except ValueError as e:
+        assert "do not fit together" in str(e) and "only on rank 0: ['a']" in str(e), e
+    mesh = init_device_mesh("cpu", (2,))
+    ckpt.save(2, {"a": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}).wait()
+    changed = {"a": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}
+    if rank == 1:
+        changed["extra"] = torch.ones(1)  # only here: no collective could have agreed on this
+    try:
+        ckpt.save(3, changed).wait()
+        raise AssertionError("a step whose ranks disagree was committed")
+    except tc.CommitError as e:
+        assert "different state entries" in str(e), e
+    ckpt.save(4, {"a": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}).wait()
+    assert ckpt.steps()[-1] == 4 and 3 not in ckpt.steps()
+    ckpt.close()
 
 
 def fsdp2_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:

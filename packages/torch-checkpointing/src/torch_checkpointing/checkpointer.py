@@ -47,6 +47,10 @@ class SaveHandle:
     def wait_staged(self) -> None:
         self._staged.wait()
 
+    def _finished_ok(self) -> bool:
+        """This rank's part is done without error (rank 0: the commit as well)."""
+        return all(f.done() and f.exception() is None for f in (self._local, self._commit) if f is not None)
+
     def done(self) -> bool:
         if self._committed:
             return True
@@ -165,8 +169,9 @@ class Checkpointer:
         commit = self._committer_thread.submit(self._commit, step, local) if self._committer_thread else None
         handle = SaveHandle(self, step, staged, local, commit)
         self._saved_steps.append(step)
-        # finished saves need no tracking (the last one stays: its buffers are reused next)
-        self._handles = [h for h in self._handles if not (h._committed or h._raised)] + [handle]
+        # Saves that finished well need no tracking; the newest stays (its buffers are reused next,
+        # and on ranks other than 0 waiting for its commit covers the earlier ones).
+        self._handles = [h for h in self._handles if not (h._committed or h._raised or h._finished_ok())] + [handle]
         if blocking:
             handle.wait()
         return handle
@@ -196,23 +201,38 @@ class Checkpointer:
         return extras, values
 
     def _first_save_exchange(self, layout: RankLayout) -> None:
-        """The only collective: every rank's layout, gathered once and checked by every rank.
+        """The only collectives: every rank's layout gathered on rank 0, which checks them and tells
+        every rank the verdict (so all raise the same error, or none does).
 
-        Rank 0 removes earlier runs' unfinished steps first; no rank writes before this gather
-        returns, so nothing new is removed.
+        Rank 0 removes earlier runs' unfinished steps first; no rank writes before the verdict
+        arrives, so nothing new is removed.
         """
+        error = None
+        gathered: list[Any] = [(layout.record, layout.fingerprint)]
         if self.rank == 0:
             remove_leftovers(self.storage)
         if self.world_size > 1:
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, (layout.record, layout.fingerprint), group=self.process_group)
-        else:
-            gathered = [(layout.record, layout.fingerprint)]
-        records = [record_file(r, fp) for r, (_, fp) in enumerate(gathered)]
-        merge_layouts([g[0] for g in gathered], records)  # the same error on every rank if they disagree
-        if self._committer is not None:
-            self._committer.set_layouts([g[0] for g in gathered], [g[1] for g in gathered])
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object((layout.record, layout.fingerprint), gathered, dst=self._global_rank(0),
+                               group=self.process_group)
+        if self.rank == 0:
+            try:
+                merge_layouts([g[0] for g in gathered], [record_file(r, g[1]) for r, g in enumerate(gathered)])
+                self._committer.set_layouts([g[0] for g in gathered], [g[1] for g in gathered])
+            except ValueError as e:
+                error = str(e)
+        if self.world_size > 1:
+            verdict = [error]
+            dist.broadcast_object_list(verdict, src=self._global_rank(0), group=self.process_group)
+            error = verdict[0]
+        if error is not None:
+            raise ValueError(f"the ranks' states do not fit together: {error}")
         self._exchanged = True
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.process_group is None:
+            return group_rank
+        return dist.get_global_rank(self.process_group, group_rank)
 
     def _write_local(self, step: int, plan: _Plan, staged: Staged, extras, values) -> None:
         directory = work_dir(self.storage, step)

@@ -62,9 +62,10 @@ def step_outcome(storage: Storage, step: int, later: tuple[int, ...] = ()) -> tu
     """
     if storage.exists(f"{step_dir(step)}/{COMMIT}"):
         return "committed", ""
-    failed = f"{work_dir(storage, step)}/{FAILED}"
-    if storage.exists(failed):
-        return "failed", storage.read_file(failed).decode(errors="replace")
+    for directory in {work_dir(storage, step), step_dir(step)}:  # failures after the rename land in step-N
+        failed = f"{directory}/{FAILED}"
+        if storage.exists(failed):
+            return "failed", storage.read_file(failed).decode(errors="replace")
     if any(storage.exists(f"{step_dir(s)}/{COMMIT}") for s in later):
         return "committed", ""
     return "pending", ""
@@ -118,7 +119,7 @@ class Committer:
         self._metadata = None
 
     def commit(self, step: int) -> None:
-        directory = work_dir(self.storage, step)
+        directory = where = work_dir(self.storage, step)
         try:
             records = self._wait_for_records(step, directory)
             metadata = self._metadata_for(directory, records)
@@ -126,16 +127,20 @@ class Committer:
             if directory != step_dir(step):
                 self.storage.sync_dir(directory)
                 self.storage.rename(directory, step_dir(step))
+                where = step_dir(step)
                 self.storage.sync_dir("")
             self.storage.write_file(
                 f"{step_dir(step)}/{COMMIT}",
                 to_json({"step": step, "world_size": self.world_size, "committed_at": time.time()}),
             )
-        except BaseException as e:
+        except Exception as e:
+            error = e if isinstance(e, CommitError) else CommitError(f"step {step} was not committed: {e}")
             try:
-                self.storage.write_file(f"{directory}/{FAILED}", f"{type(e).__name__}: {e}".encode())
+                self.storage.write_file(f"{where}/{FAILED}", str(error).encode())  # other ranks' wait() reads it
             finally:
-                raise
+                if error is e:
+                    raise
+                raise error from e
         for victim in self.retention.victims(committed_steps(self.storage)):
             delete_step(self.storage, victim)
 

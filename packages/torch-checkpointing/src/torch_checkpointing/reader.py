@@ -254,7 +254,9 @@ def load_step(reader: StepReader, leaves: list[Leaf], *, per_rank: tuple[str, ..
         )
     for device in {_local(leaf.value).device for leaf in leaves if isinstance(leaf.value, torch.Tensor)}:
         if device.type == "cuda":
-            stream = _load_streams.setdefault(device, torch.cuda.Stream(device))
+            if device not in _load_streams:
+                _load_streams[device] = torch.cuda.Stream(device)
+            stream = _load_streams[device]
             stream.wait_stream(torch.cuda.current_stream(device))  # targets may still be being initialized
     for future in [reader.io_pool.submit(task) for task in tasks]:
         future.result()
