@@ -27,7 +27,7 @@ def test_help_lists_every_field_with_type_and_default(capsys):
             assert f"--{section}.{name} " in out, f"--{section}.{name} missing from --help"
     for flag in REQUIRED_FLAGS:
         assert flag in out
-    assert "--training.steps int  (default: 120)" in out  # the default of the default recipe
+    assert "--training.steps int  (default: 100)" in out  # the default of the default recipe
     assert "--lr_schedule.kind {wsd,cosine,constant}" in out
 
 
