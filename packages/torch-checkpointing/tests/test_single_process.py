@@ -82,6 +82,23 @@ def test_async_save_keeps_the_values_of_save_time(tmp_path):
     assert torch.equal(state["w"], torch.zeros(1000, 100))
 
 
+def test_an_unchanged_layout_reads_exactly_the_stored_bytes(tmp_path):
+    class CountingStorage(tc.LocalStorage):
+        bytes_read = 0
+
+        def read_into(self, path, offset, out):
+            CountingStorage.bytes_read += out.nbytes
+            super().read_into(path, offset, out)
+
+    state = {"a": torch.randn(300, 1000), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5)}
+    with tc.Checkpointer(CountingStorage(tmp_path), block_bytes=4096) as ckpt:
+        ckpt.save(1, state, blocking=True)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        ckpt.load(target)
+    assert CountingStorage.bytes_read == sum(t.numel() * t.element_size() for t in state.values())
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
 def test_steps_latest_and_retention(tmp_path):
     state = {"x": torch.ones(3)}
     with tc.Checkpointer(tmp_path, keep_last=2, keep_every=5) as ckpt:

@@ -308,7 +308,7 @@ def report(args, world: int, device, gathered: list) -> None:
           f" ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {args.tensors} tensors;"
           f" torch {torch.__version__}")
     print(f"disk anchor (write + fsync, all ranks at once): {disk:.3f} s = {gb / disk:.2f} GB/s\n")
-    print(f"{'':34s} {'torch-ckpt':>11s} {'DCP':>11s} {'ours/DCP':>9s}  target")
+    print(f"{'':34s} {'torch-ckpt':>11s} {'DCP':>11s} {'ours/DCP':>9s}  target (set for the H200, 8 GiB)")
     for name, ours, theirs, ratio, verdict in rows:
         print(f"{name:34s} {ours:11.4f} {theirs:11.4f} {ratio:9.4f}  {verdict}")
     for label, key in (("collectives: blocking (first) save", "save collectives"),

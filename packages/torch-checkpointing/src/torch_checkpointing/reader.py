@@ -222,7 +222,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     stream = _load_streams[dst.device]
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
     event.synchronize()
 

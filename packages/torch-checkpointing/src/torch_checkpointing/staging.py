@@ -130,28 +130,31 @@ def stage(
     for device, stream in streams.items():
         stream.wait_stream(torch.cuda.current_stream(device))  # copy the values as of this call
     pending: dict[torch.device, list[int]] = {}  # device -> segments whose copy awaits an event
+
+    def record_events() -> None:
+        for device, waiting in pending.items():
+            event = torch.cuda.Event(blocking=True)  # waiting threads sleep instead of spinning
+            event.record(streams[device])
+            for j in waiting:
+                events[j].append(event)
+        pending.clear()
+
     for i, seg in enumerate(plan.segments):
         piece, source = pieces[seg.piece], sources[seg.piece]
         if direct_cpu and source.device.type == "cpu" and seg.rows is None:
             memory.append(tensor_bytes(_flat_bytes(source))[seg.start:seg.start + seg.nbytes])
-            continue
-        dst = slabs[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes]
-        memory.append(slab_bytes[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes])
-        cuda = source.device.type == "cuda"
-        with torch.cuda.stream(streams[source.device]) if cuda else contextlib.nullcontext():
-            if seg.rows is None:
-                dst.copy_(_flat_bytes(source)[seg.start:seg.start + seg.nbytes], non_blocking=cuda)
-            else:
-                r0, r1 = seg.rows
-                dst.view(piece.dtype).view((r1 - r0, *piece.shape[1:])).copy_(source[r0:r1], non_blocking=cuda)
-        if cuda:
-            pending.setdefault(source.device, []).append(i)
-            last_of_slab = i + 1 == len(plan.segments) or plan.segments[i + 1].slab != seg.slab
-            if last_of_slab:
-                for device, waiting in pending.items():
-                    event = torch.cuda.Event()
-                    event.record(streams[device])
-                    for j in waiting:
-                        events[j].append(event)
-                pending = {}
+        else:
+            dst = slabs[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes]
+            memory.append(slab_bytes[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes])
+            cuda = source.device.type == "cuda"
+            with torch.cuda.stream(streams[source.device]) if cuda else contextlib.nullcontext():
+                if seg.rows is None:
+                    dst.copy_(_flat_bytes(source)[seg.start:seg.start + seg.nbytes], non_blocking=cuda)
+                else:
+                    r0, r1 = seg.rows
+                    dst.view(piece.dtype).view((r1 - r0, *piece.shape[1:])).copy_(source[r0:r1], non_blocking=cuda)
+            if cuda:
+                pending.setdefault(source.device, []).append(i)
+        if i + 1 == len(plan.segments) or plan.segments[i + 1].slab != seg.slab:
+            record_events()  # one event per slab: its segments are written as soon as it is complete
     return Staged(memory, events, keepalive=[sources, slabs])
