@@ -166,7 +166,12 @@ class Checkpointer:
             for device, stream in streams.items():
                 torch.cuda.current_stream(device).wait_stream(stream)
         local = self._writer.submit(self._write_local, step, plan, staged, extras, values)
-        commit = self._committer_thread.submit(self._commit, step, local) if self._committer_thread else None
+        commit = None
+        if self._committer_thread is not None:
+            commit = self._committer_thread.submit(self._commit, step, local)
+            # deleting old steps is not part of committing this one: wait() does not wait for it,
+            # the next commit (same thread) and Checkpointer.wait()/close() do
+            self._committer_thread.submit(self._committer.apply_retention)
         handle = SaveHandle(self, step, staged, local, commit)
         self._saved_steps.append(step)
         # Saves that finished well need no tracking; the newest stays (its buffers are reused next,
@@ -265,6 +270,8 @@ class Checkpointer:
         for handle in list(self._handles):
             if not handle._raised:
                 handle.wait()
+        if self._committer_thread is not None:
+            self._committer_thread.submit(lambda: None).result()  # retention queued behind commits
 
     # ---- steps -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -141,8 +142,13 @@ class Committer:
                 if error is e:
                     raise
                 raise error from e
+
+    def apply_retention(self) -> None:
         for victim in self.retention.victims(committed_steps(self.storage)):
-            delete_step(self.storage, victim)
+            try:
+                delete_step(self.storage, victim)
+            except OSError as e:  # housekeeping: the next commit tries again
+                warnings.warn(f"could not delete old step {victim}: {e}", RuntimeWarning, stacklevel=1)
 
     def _wait_for_records(self, step: int, directory: str) -> list[str]:
         deadline, pause = time.monotonic() + self.timeout_s, POLL_START_S
