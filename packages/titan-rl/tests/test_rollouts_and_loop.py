@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 import titan_models as tm
@@ -85,9 +86,15 @@ def test_async_rollouts_respect_the_staleness_bound():
             batch = rollouts.get(version)
             assert all(s.policy_version == batch.policy_version for s in batch.samples)
             assert version - batch.policy_version <= 1
-            # Every other step the trainer jumps ahead 3 versions (several optimizer steps), so the
-            # batches queued meanwhile become too stale and must be dropped.
-            version += 3 if step % 2 else 1
+            # Every other step the trainer jumps ahead 3 versions (several optimizer steps) once the
+            # producer has queued its next batch, which thereby becomes too stale and must be dropped.
+            if step % 2:
+                deadline = time.monotonic() + 120
+                while rollouts.queued() == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                version += 3
+            else:
+                version += 1
             generator.update_weights({}, version=version)
     lags = rollouts.stats.lags
     assert len(lags) == 6 and max(lags) <= 1

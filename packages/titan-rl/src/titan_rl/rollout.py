@@ -172,6 +172,10 @@ class AsyncRollouts:
             self.stats.dropped_batches += 1
             self.stats.dropped_samples += len(item.samples)
 
+    def queued(self) -> int:
+        """Batches produced and waiting for the trainer (for monitoring)."""
+        return self._queue.qsize()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
