@@ -66,8 +66,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-# Row-tiled kernel roles: "plain" (grouped_mm and the down projection), "dual" (gate and up in one
-# tile: two accumulators, so half the N width), "swiglu_bwd" (heavier epilogue: narrower tiles).
+# Row-tiled kernel roles: "plain" (grouped_mm, the down projection, the input gradient), "dual"
+# (gate and up in one tile: two accumulators, so half the N width), "swiglu_bwd" (heavier epilogue:
+# narrower tiles). tools/bench/moe/check_hopper_compile.py compiles every candidate for sm_90 and
+# checks pipelining, shared memory and register spills.
 def row_candidates(role: str, device: torch.device) -> list[RowConfig]:
     if interpreting():
         return [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)]
@@ -79,11 +81,19 @@ def row_candidates(role: str, device: torch.device) -> list[RowConfig]:
                 RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
                 RowConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3),  # 2 programs per SM
             ]
+        if role == "dual":  # two float32 accumulators: 128x128 each is the register budget
+            return [
+                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
+                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True),
+                RowConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4),
+            ]
+        # swiglu_bwd: the epilogue holds the accumulator and three loaded tiles; 128x128 spills.
         return [
+            RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4),
+            RowConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4),
+            RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, tma=True),
             RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-            RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
-            RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True),
-            RowConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
         ]
     return [
         RowConfig(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=4),

@@ -18,8 +18,10 @@ import triton.language as tl
 def _load_rows(ptr, row_offsets, row_ok, cols, col_ok, stride_c, EVEN: tl.constexpr):
     ptrs = ptr + row_offsets[:, None] + cols[None, :] * stride_c
     if EVEN:
-        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return tile  # one return: early returns are not portable across triton versions
 
 
 @triton.jit
