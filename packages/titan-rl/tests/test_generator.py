@@ -131,3 +131,29 @@ def test_weight_update_bumps_the_version(tiny_llama):
     assert new.tokens == expected.tokens and torch.equal(new.logprobs, expected.logprobs)
     with pytest.raises(ValueError, match="does not have"):
         gen.update_weights({"nope": torch.zeros(1)}, version=2)
+
+
+@pytest.mark.parametrize("family, dtype", [("qwen3", torch.float32), ("llama3", torch.bfloat16)])
+def test_bitwise_agreement_for_other_families_and_bf16(family, dtype):
+    import titan_models as tm
+    config = tm.transforms.compose(tm.transforms.num_layers(1), tm.transforms.dtype(dtype))(tm.flavor(family, "debug"))
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    batch_invariant(model)  # Qwen3's q_norm / k_norm are RMSNorms too
+    rng = random.Random(3)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in (3, 40, 9)]
+    comps = BuiltinGenerator(model).generate(prompts, SamplingConfig(max_new_tokens=6, seed=0))
+    trainer = _trainer_logprobs(model, comps, [2, 0, 1], extra_pad=4, rng=rng)
+    for i in range(3):
+        assert torch.equal(trainer[i], comps[i].logprobs)
+
+
+def test_moe_models_are_refused_in_batch_invariant_mode():
+    import titan_models as tm
+    config = tm.transforms.num_layers(1)(tm.flavor("qwen3", "debug_moe"))
+    with torch.device("meta"):
+        model = config.build()
+    with pytest.raises(ValueError, match="moe"):
+        batch_invariant(model)

@@ -129,3 +129,21 @@ def test_mismatch_with_vllms_own_attention_is_measured(invariant_engine, capsys)
             assert diffs.max() < 1e-3  # same model, different kernels: rounding-level only
     finally:
         gen.close()
+
+
+def test_qwen3_runs_in_vllm_bitwise_in_batch_invariant_mode():
+    config = tm.transforms.num_layers(2)(tm.flavor("qwen3", "debug"))  # QK-norm, head_dim 64
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    gen = VLLMGenerator.from_model(model, max_model_len=256, batch_invariant=True)
+    try:
+        rng = random.Random(4)
+        prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in (2, 30, 77)]
+        completions = gen.generate(prompts, SamplingConfig(max_new_tokens=10, seed=1))
+        trainer = batch_invariant(model)
+        for got, comp in zip(trainer_logprobs(trainer, completions, rng=rng), completions):
+            assert torch.equal(got, comp.logprobs)
+    finally:
+        gen.close()
