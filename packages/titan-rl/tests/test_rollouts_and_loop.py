@@ -114,6 +114,11 @@ def test_loop_with_background_generation_trains_off_policy_within_the_bound():
     assert loop.generator.policy_version == 5 and loop.generator.model is not loop.policy
 
 
+def test_background_generation_needs_its_own_weights():
+    with pytest.raises(ValueError, match="copy_model=True"):
+        sorting_loop(max_policy_lag=1, copy_model=False)
+
+
 def test_multi_turn_rollout_masks_environment_tokens():
     policy = tiny_policy(TOOL_TOK.vocab_size)
     gen = BuiltinGenerator(policy, pad_id=TOOL_TOK.pad_id)

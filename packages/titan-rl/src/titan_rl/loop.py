@@ -86,8 +86,16 @@ class TrainBatch:
 class RLLoop:
     def __init__(self, *, policy: nn.Module, optimizer: torch.optim.Optimizer, generator: Generator,
                  make_env: Callable[[], Environment], tokenizer: Tokenizer, config: RLConfig,
-                 reference: nn.Module | None = None) -> None:
+                 reference: nn.Module | None = None,
+                 export_weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+        """reference: the frozen policy for the KL term (default: a copy of `policy` as it starts, made
+        only when kl_coef > 0). export_weights: full (unsharded) tensors for the generator after each
+        step; default `policy.state_dict()` (a sharded trainer passes e.g. a full-state-dict gather)."""
+        if config.max_policy_lag > 0 and getattr(generator, "model", None) is policy:
+            raise ValueError("max_policy_lag > 0 generates while the policy trains: give the generator its own "
+                             "weights (BuiltinGenerator(policy, copy_model=True) or a vLLM generator)")
         self.policy, self.optimizer, self.generator = policy, optimizer, generator
+        self.export_weights = export_weights
         self.tokenizer, self.config, self.make_env = tokenizer, config, make_env
         self.version = generator.policy_version
         self.device = next(policy.parameters()).device
@@ -164,6 +172,8 @@ class RLLoop:
         gen_model = getattr(self.generator, "model", None)
         if gen_model is self.policy:
             return {}  # shared model: nothing to copy, only the version moves
+        if self.export_weights is not None:
+            return self.export_weights()
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     def train_on_batch(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:

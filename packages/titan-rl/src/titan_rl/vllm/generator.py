@@ -1,8 +1,10 @@
 """VLLMGenerator: the Generator interface over a vLLM engine running titan-models' definition."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import titan_models as tm
@@ -37,13 +39,14 @@ class VLLMGenerator:
     def __init__(self, llm: LLM, *, policy_version: int = 0) -> None:
         self.llm = llm
         self.policy_version = policy_version
+        # LLM is not thread-safe: a background rollout thread generates while the trainer syncs weights.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_model(cls, model: nn.Module, *, max_model_len: int = 512, seed: int = 0, batch_invariant: bool = False,
                    workdir: str | Path | None = None, **llm_kwargs) -> "VLLMGenerator":
         folder = Path(workdir or tempfile.mkdtemp(prefix="titan-vllm-"))
         tm.to_hf(model, folder)
-        import json
         arch = json.loads((folder / "config.json").read_text())["architectures"][0]
         if arch not in _TITAN_ARCH:
             raise ValueError(f"no titan vLLM architecture for {arch}; supported: {sorted(_TITAN_ARCH)}")
@@ -62,9 +65,10 @@ class VLLMGenerator:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
         weights = {k: v.detach().to("cpu") for k, v in state_dict.items()}
-        if weights:
-            self.llm.collective_rpc(_load_titan_weights, args=(weights,))
-        self.policy_version = version
+        with self._lock:
+            if weights:
+                self.llm.collective_rpc(_load_titan_weights, args=(weights,))
+            self.policy_version = version
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         # One SamplingParams per prompt: a shared seed would give every sample of a group the same draws.
@@ -73,7 +77,10 @@ class VLLMGenerator:
             stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False, ignore_eos=True,
             seed=None if sampling.seed is None else sampling.seed + i,
         ) for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        with self._lock:
+            version = self.policy_version
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False)
         completions = []
         for prompt, out in zip(prompts, outputs):
             seq = out.outputs[0]
@@ -81,7 +88,7 @@ class VLLMGenerator:
             logprobs = torch.tensor([float(step[tok].logprob) for tok, step in zip(tokens, seq.logprobs)])
             tokens, logprobs, reason = _apply_stop_sequences(tokens, logprobs, sampling, seq.finish_reason)
             completions.append(Completion(prompt=list(prompt), tokens=tokens, logprobs=logprobs,
-                                          finish_reason=reason, policy_version=self.policy_version))
+                                          finish_reason=reason, policy_version=version))
         return completions
 
 
