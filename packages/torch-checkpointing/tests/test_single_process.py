@@ -132,6 +132,18 @@ def test_load_of_a_given_step_and_stateful_objects(tmp_path):
     assert torch.equal(fresh_optimizer.state[fresh.weight]["exp_avg"], exp_avg)
 
 
+def test_parameters_that_require_grad_load_in_place(tmp_path):
+    model = torch.nn.Linear(6, 5)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with tc.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": model.weight, "b": model.bias}, blocking=True)
+        with torch.no_grad():
+            model.weight.zero_(), model.bias.zero_()
+        ckpt.load({"w": model.weight, "b": model.bias})
+    assert torch.equal(model.weight, saved["weight"]) and torch.equal(model.bias, saved["bias"])
+    assert model.weight.requires_grad and model.weight.grad_fn is None
+
+
 def test_per_rank_tensor_may_change_size(tmp_path):
     with tc.Checkpointer(tmp_path, per_rank=("loader",)) as ckpt:
         ckpt.save(1, {"loader": {"buffer": torch.arange(5)}}, blocking=True)

@@ -120,10 +120,10 @@ class StepReader:
             raise ValueError(f"{path!r} has global shape {tuple(target.shape)} here but {global_shape} in step {self.step}")
         if isinstance(target, DTensor):
             boxes, _ = dtensor_boxes(path, target)
-            local = target._local_tensor
+            local = target._local_tensor.detach()  # parameters may require grad; we fill their storage
         else:
             boxes = [Box((0,) * target.dim(), tuple(target.shape), (0,) * target.dim())] if target.numel() else []
-            local = target
+            local = target.detach()
         tasks = []
         for box in boxes:
             for chunk in entry["chunks"]:
@@ -270,7 +270,7 @@ def load_step(reader: StepReader, leaves: list[Leaf], *, per_rank: tuple[str, ..
             loaded = reader.read_tensor(source_rank, entry["tensor"], leaf.path)
             target = leaf.value
             if isinstance(target, torch.Tensor) and target.shape == loaded.shape:
-                target.copy_(loaded)
+                target.detach().copy_(loaded)
             else:  # a per-rank tensor whose size changed (or a value became a tensor): replace it
                 device = target.device if isinstance(target, torch.Tensor) else "cpu"
                 leaf.parent[leaf.key] = loaded.to(device)

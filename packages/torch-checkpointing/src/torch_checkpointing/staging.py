@@ -78,9 +78,8 @@ class HostPool:
     def take(self, count: int, slab_bytes: int, pinned: bool) -> list[torch.Tensor]:
         if slab_bytes != self.slab_bytes or pinned != self.pinned:
             self.slabs, self.slab_bytes, self.pinned = [], slab_bytes, pinned
-        while len(self.slabs) < count:
+        while len(self.slabs) < count:  # kept at the largest save's size: pinned allocation is slow
             self.slabs.append(torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pinned))
-        del self.slabs[max(count, 1):]  # a smaller layout gives memory back (keep one slab)
         return self.slabs[:count]
 
     def release(self) -> None:
