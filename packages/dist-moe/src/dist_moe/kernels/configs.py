@@ -66,7 +66,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-# Row-tiled kernel roles: "plain" (grouped_mm, the down projection, the input gradient), "dual"
+# Row-tiled kernel roles: "plain" (grouped_mm, the down projection), "concat" (the input gradient,
+# two A/B pairs in one accumulator), "dual"
 # (gate and up in one tile: two accumulators, so half the N width), "swiglu_bwd" (heavier epilogue:
 # narrower tiles). tools/bench/moe/check_hopper_compile.py compiles every candidate for sm_90 and
 # checks pipelining, shared memory and register spills.
@@ -74,13 +75,15 @@ def row_candidates(role: str, device: torch.device) -> list[RowConfig]:
     if interpreting():
         return [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)]
     if _capability(device) >= (9, 0):
-        if role == "plain":
-            return [
+        if role in ("plain", "concat"):
+            candidates = [
                 RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
                 RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),
                 RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
                 RowConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3),  # 2 programs per SM
             ]
+            # Two A/B pairs in one loop: 4 stages spill registers (triton 3.6).
+            return [c for c in candidates if role == "plain" or c.num_stages == 3]
         if role == "dual":  # two float32 accumulators: 128x128 each is the register budget
             return [
                 RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),

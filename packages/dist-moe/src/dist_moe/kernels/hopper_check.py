@@ -127,7 +127,7 @@ def layer_launches(quick: bool):
     grad = torch.randn(tokens, dim, generator=gen).to(bf)
 
     plans = []
-    row_lists = {role: _hopper_rows(configs, role) for role in ("plain", "dual", "swiglu_bwd")}
+    row_lists = {role: _hopper_rows(configs, role) for role in ("plain", "concat", "dual", "swiglu_bwd")}
     weight_lists = {two: _hopper_weights(configs, two) for two in (False, True)}
     depth = 1 if quick else max(max(len(v) for v in row_lists.values()), max(len(v) for v in weight_lists.values()))
     for index in range(depth):

@@ -108,7 +108,9 @@ class RowOperands:
     def role(self) -> str:
         if self.epilogue == EPILOGUE_SWIGLU_BWD:
             return "swiglu_bwd"
-        return "dual" if self.b2 is not None and self.a2 is None else "plain"
+        if self.a2 is not None:
+            return "concat"
+        return "dual" if self.b2 is not None else "plain"
 
 
 def row_gemm(ops: RowOperands, config: RowConfig | None = None) -> RowConfig:
