@@ -41,3 +41,17 @@ def test_parallel_layout_follows_single_process(reference, tmp_path, jobs, nproc
     assert sorted(curve) == sorted(expected)
     for step, loss in expected.items():
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
+
+
+def test_torchrun_runs_the_command_on_gloo_ranks(tmp_path, cli, jobs):
+    """`torchrun -m titan_train` (the real command, each process one rank) matches train() in one process."""
+    steps = {"training.steps": "3"}
+    expected = train(jobs.tiny(tmp_path / "single", **steps)).losses
+    folder = tmp_path / "torchrun"
+    result = cli.run([*cli.TINY, "--training.steps", "3", "--parallelism.dp_shard", "2", "--job.folder", str(folder)],
+                     nproc=2)
+    assert "dp_shard=2" in result.stdout and result.stdout.count("titan-train: done") == 1  # rank 0 reports
+    curve = cli.losses(folder)
+    assert sorted(curve) == [1, 2, 3]
+    for step, loss in expected.items():
+        assert curve[step] == pytest.approx(loss, rel=1e-4)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -65,6 +66,7 @@ def help_text(config: TrainConfig) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     try:
         config, actions = parse_args(argv)
@@ -81,18 +83,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "print-config" in actions:
         print(json.dumps(dataclasses.asdict(config), indent=2))
         return 0
-    from .trainer import NonFiniteLossError, train  # torch is imported only when training
+    from .trainer import NonFiniteLossError, train
 
+    code = 0
     try:
         train(config)
     except NonFiniteLossError as e:
         print(f"titan-train: stopped: {e}", file=sys.stderr)
-        return 1
+        code = 1
     except ValueError as e:  # user errors (bad degrees, paths, sizes) are ValueErrors naming the field
         print(f"titan-train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        code = 2
+    if from_command_line and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun rank: everything is written and the process group is gone; skip interpreter
+        # teardown, where torch's distributed backends sometimes abort and torchrun reports a failure.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
