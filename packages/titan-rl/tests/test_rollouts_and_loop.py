@@ -132,3 +132,19 @@ def test_multi_turn_rollout_masks_environment_tokens():
         assert env_positions, "the environment's <result> observations are in the completion"
         assert all(s.behavior_logprobs[i] == 0 for i in env_positions)
         assert "<result>" in s.text and s.reward == 0.0
+
+
+def test_loop_trains_on_multi_turn_episodes_with_masked_observations():
+    policy = tiny_policy(TOOL_TOK.vocab_size)
+    stops = tuple(tuple(TOOL_TOK.encode(s)) for s in ("</tool>", "</answer>"))
+    loop = RLLoop(policy=policy, optimizer=torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.0),
+                  generator=BuiltinGenerator(policy, pad_id=TOOL_TOK.pad_id), tokenizer=TOOL_TOK,
+                  make_env=lambda: ToolEnv(ArithmeticTask(max_operand=9), max_turns=2),
+                  config=RLConfig(algorithm=grpo(group_size=2), prompts_per_step=2, max_turns=2,
+                                  sampling=SamplingConfig(max_new_tokens=6, stop_sequences=stops, seed=0)))
+    before = [p.detach().clone() for p in policy.parameters()]
+    m = loop.step()
+    assert m["trained_samples"] == 4 and m["completion_len"] > 12  # two turns plus an observation
+    # All rewards are 0 (an untrained model never answers), so the advantages and the update are zero.
+    assert m["reward_mean"] == 0.0 and m["adv_abs_max"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))

@@ -158,7 +158,7 @@ def main() -> None:
 
     results = []
     for name, fn in (("logprobs", logprobs), ("train step", train_step), ("generate", generate)):
-        t_normal, t_inv = timed_pair(lambda: fn(normal), lambda: fn(invariant), device, args.repeats)
+        t_normal, t_inv = timed_pair(lambda fn=fn: fn(normal), lambda fn=fn: fn(invariant), device, args.repeats)
         results.append((name, t_normal, t_inv))
     mm_normal = mismatch(normal, prompts[:4], args.new_tokens)
     mm_inv = mismatch(invariant, prompts[:4], args.new_tokens)

@@ -32,7 +32,7 @@ def batch_invariant(model: nn.Module) -> nn.Module:
     if not isinstance(layers, nn.ModuleDict):
         raise TypeError(f"batch_invariant() expects a titan-models Transformer (with .layers); got {type(model).__name__}")
     names = dict(model.named_modules())
-    unsupported = sorted(n for n, m in names.items() if n.endswith(".moe") and m is not None or isinstance(m, nn.LayerNorm))
+    unsupported = sorted(n for n, m in names.items() if n.endswith(".moe") or isinstance(m, nn.LayerNorm))
     if unsupported:
         raise ValueError(f"batch_invariant() supports dense models with RMSNorm; found unsupported modules {unsupported[:4]}")
     # Order matters: FeedForward first (it takes over its own w1/w2/w3), then the remaining modules.

@@ -22,14 +22,14 @@ _sys.stdout.write("\\n{nonce} %d\\n" % _passed)
 """
 
 
-def code_reward(program: str, checks: list[str], *, config: SandboxConfig = SandboxConfig(),
+def code_reward(program: str, checks: list[str], *, config: SandboxConfig | None = None,
                 rng: random.Random | None = None) -> tuple[float, SandboxResult]:
     """Fraction of `checks` (Python expressions) that evaluate truthy after running `program`; 0.0 if the
     program fails, exceeds a limit, or attempts an escape (the result says which)."""
     if not checks:
         raise ValueError("checks is empty; give at least one expression to evaluate")
     nonce = f"TITAN-{(rng or random.SystemRandom()).getrandbits(64):016x}"
-    result = run_sandboxed(program + "\n" + _HARNESS.format(checks=list(checks), nonce=nonce), config)
+    result = run_sandboxed(program + "\n" + _HARNESS.format(checks=list(checks), nonce=nonce), config or SandboxConfig())
     if result.status != "ok":
         return 0.0, result
     for line in reversed(result.stdout.splitlines()):

@@ -122,8 +122,10 @@ def _unshare_network() -> bool:
     return libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0
 
 
-def run_sandboxed(source: str, config: SandboxConfig = SandboxConfig(), *, stdin: str = "") -> SandboxResult:
-    """Runs `source` as a Python program under the limits of `config`; never raises for what the program does."""
+def run_sandboxed(source: str, config: SandboxConfig | None = None, *, stdin: str = "") -> SandboxResult:
+    """Runs `source` as a Python program under the limits of `config` (default SandboxConfig());
+    never raises for what the program does."""
+    config = config or SandboxConfig()
     if config.network == "namespace" and not network_namespaces_available():
         raise ValueError("network='namespace' but this kernel refuses unprivileged network namespaces; use 'auto' or 'audit'")
     use_namespace = config.network != "audit" and network_namespaces_available()

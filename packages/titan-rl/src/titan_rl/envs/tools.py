@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from titan_rl.envs.base import Problem, StepResult, Task
 from titan_rl.envs.countdown import evaluate
