@@ -365,10 +365,34 @@ class _TorchGroupedMM:
                 x, w, offsets = ctx.saved_tensors
                 grad = grad.contiguous()
                 dx = torch._grouped_mm(grad, w.transpose(1, 2), offs=offsets)
-                dw = torch._grouped_mm(x.t(), grad, offs=offsets)  # [E, K, N]
+                try:
+                    dw = torch._grouped_mm(x.t(), grad, offs=offsets)  # [E, K, N]
+                except RuntimeError:  # a build that wants a row-major first operand
+                    dw = torch._grouped_mm(x.t().contiguous(), grad, offs=offsets)
                 return dx, dw, None
 
         return Fn
+
+
+def baseline_grouped_mm(setup: Setup):
+    """torch._grouped_mm with torch's own autograd when it has one (what training code relies
+    on), else with the explicit backward above. Returns (function, description)."""
+    import torch
+
+    def native(x, w, offsets):
+        return torch._grouped_mm(x, w, offs=offsets)
+
+    try:
+        x = torch.randn(64, 32, device=setup.device, dtype=setup.dtype, requires_grad=True)
+        w = torch.randn(2, 16, 32, device=setup.device, dtype=setup.dtype, requires_grad=True)
+        y = native(x, w.transpose(1, 2), torch.tensor([16, 64], device=setup.device, dtype=torch.int32))
+        y.backward(torch.randn_like(y))
+        assert x.grad is not None and w.grad is not None
+        return native, "torch autograd"
+    except Exception as err:
+        print(f"[layer] torch._grouped_mm autograd unavailable ({type(err).__name__}: {err}); explicit backward",
+              flush=True)
+        return _TorchGroupedMM.build().apply, "explicit backward through torch._grouped_mm"
 
 
 def usual_layer(x, w1, w2, w3, weights, expert_ids, num_experts, gmm):
@@ -458,9 +482,9 @@ def section_layer(setup: Setup, budget_s: float) -> dict:
     routings["uniform"] = slots[torch.randperm(tokens, generator=gen)]
     zipf = torch.tensor([1.0 / (i + 1) for i in range(e)])
     routings["skewed"] = torch.multinomial(zipf.expand(tokens, e), top_k, replacement=False, generator=gen)
-    gmm = _TorchGroupedMM.build().apply if has_torch_grouped_mm() else None
+    gmm, how = baseline_grouped_mm(setup) if has_torch_grouped_mm() else (None, "unavailable")
 
-    result = {"routings": {}}
+    result = {"routings": {}, "baseline_backward": how}
     for routing, ids in routings.items():
         ids = ids.to(setup.device)
         loads = torch.bincount(ids.flatten(), minlength=e).tolist()
@@ -554,7 +578,8 @@ def report(results: dict) -> list[str]:
     layer = results.get("layer", {})
     if "routings" in layer:
         lines.append("")
-        lines.append("MoE routed experts forward+backward, ms (4096 tokens x top-8, 32 experts, 7168/2048; bf16)")
+        lines.append("MoE routed experts forward+backward, ms (4096 tokens x top-8, 32 experts, 7168/2048; bf16; "
+                     f"usual pipeline backward: {layer.get('baseline_backward')})")
         lines.append(f"{'routing':10s} {'pipeline':28s} {'fwd':>8s} {'fwd+bwd':>9s} {'max rel err':>12s}")
         for routing, entry in layer["routings"].items():
             for name in ("usual (torch._grouped_mm)", "dist_moe fused"):
