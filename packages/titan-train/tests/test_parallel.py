@@ -26,7 +26,8 @@ def reference(tmp_path_factory, jobs):
 @pytest.mark.parametrize("nproc,layout", [
     (2, {"parallelism.dp_shard": "2"}),
     (2, {"parallelism.tp": "2"}),
-    (4, {"parallelism.dp_shard": "2", "parallelism.tp": "2"}),
+    # Selective checkpointing rides along: recomputation must not change the numbers either.
+    (4, {"parallelism.dp_shard": "2", "parallelism.tp": "2", "activation_checkpoint.mode": "selective"}),
     (4, {"parallelism.dp_replicate": "2", "parallelism.dp_shard": "2", "training.grad_accum_steps": "2",
          "training.batch_size": "8", "training.steps": "3"}),
 ], ids=["fsdp2", "tp2", "fsdp2xtp2", "hsdp2x2-accum2"])

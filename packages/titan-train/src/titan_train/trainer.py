@@ -110,20 +110,22 @@ class Trainer:
         self.loader = PackedLoader(documents, self.tokenizer, seq_len=t.seq_len, seed=config.job.seed,
                                    shuffle=config.data.shuffle, document_masking=config.data.document_masking)
 
-        # Model: meta -> parallelize -> materialize with layout-independent weights.
+        # Model: built on meta, parallelized, then given weights that do not depend on the layout.
         self.model_cfg = model_config(config.model, vocab_needed=self.tokenizer.vocab_size)
         model = build_on_meta(self.model_cfg)
         self.loss_module = CausalLMLoss(model, chunk=t.loss_chunk_size)
         if config.data.document_masking:
             self.loss_module.context_factory = lambda ids: tm.AttentionContext(document_ids=ids)
-        if self.degrees.tp > 1:
-            check_tp_divisibility(model, self.degrees.tp, t.seq_len)
-            apply_tensor_parallel(self.loss_module, self.mesh["tp"])
         precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.fsdp = self.degrees.dp > 1
-        materialize(model, self.model_cfg, device=device, seed=config.model.init_seed,
-                    distributed=dist.is_initialized())
+        distributed = dist.is_initialized()
+        if not distributed:
+            # init_weights seeds each parameter by its name: run it before wrappers rename blocks.
+            materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=False)
+        if self.degrees.tp > 1:
+            check_tp_divisibility(model, self.degrees.tp, t.seq_len)
+            apply_tensor_parallel(self.loss_module, self.mesh["tp"])
         apply_activation_checkpointing(model, config.activation_checkpoint)
         if config.compile.enabled:
             apply_compile(model)
@@ -131,6 +133,10 @@ class Trainer:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(self.loss_module, dp_mesh, reshard_after_forward=par.reshard_after_forward,
                        param_dtype=self.compute_dtype if precision == "bf16" else None)
+        if distributed:
+            # Sharded while still on meta: each rank allocates only its shards, then copies them out
+            # of rank 0's full initialisation.
+            materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=True)
         self.model = model
 
         # Optimizer and schedule.
