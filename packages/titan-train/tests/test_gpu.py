@@ -10,9 +10,10 @@ from titan_train import train
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_bf16_compiled_selective_checkpointing_follows_fp32(tmp_path, jobs):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_bf16_compiled_selective_checkpointing_follows_fp32(tmp_path, jobs, attention):
     common = {"job.device": "cuda", "training.steps": "20", "training.seq_len": "256", "training.batch_size": "8",
-              "model.num_layers": "4", "model.attention": "flex"}
+              "model.num_layers": "4", "model.attention": attention}
     fp32 = train(jobs.tiny(tmp_path / "fp32", **common, **{"training.mixed_precision": "fp32"})).losses
     fast = train(jobs.tiny(tmp_path / "bf16", **common, **{
         "training.mixed_precision": "bf16", "compile.enabled": "true",

@@ -40,10 +40,21 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, folder: Path, *, tensorboard: bool):
+    def __init__(self, folder: Path, *, tensorboard: bool, start_step: int = 0):
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")
+        # A run resumed after step N keeps the records up to N (a killed run may have logged steps past
+        # its last checkpoint, which are about to be redone); a fresh run starts the file again.
+        kept = []
+        if start_step and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line)["step"] <= start_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError):
+                    pass  # a line cut short by the kill
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._file.writelines(kept)
         self._tb = None
         if tensorboard:
             import tensorboard  # noqa: F401  (torch.utils.tensorboard writes through it; fail early if absent)

@@ -145,8 +145,8 @@ class Trainer:
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         impl = o.implementation if o.implementation != "auto" else ("fused" if device.type == "cuda" else "foreach")
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           fused=impl == "fused" or None, foreach=impl == "foreach" or None)
+        kernels = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kernels)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.steps, config.lr_schedule))
 
@@ -218,7 +218,8 @@ class Trainer:
             start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device)
         result = TrainResult(start_step=start, folder=self.folder)
         is_main = self.rank == 0
-        metrics = MetricsWriter(self.folder, tensorboard=config.metrics.tensorboard) if is_main else None
+        metrics = (MetricsWriter(self.folder, tensorboard=config.metrics.tensorboard, start_step=start)
+                   if is_main else None)
         bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
         if is_main:
             self._announce(start)
