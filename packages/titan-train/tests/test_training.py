@@ -49,3 +49,20 @@ def test_same_losses_as_without(plain, tmp_path, jobs, overrides):
     rel = 1e-5 if "training.grad_accum_steps" in overrides else 0
     for step, loss in plain.items():
         assert losses[step] == pytest.approx(loss, rel=rel, abs=0)
+
+
+def test_jsonl_data_with_a_hugging_face_tokenizer(tmp_path, jobs):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    overrides = {"training.steps": "4", "data.source": str(tmp_path / "train.jsonl"), "data.text_field": "content",
+                 "data.tokenizer": str(tmp_path / "tokenizer.json")}
+    result = train(jobs.tiny(tmp_path / "run", **overrides))
+    assert result.losses[4] < result.losses[1]
+    with pytest.raises(ValueError, match="the tokenizer needs a vocabulary of"):
+        train(jobs.tiny(tmp_path / "small", **overrides, **{"model.vocab_size": "128"}))
