@@ -175,12 +175,12 @@ def section_gemm(setup: Setup, budget_s: float) -> dict:
     from dist_moe.kernels.launch import RowOperands, row_gemm
 
     t0 = time.time()
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=setup.device).manual_seed(0)  # on the GPU: 1e9 normals take seconds on CPU
     shapes = {"gate_up": (setup.hidden, setup.ffn), "down": (setup.ffn, setup.hidden)}
     cases = {}
     for shape, (k, n) in shapes.items():
-        x = torch.randn(setup.rows, k, generator=gen).to(setup.device, setup.dtype)
-        linear_w = (torch.randn(setup.experts, n, k, generator=gen) * k**-0.5).to(setup.device, setup.dtype)
+        x = torch.randn(setup.rows, k, generator=gen, device=setup.device).to(setup.dtype)
+        linear_w = (torch.randn(setup.experts, n, k, generator=gen, device=setup.device) * k**-0.5).to(setup.dtype)
         for routing in ("uniform", "skewed"):
             counts = setup.counts(routing)
             want, start = torch.empty(setup.rows, n, dtype=torch.float64, device=setup.device), 0
@@ -285,13 +285,13 @@ def section_wgrad(setup: Setup, budget_s: float) -> dict:
     from dist_moe.kernels.launch import weight_gemm
 
     t0 = time.time()
-    gen = torch.Generator(device="cpu").manual_seed(1)
+    gen = torch.Generator(device=setup.device).manual_seed(1)
     # gate/up: x [rows, 7168], dy [rows, 2048] -> [E, 7168, 2048], stored as the Linear weight [E, 2048, 7168]
     shapes = {"gate_up": (setup.hidden, setup.ffn), "down": (setup.ffn, setup.hidden)}
     cases = {}
     for shape, (k, n) in shapes.items():
-        p = torch.randn(setup.rows, k, generator=gen).to(setup.device, setup.dtype)
-        q = torch.randn(setup.rows, n, generator=gen).to(setup.device, setup.dtype)
+        p = torch.randn(setup.rows, k, generator=gen, device=setup.device).to(setup.dtype)
+        q = torch.randn(setup.rows, n, generator=gen, device=setup.device).to(setup.dtype)
         for routing in ("uniform", "skewed"):
             counts = setup.counts(routing)
             want, start = torch.empty(setup.experts, k, n, dtype=torch.float64, device=setup.device), 0
@@ -464,24 +464,25 @@ def section_layer(setup: Setup, budget_s: float) -> dict:
 
     from dist_moe.kernels.configs import chosen_configs
 
-    gen = torch.Generator(device="cpu").manual_seed(2)
+    gen = torch.Generator(device=setup.device).manual_seed(2)
+    cpu_gen = torch.Generator().manual_seed(3)  # routing draws
     e, dim, ffn, tokens, top_k = setup.experts, setup.hidden, setup.ffn, setup.tokens, setup.top_k
     params = [
-        torch.randn(tokens, dim, generator=gen),
-        torch.randn(e, ffn, dim, generator=gen) * dim**-0.5,
-        torch.randn(e, dim, ffn, generator=gen) * ffn**-0.5,
-        torch.randn(e, ffn, dim, generator=gen) * dim**-0.5,
+        torch.randn(tokens, dim, generator=gen, device=setup.device),
+        torch.randn(e, ffn, dim, generator=gen, device=setup.device) * dim**-0.5,
+        torch.randn(e, dim, ffn, generator=gen, device=setup.device) * ffn**-0.5,
+        torch.randn(e, ffn, dim, generator=gen, device=setup.device) * dim**-0.5,
     ]
     params = [p.to(setup.device, setup.dtype).requires_grad_() for p in params]
-    weights = torch.rand(tokens, top_k, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen, device=setup.device)
     weights = (weights / weights.sum(1, keepdim=True)).to(setup.device).requires_grad_()
     inputs = [*params, weights]
-    grad_out = torch.randn(tokens, dim, generator=gen).to(setup.device, setup.dtype)
+    grad_out = torch.randn(tokens, dim, generator=gen, device=setup.device).to(setup.dtype)
     routings = {}
     slots = (torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)[None, :]) % e  # balanced, distinct per token
-    routings["uniform"] = slots[torch.randperm(tokens, generator=gen)]
+    routings["uniform"] = slots[torch.randperm(tokens, generator=cpu_gen)]
     zipf = torch.tensor([1.0 / (i + 1) for i in range(e)])
-    routings["skewed"] = torch.multinomial(zipf.expand(tokens, e), top_k, replacement=False, generator=gen)
+    routings["skewed"] = torch.multinomial(zipf.expand(tokens, e), top_k, replacement=False, generator=cpu_gen)
     gmm, how = baseline_grouped_mm(setup) if has_torch_grouped_mm() else (None, "unavailable")
 
     result = {"routings": {}, "baseline_backward": how}
