@@ -130,14 +130,18 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, q_positions, kv_len = ctx.saved_tensors
-        with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            mask = _visible(q_positions, k.shape[1], kv_len)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, scale=ctx.scale,
-                                                 enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad)
-        return gq, gk, gv, None, None, None
+        return (*sdpa_attention_grad(q, k, v, q_positions, kv_len, ctx.scale, grad), None, None, None)
+
+
+def sdpa_attention_grad(q, k, v, q_positions, kv_len, scale, grad):
+    """Gradients of the attention contract (same mask) through torch's SDPA, for q, k, v."""
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        mask = _visible(q_positions, k.shape[1], kv_len)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+        return torch.autograd.grad(out, (q, k, v), grad)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_rl.batch_invariant.torch_ops import sdpa_attention_grad
+
 MATMUL_TILE = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: one fixed config, never autotuned per shape
 MATMUL_GROUP_M = 8            # tile launch order (L2 reuse); does not change any element's reduction
 ROW_BLOCK = 1024            # chunk of a row for rms_norm / log_softmax
@@ -214,17 +216,6 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, S, L, HQ, 
              mask=row_ok[:, None])
 
 
-def _attention_reference(q, k, v, q_positions, scale, kv_len):
-    """Plain torch math attention (for backward)."""
-    g = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
-    scores = torch.einsum("bshd,blhd->bhsl", q.float(), kk.float()) * scale
-    slots = torch.arange(k.shape[1], device=q.device)
-    limit = q_positions if kv_len is None else torch.minimum(q_positions, kv_len[:, None] - 1)
-    scores = scores.masked_fill(slots[None, None, None, :] > limit[:, None, :, None], float("-inf"))
-    return torch.einsum("bhsl,blhd->bshd", scores.softmax(-1), vv.float()).to(q.dtype)
-
-
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_positions, kv_len, scale):
@@ -248,12 +239,9 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Recompute with torch's SDPA (masked, memory-efficient kernel on CUDA) and differentiate that.
         q, k, v, q_positions, kv_len = ctx.saved_tensors
-        with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            ref = _attention_reference(q, k, v, q_positions, ctx.scale, kv_len)
-            gq, gk, gv = torch.autograd.grad(ref, (q, k, v), grad)
-        return gq, gk, gv, None, None, None
+        return (*sdpa_attention_grad(q, k, v, q_positions, kv_len, ctx.scale, grad), None, None, None)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor, scale: float,
