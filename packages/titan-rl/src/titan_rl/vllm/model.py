@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import titan_models as tm
 import torch
 from torch import nn
-from titan_models.hf.convert import _converter_for_architecture
+from titan_models.hf import converter_for
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
@@ -55,7 +55,7 @@ class TitanForCausalLM(nn.Module):
                              f"({sorted(ARCHITECTURES)})")
         hf = hf_config.to_dict()
         hf["architectures"] = [ARCHITECTURES[ours[0]]]
-        converter = _converter_for_architecture(hf)
+        converter = converter_for(hf)
         config = converter.config_from_hf(hf, set())
         dtype = vllm_config.model_config.dtype
         config = dataclasses.replace(config, dtype=dtype)
