@@ -66,3 +66,17 @@ def test_non_finite_loss_stops_the_run_without_a_bad_checkpoint(tmp_path, cli, j
     out, err = capsys.readouterr()
     assert f"resuming after step {bad - 1}" in out
     assert "titan-train: stopped: non-finite" in err and f"at step {bad}" in err
+
+
+def test_resume_in_another_layout(tmp_path, jobs):
+    """A checkpoint written by FSDP2 x TP2 (DTensor shards) resumes in one process and continues the
+    single-process curve (constant schedule, so the shorter first run changes nothing else)."""
+    job = {"lr_schedule.kind": "constant", "checkpoint.interval": "3", "checkpoint.resume": "true"}
+    reference = train(jobs.tiny(tmp_path / "single", **job, **{"training.steps": "6"})).losses
+    folder = tmp_path / "moved"
+    jobs.on_ranks(jobs.tiny(folder, **job, **{"training.steps": "3", "parallelism.dp_shard": "2",
+                                                "parallelism.tp": "2"}), 4)
+    resumed = train(jobs.tiny(folder, **job, **{"training.steps": "6"}))
+    assert resumed.start_step == 3 and sorted(resumed.losses) == [4, 5, 6]
+    for step, loss in resumed.losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-4)  # the tolerance of test_parallel.py

@@ -51,7 +51,7 @@ def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int,
         return
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        reference = model_cfg.build()
+        reference = build_on_meta(model_cfg).to_empty(device="cpu")  # skips nn.Linear's own (wasted) init
         reference.init_weights(seed=seed)
         full = reference.state_dict()
     # Buffers (RoPE frequencies) are not in the broadcast: every rank recomputes them.

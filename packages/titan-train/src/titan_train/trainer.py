@@ -137,6 +137,7 @@ class Trainer:
             # Sharded while still on meta: each rank allocates only its shards, then copies them out
             # of rank 0's full initialisation.
             materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=True)
+        torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.model = model
 
         # Optimizer and schedule.
