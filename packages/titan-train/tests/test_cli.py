@@ -90,3 +90,15 @@ def test_python_dash_m_lists_recipes():
     out = subprocess.run([sys.executable, "-m", "titan_train", "--list-recipes"], capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert "llama3_debug" in out and "llama3_1b" in out
+
+
+def test_recipe_from_a_file_in_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "team_recipes_xyz.py").write_text(
+        "import titan_train as tt\n\ndef short():\n    c = tt.load_recipe('llama3_debug')\n"
+        "    c.training.steps = 2\n    return c\n\ndef wrong():\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    config, _ = parse_args(["--recipe", "team_recipes_xyz:short"])
+    assert config.training.steps == 2
+    with pytest.raises(ValueError, match="returned int, not a TrainConfig"):
+        parse_args(["--recipe", "team_recipes_xyz:wrong"])

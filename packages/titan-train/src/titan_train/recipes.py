@@ -6,6 +6,8 @@ own (any zero-argument function returning a TrainConfig); command-line overrides
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
 from .config import (
@@ -38,6 +40,8 @@ def load_recipe(spec: str) -> TrainConfig:
     """The config of a registered recipe name or of `package.module:function`."""
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
+        if os.getcwd() not in sys.path:  # the console script, unlike python -m, does not look in the cwd
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
