@@ -66,3 +66,22 @@ def test_jsonl_data_with_a_hugging_face_tokenizer(tmp_path, jobs):
     assert result.losses[4] < result.losses[1]
     with pytest.raises(ValueError, match="the tokenizer needs a vocabulary of"):
         train(jobs.tiny(tmp_path / "small", **overrides, **{"model.vocab_size": "128"}))
+
+
+def test_plans_a_model_cannot_take_are_errors():
+    import dataclasses
+
+    import titan_models as tm
+
+    from titan_train.model_setup import build_on_meta
+    from titan_train.parallelize import check_tp_divisibility
+
+    debug = tm.flavor("llama3", "debug")  # 4 heads, 2 kv heads
+    model = build_on_meta(debug)
+    check_tp_divisibility(model, 2, 64)
+    with pytest.raises(ValueError, match="tp=4 does not divide the model's num_kv_heads=2"):
+        check_tp_divisibility(model, 4, 64)
+    with pytest.raises(ValueError, match="tp=2 does not divide training.seq_len=63"):
+        check_tp_divisibility(model, 2, 63)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        check_tp_divisibility(build_on_meta(dataclasses.replace(debug, tie_embeddings=True)), 2, 64)
