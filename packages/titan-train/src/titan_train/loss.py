@@ -62,7 +62,7 @@ class _SumGradOverGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place; autograd owns `grad`
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 

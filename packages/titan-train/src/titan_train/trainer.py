@@ -85,10 +85,15 @@ def train(config: TrainConfig) -> TrainResult:
 
 
 class Trainer:
+    """One rank's share of a run: data, parallelized model, optimizer, schedule and checkpoints, built
+    from the config (everything the user can get wrong is checked before the model is built)."""
+
     def __init__(self, config: TrainConfig, device: torch.device):
         self.config, self.device = config, device
-        t, par = config.training, config.parallelism
+        t, par, c = config.training, config.parallelism, config.checkpoint
         validate_schedule(config.lr_schedule)
+        if c.interval < 0 or c.keep_last < 0:
+            raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.degrees = resolve_degrees(par, world)
@@ -151,9 +156,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.steps, config.lr_schedule))
 
-        c = config.checkpoint
-        if c.interval < 0 or c.keep_last < 0:
-            raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
         self.checkpoints = None
         if c.interval > 0 or c.resume:
             from .checkpoint import RunCheckpoints  # torch-checkpointing is only needed when checkpointing
