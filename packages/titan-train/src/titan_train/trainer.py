@@ -94,6 +94,8 @@ class Trainer:
         validate_schedule(config.lr_schedule)
         if c.interval < 0 or c.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if config.metrics.log_interval < 1:
+            raise ValueError(f"metrics.log_interval must be >= 1, got {config.metrics.log_interval}")
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.degrees = resolve_degrees(par, world)
