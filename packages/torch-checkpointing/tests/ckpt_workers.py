@@ -357,3 +357,81 @@ def fsdp2_resume(rank: int, world_size: int, root: str, out: str) -> None:
     if rank == 0:
         torch.save(full, out)
     ckpt.close()
+
+
+# ---- local tensors that describe their own pieces (DCP's checkpoint hooks) -----------------------
+
+def hook_tensors(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"d": torch.randn(6, 16, generator=g), "e": torch.randn(5, 8, generator=g)}
+
+
+def column_pieces(full: torch.Tensor, columns: list[tuple[int, int]], mesh, *, transposed: int | None = None) -> DTensor:
+    """A DTensor whose local tensor is torch's LocalShardsWrapper (the hooks' implementation TorchRec
+    uses) holding the given column ranges of `full`: layouts placements cannot express. Piece number
+    `transposed` is stored as a non-contiguous view."""
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    pieces = []
+    for i, (lo, hi) in enumerate(columns):
+        piece = full[:, lo:hi].clone()
+        pieces.append(piece.t().contiguous().t() if i == transposed else piece)
+    local = LocalShardsWrapper(pieces, [(0, lo) for lo, _ in columns])
+    return DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def hook_layout(rank: int, mesh, full: dict[str, torch.Tensor], *, swapped: bool) -> dict[str, DTensor]:
+    """d: interleaved 4-column blocks (rank r: blocks r and r+2, or 1-r and 3-r when swapped);
+    e: all of it on rank 0 in two uneven pieces, nothing on rank 1."""
+    blocks = (1 - rank, 3 - rank) if swapped else (rank, rank + 2)
+    return {
+        "d": column_pieces(full["d"], [(4 * b, 4 * b + 4) for b in blocks], mesh, transposed=1),
+        "e": column_pieces(full["e"], [(0, 3), (3, 8)] if rank == 0 else [], mesh),
+    }
+
+
+def hooks_round_trip(rank: int, world_size: int, root: str) -> None:
+    """Save DTensors whose local tensors name their own pieces (asynchronously, changing them right
+    after staging), save again without any collective, and load into other layouts: the same hooks
+    with the blocks swapped between ranks, and plain Shard(0) DTensors."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    ckpt = tc.Checkpointer(root)
+    # LocalShardsWrapper always reports float32, so bf16 pieces contradict their DTensor's dtype.
+    # Only rank 0 holds pieces of "e" and finds out; it raises its error, and rank 1, instead of
+    # waiting forever in the layout exchange, raises one naming rank 0 and the error.
+    wrong = hook_layout(rank, mesh, {**hook_tensors(1), "e": hook_tensors(1)["e"].bfloat16()}, swapped=False)
+    try:
+        ckpt.save(1, wrong)
+        raise AssertionError("a piece of the wrong dtype was saved")
+    except ValueError as e:
+        assert "DTensor 'e': its local tensor returned a torch.bfloat16[5, 3] piece on cpu" in str(e), e
+        assert str(e).startswith("DTensor 'e'" if rank == 0 else "the state cannot be saved on every rank: rank 0: ValueError"), e
+    state = hook_layout(rank, mesh, hook_tensors(1), swapped=False)
+    handle = ckpt.save(1, state)
+    handle.wait_staged()
+    for value in state.values():
+        for piece in value._local_tensor.local_shards():
+            piece.fill_(-1)  # the saved step keeps the values of save time
+    handle.wait()
+    state = hook_layout(rank, mesh, hook_tensors(2), swapped=False)
+    with CollectiveCounter() as counter:
+        ckpt.save(2, state, blocking=True)
+    assert counter.calls == {} and counter.sequence == 0, (counter.calls, counter.sequence)
+
+    zeros = {k: torch.zeros_like(v) for k, v in hook_tensors(1).items()}
+    target = hook_layout(rank, mesh, zeros, swapped=True)
+    assert ckpt.load(target, step=1) == 1
+    expected = hook_layout(rank, mesh, hook_tensors(1), swapped=True)
+    for name in target:
+        got, want = target[name]._local_tensor.local_shards(), expected[name]._local_tensor.local_shards()
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), name
+    rows = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in zeros.items()}
+    assert ckpt.load(rows, step=2) == 2
+    for name, value in rows.items():
+        assert torch.equal(value._local_tensor, hook_tensors(2)[name].chunk(world_size)[rank]), name
+    # Only the pieces differ from step 2's layout (same shapes, placements, local shapes): still a
+    # new layout, published through the storage without a collective.
+    with CollectiveCounter() as counter:
+        ckpt.save(3, hook_layout(rank, mesh, hook_tensors(3), swapped=True), blocking=True)
+    assert counter.calls == {} and counter.sequence == 0, (counter.calls, counter.sequence)
+    ckpt.close()

@@ -9,7 +9,7 @@ import torch
 
 import torch_checkpointing as tc
 from ckpt_spawn import run_ranks
-from ckpt_workers import fsdp2_resume, global_tensors, load_on_two, save_on_four
+from ckpt_workers import fsdp2_resume, global_tensors, hook_tensors, hooks_round_trip, load_on_two, save_on_four
 
 
 def plain_target(step_zeros: bool = True) -> dict:
@@ -80,3 +80,21 @@ def test_fsdp2_resume_and_single_process_load(tmp_path):
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), expected[name]), name
     assert all(optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in model.parameters())
+
+
+def test_local_tensors_with_checkpoint_hooks(tmp_path):
+    """DTensors whose local tensor implements DCP's hooks (torch's LocalShardsWrapper here; flexshard's
+    ChunkedShard in tests/test_checkpoint_flexshard.py) are stored piece by piece at their offsets."""
+    root = tmp_path / "ckpt"
+    run_ranks(2, tmp_path / "pg", hooks_round_trip, str(root))
+    chunks = json.loads((root / "step-1" / "metadata.json").read_text())["tensors"]
+    assert sorted((c["rank"], c["offset"][1]) for c in chunks["d"]["chunks"]) == [(0, 0), (0, 8), (1, 4), (1, 12)]
+    assert sorted((c["rank"], tuple(c["shape"])) for c in chunks["e"]["chunks"]) == [(0, (5, 3)), (0, (5, 5))]
+    assert sorted((c["rank"], c["offset"][1]) for c in json.loads((root / "step-3" / "metadata.json").read_text())
+                  ["tensors"]["d"]["chunks"]) == [(0, 4), (0, 12), (1, 0), (1, 8)]  # swapped blocks
+    with tc.Checkpointer(root) as ckpt:
+        for step in (1, 2, 3):
+            plain = {k: torch.zeros_like(v) for k, v in hook_tensors(step).items()}
+            assert ckpt.load(plain, step=step) == step
+            for name, value in plain.items():
+                assert torch.equal(value, hook_tensors(step)[name]), (step, name)

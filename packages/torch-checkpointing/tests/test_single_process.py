@@ -26,7 +26,8 @@ def sample_state(seed: int) -> dict:
         },
         "values": {"int": seed, "float": 0.1 * seed, "nan": math.nan, "inf": -math.inf, "str": f"s{seed}",
                    "none": None, "bool": seed % 2 == 0, "bytes": bytes(range(seed, seed + 40)),
-                   "tuple": (seed, 2.5, ("x", None)), "ints": [seed, seed + 1], 7: "int key"},
+                   "tuple": (seed, 2.5, ("x", None)), "ints": [seed, seed + 1], 7: "int key",
+                   "dtype": torch.bfloat16, "dtypes": (torch.float8_e4m3fn, torch.int64)},
         "nested": [[torch.full((2,), float(seed)), {"deep": [torch.arange(3) * seed, "leaf"]}], 5],
     }
 
@@ -38,7 +39,8 @@ def zeros_like_state(state):
         return [zeros_like_state(v) for v in state]
     if isinstance(state, torch.Tensor):
         return torch.zeros_like(state)
-    return {int: 0, float: 0.0, str: "", bytes: b"", bool: False, tuple: (), type(None): None}[type(state)]
+    return {int: 0, float: 0.0, str: "", bytes: b"", bool: False, tuple: (), type(None): None,
+            torch.dtype: torch.float32}[type(state)]
 
 
 def assert_same(a, b, path="state"):
@@ -183,6 +185,10 @@ def test_user_errors_name_what_is_wrong(tmp_path):
         ckpt.save(1, {"a": {"b": {1, 2}}})
     with pytest.raises(TypeError, match="'opt' is an optimizer"):
         ckpt.save(1, {"opt": torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)})
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper  # implements DCP's hooks
+
+    with pytest.raises(TypeError, match="'pieces' is a LocalShardsWrapper implementing __create_write_items__.*outside a DTensor"):
+        ckpt.save(1, {"pieces": LocalShardsWrapper([torch.ones(2, 3)], [(0, 3)])})
     with pytest.raises(ValueError, match="two state entries share the path 'a.b'"):
         ckpt.save(1, {"a.b": 1, "a": {"b": 2}})
     with pytest.raises(ValueError, match="step must be a non-negative int"):

@@ -1,6 +1,7 @@
 """The Checkpointer: save (asynchronous by default), load with resharding, list and retain steps."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,12 +19,18 @@ from .config import CheckpointerConfig, group_rank_and_size
 from .file_format import COMMIT, FAILED, dtype_name, record_file, step_dir, tensor_bytes
 from .layout import RankLayout, build_rank_layout, layout_key, leaf_kind, merge_layouts
 from .rank_writer import ExtraPiece, write_rank
+from .sharding import box_view
 from .reader import StepReader, load_step
 from .staging import HostPool, Staged, StagingPlan, plan_staging, stage
 from .state_tree import encode_value, flatten
 from .storage import Storage, storage_for
 
 _PLAN_CACHE_SIZE = 4  # layouts remembered (e.g. alternating model-only and full saves)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 class SaveHandle:
@@ -139,17 +146,18 @@ class Checkpointer:
             raise ValueError(f"step {step} was already saved by this Checkpointer")
         if self._handles:  # its staging buffers are about to be reused
             wait_futures([self._handles[-1]._local])
-        tree = flatten(state)
-        kinds = [leaf_kind(leaf, self.config.per_rank) for leaf in tree.leaves]
-        key = layout_key(tree.leaves, kinds)
-        plan = self._plans.get(key)
-        if plan is None:
-            layout = build_rank_layout(tree.leaves, kinds, rank=self.rank, world_size=self.world_size)
-            sources = self._sources(tree.leaves, layout)
-            plan = _Plan(layout, plan_staging(layout.pieces, sources, slab_bytes=self.config.slab_bytes))
-            if len(self._plans) >= _PLAN_CACHE_SIZE:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = plan
+        try:
+            tree = flatten(state)
+            kinds = [leaf_kind(leaf, self.config.per_rank) for leaf in tree.leaves]
+            key = layout_key(tree.leaves, kinds)
+            plan = self._plans.get(key) or self._make_plan(key, tree.leaves, kinds)
+        except Exception as e:  # whatever it is, the other ranks must hear of it
+            if not self._exchanged and self.world_size > 1:
+                # The other ranks are about to wait for this one in the layout exchange: take part
+                # in it with the error, so they raise too instead of hanging; this rank raises its own.
+                with contextlib.suppress(ValueError):
+                    self._first_save_exchange(None, failure=f"{type(e).__name__}: {e}")
+            raise
         if not self._exchanged:
             self._first_save_exchange(plan.layout)
         if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
@@ -181,12 +189,21 @@ class Checkpointer:
             handle.wait()
         return handle
 
+    def _make_plan(self, key: tuple, leaves, kinds) -> _Plan:
+        layout = build_rank_layout(leaves, kinds, rank=self.rank, world_size=self.world_size)
+        sources = self._sources(leaves, layout)
+        plan = _Plan(layout, plan_staging(layout.pieces, sources, slab_bytes=self.config.slab_bytes))
+        if len(self._plans) >= _PLAN_CACHE_SIZE:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+        return plan
+
     def _sources(self, leaves, layout: RankLayout) -> list[torch.Tensor]:
         out = []
         for piece in layout.pieces:
             value = leaves[piece.leaf].value
             local = value._local_tensor if isinstance(value, DTensor) else value
-            out.append(local.detach()[piece.slices])
+            out.append(box_view(piece.path, local, piece.box))
         return out
 
     def _per_rank_entries(self, leaves, kinds) -> tuple[list[ExtraPiece], dict]:
@@ -205,33 +222,42 @@ class Checkpointer:
                 values[leaf.path] = {"tensor": leaf.path}
         return extras, values
 
-    def _first_save_exchange(self, layout: RankLayout) -> None:
-        """The only collectives: every rank's layout gathered on rank 0, which checks them and tells
-        every rank the verdict (so all raise the same error, or none does).
+    def _first_save_exchange(self, layout: RankLayout | None, *, failure: str | None = None) -> None:
+        """The only collectives: every rank's layout (or why it has none) gathered on rank 0, which
+        checks them and tells every rank the verdict (so all raise the same error, or none does).
 
         Rank 0 removes earlier runs' unfinished steps first; no rank writes before the verdict
         arrives, so nothing new is removed.
         """
         error = None
-        gathered: list[Any] = [(layout.record, layout.fingerprint)]
+        mine = (layout.record, layout.fingerprint, None) if layout is not None else (None, None, failure)
+        gathered: list[Any] = [mine]
         if self.rank == 0:
             remove_leftovers(self.storage)
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object((layout.record, layout.fingerprint), gathered, dst=self._global_rank(0),
-                               group=self.process_group)
+            dist.gather_object(mine, gathered, dst=self._global_rank(0), group=self.process_group)
         if self.rank == 0:
-            try:
-                merge_layouts([g[0] for g in gathered], [record_file(r, g[1]) for r, g in enumerate(gathered)])
-                self._committer.set_layouts([g[0] for g in gathered], [g[1] for g in gathered])
-            except ValueError as e:
-                error = str(e)
+            failures: dict[str, list[int]] = {}
+            for r, g in enumerate(gathered):
+                if g[2] is not None:
+                    failures.setdefault(g[2], []).append(r)
+            if failures:
+                error = "the state cannot be saved on every rank: " + "; ".join(
+                    f"rank{'s' if len(ranks) > 1 else ''} {_rank_list(ranks)}: {message}" for message, ranks in failures.items()
+                )
+            else:
+                try:
+                    merge_layouts([g[0] for g in gathered], [record_file(r, g[1]) for r, g in enumerate(gathered)])
+                    self._committer.set_layouts([g[0] for g in gathered], [g[1] for g in gathered])
+                except ValueError as e:
+                    error = f"the ranks' states do not fit together: {e}"
         if self.world_size > 1:
             verdict = [error]
             dist.broadcast_object_list(verdict, src=self._global_rank(0), group=self.process_group)
             error = verdict[0]
         if error is not None:
-            raise ValueError(f"the ranks' states do not fit together: {error}")
+            raise ValueError(error)
         self._exchanged = True
 
     def _global_rank(self, group_rank: int) -> int:

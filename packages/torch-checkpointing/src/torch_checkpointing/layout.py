@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .file_format import FORMAT, VERSION, dtype_name, to_json
+from .local_chunks import HOOKS, has_checkpoint_hooks, hook_chunks
 from .sharding import Box, dtensor_boxes, plain_owner
 from .state_tree import Leaf
 
@@ -30,6 +31,12 @@ def leaf_kind(leaf: Leaf, per_rank: tuple[str, ...]) -> str:
             raise ValueError(f"{leaf.path!r} is a DTensor, so it cannot be per_rank (its placements say who holds what)")
         return "dtensor"
     if isinstance(value, torch.Tensor):
+        if has_checkpoint_hooks(leaf.path, value):
+            # its pieces have global offsets, but the global shape is not known on a rank holding none
+            raise TypeError(
+                f"{leaf.path!r} is a {type(value).__name__} implementing {', '.join(HOOKS)} outside a DTensor; "
+                "wrap it in a DTensor (DTensor.from_local(..., shape=global shape)) so every rank knows its global shape"
+            )
         return "rank_tensor" if matches_prefix(leaf.path, per_rank) else "tensor"
     if isinstance(value, (bytes, bytearray)):
         return "bytes"
@@ -43,8 +50,10 @@ def layout_key(leaves: list[Leaf], kinds: list[str]) -> tuple:
         t = leaf.value
         if kind == "dtensor":
             local = t._local_tensor
+            # a local tensor with checkpoint hooks names its pieces itself: they are part of the layout
+            pieces = tuple(hook_chunks(leaf.path, t, saving=True)) if has_checkpoint_hooks(leaf.path, local) else None
             key.append((leaf.path, kind, t.dtype, tuple(t.shape), tuple(t.placements), t.device_mesh,
-                        local.device, local.stride()))
+                        local.device, local.stride(), pieces))
         elif kind == "tensor":
             key.append((leaf.path, kind, t.dtype, tuple(t.shape), t.device, t.stride()))
         else:
@@ -59,7 +68,7 @@ class Piece:
     name: str
     path: str
     leaf: int
-    slices: tuple[slice, ...]
+    box: Box
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
@@ -83,7 +92,7 @@ def build_rank_layout(leaves: list[Leaf], kinds: list[str], *, rank: int, world_
             continue
         t = leaf.value
         if kind == "dtensor":
-            boxes, writes = dtensor_boxes(leaf.path, t)
+            boxes, writes = dtensor_boxes(leaf.path, t, saving=True)
         else:
             boxes = [Box((0,) * t.dim(), tuple(t.shape), (0,) * t.dim())]
             writes = plain_owner(leaf.path, world_size) == rank
@@ -94,7 +103,7 @@ def build_rank_layout(leaves: list[Leaf], kinds: list[str], *, rank: int, world_
         if writes:
             for i, box in enumerate(boxes):
                 name = leaf.path if len(boxes) == 1 else f"{leaf.path}@{','.join(map(str, box.offset))}"
-                pieces.append(Piece(name, leaf.path, index, box.local_slices(), t.dtype, box.shape,
+                pieces.append(Piece(name, leaf.path, index, box, t.dtype, box.shape,
                                     box.numel * t.element_size()))
                 chunks.append({"name": name, "offset": list(box.offset), "shape": list(box.shape)})
         tensors[leaf.path] = {"dtype": dtype, "shape": list(t.shape), "chunks": chunks}

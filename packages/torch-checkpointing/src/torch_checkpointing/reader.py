@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .file_format import DTYPES, METADATA, step_dir, tensor_bytes
 from .layout import leaf_kind
-from .sharding import Box, dtensor_boxes
+from .sharding import Box, box_view, dtensor_boxes
 from .state_tree import Leaf, decode_value
 from .storage import Storage
 
@@ -120,32 +120,34 @@ class StepReader:
             raise ValueError(f"{path!r} has global shape {tuple(target.shape)} here but {global_shape} in step {self.step}")
         if isinstance(target, DTensor):
             boxes, _ = dtensor_boxes(path, target)
-            local = target._local_tensor.detach()  # parameters may require grad; we fill their storage
+            local = target._local_tensor
         else:
             boxes = [Box((0,) * target.dim(), tuple(target.shape), (0,) * target.dim())] if target.numel() else []
-            local = target.detach()
+            local = target
         tasks = []
         for box in boxes:
+            view = box_view(path, local, box)  # detached: parameters may require grad; we fill their storage
             for chunk in entry["chunks"]:
-                tasks += self._chunk_tasks(path, local, box, chunk)
+                tasks += self._chunk_tasks(path, view, box, chunk)
         return tasks
 
-    def _chunk_tasks(self, path: str, local: torch.Tensor, box: Box, chunk: dict) -> list[Callable[[], None]]:
+    def _chunk_tasks(self, path: str, view: torch.Tensor, box: Box, chunk: dict) -> list[Callable[[], None]]:
+        """Tasks filling the part of `view` (the target's elements of `box`) that `chunk` stores."""
         c_off, c_shape = tuple(chunk["offset"]), tuple(chunk["shape"])
         lo = [max(b, c) for b, c in zip(box.offset, c_off)]
         hi = [min(b + bs, c + cs) for b, bs, c, cs in zip(box.offset, box.shape, c_off, c_shape)]
         if any(l >= h for l, h in zip(lo, hi)):
             return []
         stored = self.stored(chunk["rank"], chunk["name"])
-        # the overlap in the stored chunk's coordinates and in the target's local coordinates
+        # the overlap in the stored chunk's coordinates and in the box's
         in_chunk = [slice(l - c, h - c) for l, h, c in zip(lo, hi, c_off)]
-        in_local = [slice(l - b + lb, h - b + lb) for l, h, b, lb in zip(lo, hi, box.offset, box.local_offset)]
-        dst = local[tuple(in_local)]
+        in_box = [slice(l - b, h - b) for l, h, b in zip(lo, hi, box.offset)]
+        dst = view[tuple(in_box)]
         es = stored.dtype.itemsize
         exact = tuple(lo) == c_off and tuple(h - l for l, h in zip(lo, hi)) == c_shape
         if exact and dst.is_contiguous() and dst.dtype == stored.dtype:
             return self._exact_tasks(path, stored, dst)
-        if local.dim() == 0:
+        if view.dim() == 0:
             return [lambda: dst.copy_(self.read_tensor(chunk["rank"], chunk["name"], path).reshape(()))]
         row_bytes = es
         for s in c_shape[1:]:

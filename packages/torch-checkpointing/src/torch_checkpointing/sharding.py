@@ -1,20 +1,25 @@
-"""Which part of a global tensor a rank holds, as boxes, computed from DTensor placements alone.
+"""Which part of a global tensor a rank holds, as boxes, computed from DTensor placements.
 
 A box is a dense sub-block of the global tensor: `offset` and `shape` in global coordinates, and
 `local_offset` where it sits in the rank's local tensor. Shard and Replicate give one box per rank;
 a strided shard (FSDP2 + TP's _StridedShard) gives one box per contiguous run of global indices.
+A local tensor that implements DCP's checkpoint hooks (local_chunks.py) names its boxes itself;
+they have no local_offset, and their tensors come from the hooks.
 Nothing here communicates: every rank computes its own boxes, and which replica writes a replicated
 box, from the mesh coordinate.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import zlib
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from .local_chunks import has_checkpoint_hooks, hook_chunks, hook_view
 
 try:
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -28,7 +33,7 @@ Run = tuple[int, int]  # (global start, length) of consecutive global indices al
 class Box:
     offset: tuple[int, ...]
     shape: tuple[int, ...]
-    local_offset: tuple[int, ...]
+    local_offset: tuple[int, ...] | None  # None: the local tensor's __get_tensor_shard__ gives the box
 
     @property
     def numel(self) -> int:
@@ -38,7 +43,15 @@ class Box:
         return n
 
     def local_slices(self) -> tuple[slice, ...]:
+        assert self.local_offset is not None
         return tuple(slice(o, o + s) for o, s in zip(self.local_offset, self.shape))
+
+
+def box_view(path: str, local: torch.Tensor, box: Box) -> torch.Tensor:
+    """The box's elements in the local tensor (a view sharing its storage), detached."""
+    if box.local_offset is None:
+        return hook_view(path, local, box.offset, box.shape).detach()
+    return local[box.local_slices()].detach()
 
 
 def _select_positions(runs: list[Run], start: int, stop: int) -> list[Run]:
@@ -79,9 +92,14 @@ def _apply_shard(runs: list[Run], placement, num_chunks: int, index: int, ndim: 
     return _runs_of([flat[p] for p in positions])
 
 
-def dtensor_boxes(path: str, tensor: DTensor) -> tuple[list[Box], bool]:
-    """(boxes this rank holds, whether this rank writes them: one replica per replicated mesh dim)."""
+def dtensor_boxes(path: str, tensor: DTensor, *, saving: bool = False) -> tuple[list[Box], bool]:
+    """(boxes this rank holds, whether this rank writes them: one replica per replicated mesh dim).
+
+    saving: for a local tensor with checkpoint hooks, the boxes it asks to save (its write items)
+    rather than those it holds (its chunk list), as DCP's planners do.
+    """
     mesh, placements = tensor.device_mesh, tensor.placements
+    hooks = has_checkpoint_hooks(path, tensor._local_tensor)
     shape = tuple(tensor.shape)
     ndim = len(shape)
     coordinate = mesh.get_coordinate()
@@ -99,13 +117,19 @@ def dtensor_boxes(path: str, tensor: DTensor) -> tuple[list[Box], bool]:
                 f"DTensor {path!r} has a Partial placement (pending reduction); redistribute it to "
                 "Shard or Replicate before checkpointing"
             )
+        elif hooks:
+            continue  # the local tensor describes its pieces itself; only replication matters here
         elif (_StridedShard is not None and isinstance(placement, _StridedShard)) or isinstance(placement, Shard):
             dim = placement.dim % ndim
             runs[dim] = _apply_shard(runs[dim], placement, size, index, ndim, path)
         else:
             raise ValueError(
-                f"DTensor {path!r} has placement {placement!r}; supported: Shard, _StridedShard, Replicate"
+                f"DTensor {path!r} has placement {placement!r}; supported: Shard, _StridedShard, Replicate "
+                "(any placement when the local tensor implements DCP's checkpoint hooks)"
             )
+    if hooks:
+        chunks = hook_chunks(path, tensor, saving=saving)
+        return [Box(offset, size, None) for offset, size in chunks if math.prod(size)], writer
     local_shape = tuple(sum(n for _, n in r) for r in runs)
     if local_shape != tuple(tensor._local_tensor.shape):
         raise ValueError(

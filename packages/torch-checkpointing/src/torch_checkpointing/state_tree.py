@@ -2,8 +2,8 @@
 
 Containers: dicts (str or int keys), lists, and stateful objects (anything with `state_dict()` and
 `load_state_dict()`, such as nn.Module, ModelState, OptimizerState), expanded in place. Leaves:
-tensors and DTensors, bytes, and plain values (None, bool, int, float, str, and tuples or lists of
-those), which are stored as JSON.
+tensors and DTensors, bytes, and plain values (None, bool, int, float, str, torch.dtype, and tuples
+or lists of those), which are stored as JSON.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-PLAIN_SCALARS = (type(None), bool, int, float, str)
-ALLOWED = "dict, list, tensor, DTensor, bytes, None, bool, int, float, str, or a tuple/list of those scalars"
+# torch.dtype: optimizers keep them in param groups (e.g. the dtype of Muon's Newton-Schulz iteration)
+PLAIN_SCALARS = (type(None), bool, int, float, str, torch.dtype)
+ALLOWED = "dict, list, tensor, DTensor, bytes, None, bool, int, float, str, torch.dtype, or a tuple/list of those scalars"
 
 
 @dataclass(slots=True)
@@ -88,6 +89,8 @@ def encode_value(value: Any) -> Any:
     """A plain value as JSON that any reader parses (non-finite floats and tuples are tagged)."""
     if isinstance(value, float) and not math.isfinite(value):
         return {"float": repr(value)}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
     if isinstance(value, tuple):
         return {"tuple": [encode_value(v) for v in value]}
     if isinstance(value, list):
@@ -99,6 +102,11 @@ def decode_value(data: Any) -> Any:
     if isinstance(data, dict):
         if "float" in data:
             return float(data["float"])
+        if "dtype" in data:
+            dtype = getattr(torch, data["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"stored dtype {data['dtype']!r} is not a dtype of this torch version")
+            return dtype
         return tuple(decode_value(v) for v in data["tuple"])
     if isinstance(data, list):
         return [decode_value(v) for v in data]
