@@ -29,6 +29,7 @@ def test_from_hf_matches_transformers(tmp_path, tokens, heads, kv_heads, tie):
     model = tm.from_hf(tmp_path)
     assert isinstance(model.config, tm.llama3.Llama3Config)
     assert model.config.tie_embeddings == tie and model.config.num_kv_heads == kv_heads
+    assert tm.hf.read_config(tmp_path) == model.config  # the config alone, without reading weights
     with torch.no_grad():
         assert rel_err(model(tokens), reference(tokens).logits) < 1e-5
 

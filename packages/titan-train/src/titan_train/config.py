@@ -33,6 +33,9 @@ class ModelConfig:
     """Attention backend; documents in a packed sequence are masked by either."""
     init_seed: int = 0
     """Seed of model.init_weights: the same seed gives the same weights on any parallel layout."""
+    hf_path: str = ""
+    """Start from a Hugging Face model folder (config.json + safetensors): the architecture comes from its
+    config (family, flavor and vocab_size are then ignored) and the initial weights from its tensors."""
 
 
 @dataclass(kw_only=True)
@@ -83,8 +86,9 @@ class LRScheduleConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "stdlib"
-    """stdlib (Python's own library sources, no download) or a path: a text/jsonl/parquet file, a folder of
-    them, or a Hugging Face dataset saved with save_to_disk."""
+    """stdlib (Python's own library sources, no download), random (uniform random tokens over the model's
+    vocabulary, for benchmarks), or a path: a text/jsonl/parquet file, a folder of them, or a Hugging Face
+    dataset saved with save_to_disk."""
     format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
     """auto: from the source (stdlib, file extension, or a folder holding state.json/dataset_dict.json)."""
     text_field: str = "text"

@@ -13,11 +13,19 @@ from .config import ModelConfig
 
 
 def model_config(config: ModelConfig, *, vocab_needed: int):
-    """The titan-models config of `config` (a flavor with the requested transforms)."""
-    try:
-        model_cfg = tm.flavor(config.family, config.flavor)
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"model.family/model.flavor: {e}") from None
+    """The titan-models config of `config` (a flavor, or a Hugging Face folder's architecture, with the
+    requested transforms)."""
+    if config.hf_path:
+        try:
+            model_cfg = tm.hf.read_config(config.hf_path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.hf_path: {e}") from None
+        model_cfg = dataclasses.replace(model_cfg, dtype=torch.float32)  # master weights are fp32
+    else:
+        try:
+            model_cfg = tm.flavor(config.family, config.flavor)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"model.family/model.flavor: {e}") from None
     transforms = []
     if config.num_layers:
         transforms.append(tm.transforms.num_layers(config.num_layers))
@@ -25,7 +33,7 @@ def model_config(config: ModelConfig, *, vocab_needed: int):
         transforms.append(tm.transforms.attention(config.attention))
     if transforms:
         model_cfg = tm.transforms.compose(*transforms)(model_cfg)
-    if config.vocab_size:
+    if config.vocab_size and not config.hf_path:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=config.vocab_size)
     if model_cfg.vocab_size < vocab_needed:
         raise ValueError(f"the tokenizer needs a vocabulary of {vocab_needed}, but {config.family} {config.flavor} "
@@ -38,22 +46,35 @@ def build_on_meta(model_cfg) -> nn.Module:
         return model_cfg.build()
 
 
-def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int, distributed: bool) -> None:
+def _initial_state(model_cfg, *, seed: int, hf_path: str) -> dict[str, torch.Tensor]:
+    """The full initial weights on CPU: init_weights(seed), or a Hugging Face folder's tensors."""
+    if hf_path:
+        return tm.from_hf(hf_path, dtype=model_cfg.dtype).state_dict()
+    reference = build_on_meta(model_cfg).to_empty(device="cpu")  # skips nn.Linear's own (wasted) init
+    reference.init_weights(seed=seed)
+    return reference.state_dict()
+
+
+def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int, distributed: bool,
+                hf_path: str = "") -> None:
     """Give the (meta, possibly parallelized) model real weights that do not depend on the layout.
 
-    One process: allocate and init_weights in place. Several: rank 0 builds the whole model on its CPU,
-    initialises it with the same seed, and every rank copies out its shard (set_model_state_dict with
-    broadcast_from_rank0), so FSDP/TP runs start from the bit-identical weights of a single-process run.
+    One process: allocate and init_weights in place (or copy a Hugging Face folder's weights in). Several:
+    rank 0 builds the whole model on its CPU, initialises it the same way, and every rank copies out its
+    shard (set_model_state_dict with broadcast_from_rank0), so FSDP/TP runs start from the bit-identical
+    weights of a single-process run.
     """
     model.to_empty(device=device)
     if not distributed:
-        model.init_weights(seed=seed)
+        if hf_path:
+            model.init_buffers()
+            model.load_state_dict(_initial_state(model_cfg, seed=seed, hf_path=hf_path))
+        else:
+            model.init_weights(seed=seed)
         return
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        reference = build_on_meta(model_cfg).to_empty(device="cpu")  # skips nn.Linear's own (wasted) init
-        reference.init_weights(seed=seed)
-        full = reference.state_dict()
+        full = _initial_state(model_cfg, seed=seed, hf_path=hf_path)
     # Buffers (RoPE frequencies) are not in the broadcast: every rank recomputes them.
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig
-from .data import IGNORE_INDEX, PackedLoader, build_tokenizer, open_documents
+from .data import IGNORE_INDEX, PackedLoader, RandomTokenLoader, build_tokenizer, open_documents
 from .loss import CausalLMLoss
 from .lr_schedule import lr_factor, validate as validate_schedule
 from .mesh import build_mesh, dp_rank, resolve_degrees
@@ -111,17 +111,21 @@ class Trainer:
         torch.manual_seed(config.job.seed)
 
         # Data: every rank reads the global stream and keeps its rows (see data/loader.py).
-        self.tokenizer = build_tokenizer(config.data.tokenizer)
-        documents = open_documents(config.data.source, format=config.data.format,
-                                   text_field=config.data.text_field, split=config.data.split)
-        self.loader = PackedLoader(documents, self.tokenizer, seq_len=t.seq_len, seed=config.job.seed,
-                                   shuffle=config.data.shuffle, document_masking=config.data.document_masking)
+        random_data = config.data.source == "random"
+        self.tokenizer = None if random_data else build_tokenizer(config.data.tokenizer)
+        self.model_cfg = model_config(config.model, vocab_needed=0 if random_data else self.tokenizer.vocab_size)
+        if random_data:
+            self.loader = RandomTokenLoader(self.model_cfg.vocab_size, seq_len=t.seq_len, seed=config.job.seed)
+        else:
+            documents = open_documents(config.data.source, format=config.data.format,
+                                       text_field=config.data.text_field, split=config.data.split)
+            self.loader = PackedLoader(documents, self.tokenizer, seq_len=t.seq_len, seed=config.job.seed,
+                                       shuffle=config.data.shuffle, document_masking=config.data.document_masking)
 
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
-        self.model_cfg = model_config(config.model, vocab_needed=self.tokenizer.vocab_size)
         model = build_on_meta(self.model_cfg)
         self.loss_module = CausalLMLoss(model, chunk=t.loss_chunk_size)
-        if config.data.document_masking:
+        if config.data.document_masking and not random_data:
             self.loss_module.context_factory = lambda ids: tm.AttentionContext(document_ids=ids)
         precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -129,7 +133,8 @@ class Trainer:
         distributed = dist.is_initialized()
         if not distributed:
             # init_weights seeds each parameter by its name: run it before wrappers rename blocks.
-            materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=False)
+            materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=False,
+                        hf_path=config.model.hf_path)
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, t.seq_len)
             apply_tensor_parallel(self.loss_module, self.mesh["tp"])
@@ -143,7 +148,8 @@ class Trainer:
         if distributed:
             # Sharded while still on meta: each rank allocates only its shards, then copies them out
             # of rank 0's full initialisation.
-            materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=True)
+            materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=True,
+                        hf_path=config.model.hf_path)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.model = model
 
@@ -266,7 +272,8 @@ class Trainer:
         c, d = self.config, self.degrees
         n_params = tm.count_params(self.model_cfg).total
         resumed = f", resuming after step {start}" if start else ""
-        print(f"titan-train: {c.model.family} {c.model.flavor} ({n_params / 1e6:.1f}M parameters) on "
+        model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
+        print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on "
               f"{self.device.type}, dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp}; "
               f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
               f"{c.data.source}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)

@@ -61,6 +61,22 @@ def _load_plan(converter: Converter, config: Any, model: nn.Module) -> dict[str,
     return plan
 
 
+def _read_folder(folder: Path) -> tuple[Any, Converter, SafetensorsFolder]:
+    if not (folder / "config.json").exists():
+        raise ValueError(f"{folder} has no config.json")
+    hf = json.loads((folder / "config.json").read_text())
+    converter = converter_for(hf)
+    files = SafetensorsFolder(folder)
+    config = converter.config_from_hf(hf, files.names())
+    return dataclasses.replace(config, dtype=_checkpoint_dtype(hf)), converter, files
+
+
+def read_config(path: str | Path) -> Any:
+    """The titan config of a Hugging Face folder (its config.json and tensor names), without reading
+    any weight: e.g. to build the model on meta and parallelize it before loading."""
+    return _read_folder(Path(path))[0]
+
+
 def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
             ) -> nn.Module:
     """Load a Hugging Face folder (config.json + model.safetensors or shards with an index).
@@ -70,13 +86,9 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     mis-shaped tensors (naming them) before any weight is read.
     """
     folder = Path(path)
-    if not (folder / "config.json").exists():
-        raise ValueError(f"{folder} has no config.json")
-    hf = json.loads((folder / "config.json").read_text())
-    converter = converter_for(hf)
-    files = SafetensorsFolder(folder)
-    config = converter.config_from_hf(hf, files.names())
-    config = dataclasses.replace(config, dtype=dtype or _checkpoint_dtype(hf))
+    config, converter, files = _read_folder(folder)
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=dtype)
     with torch.device("meta"):
         model = config.build()
     params = model.state_dict(keep_vars=True)

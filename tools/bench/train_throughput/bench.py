@@ -1,0 +1,237 @@
+"""titan-train against Hugging Face transformers: training tokens/s on one GPU, same model, data and weights.
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/train_throughput/bench.py
+    (CPU check of the script:  ... bench.py --tiny --device cpu)
+
+The model is the Llama 3 "1.5B" configuration (hidden 2048, 16 layers, 32 query / 8 key-value heads,
+FFN 8192, vocabulary 128,256, untied embeddings, RoPE theta 500k). transformers builds it with SDPA
+attention and saves it; titan-train starts from that folder (`--model.hf_path`), so both runs begin
+from the same weights, and both read the same uniform random tokens (titan-train's `random` source,
+reproduced here for transformers). Both train in bf16 with AdamW (lr 3e-4, betas 0.9/0.95, weight
+decay 0.1 on matrices, clip 1.0):
+  hf             transformers LlamaForCausalLM, bf16 weights, its own loss, fused AdamW (the anchor);
+  titan          titan-train's Trainer: fp32 master weights, bf16 autocast, fused chunked loss, fused AdamW;
+  titan_compile  the same with every block compiled (--compile.enabled).
+The matmul rate and copy bandwidth are measured in the same run. MFU uses FLOPs/token =
+6 N + 6 L d s (N: parameters a token multiplies with, output projection included, input embedding
+excluded; attention counted causal), the convention of the issue's 40% figure for transformers.
+The first steps' losses of every variant are compared with transformers' (bf16 tolerance).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, vocab)
+    "1.5B": (2048, 16, 32, 8, 8192, 128256),
+    "tiny": (128, 2, 4, 2, 256, 1024),
+}
+LR, BETAS, WEIGHT_DECAY, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="a tiny model and batch: checks the script on CPU")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=14, help="steps per variant, warm-up included")
+    p.add_argument("--warmup", type=int, default=4, help="first steps left out of the timing")
+    p.add_argument("--variants", default="hf,titan,titan_compile")
+    p.add_argument("--titan-args", default="", help="extra titan-train CLI overrides for the titan variants")
+    p.add_argument("--loss-rtol", type=float, default=0.02, help="allowed relative loss gap to transformers")
+    return p.parse_args()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_rates(device: torch.device) -> tuple[float | None, float | None]:
+    """(bf16 matmul FLOP/s on 8192^3 random data, device copy bytes/s read+written) on CUDA."""
+    if device.type != "cuda":
+        return None, None
+    from triton.testing import do_bench
+
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    matmul = 2 * 8192**3 / (ms * 1e-3)
+    src = torch.randn(2**30 // 2, device=device, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
+    copy = 2 * src.numel() * 2 / (ms * 1e-3)
+    del a, b, src, dst
+    return matmul, copy
+
+
+def hf_config(size: str):
+    import transformers
+
+    hidden, layers, heads, kv_heads, ffn, vocab = SIZES[size]
+    return transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+def flops_per_token(size: str, seq: int) -> float:
+    hidden, layers, heads, kv_heads, ffn, vocab = SIZES[size]
+    head_dim = hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * ffn
+    n = layers * per_layer + vocab * hidden  # + output projection; input embedding excluded
+    return 6 * n + 6 * layers * hidden * seq
+
+
+def batches(vocab: int, seq: int, batch: int, steps: int):
+    """The same batches titan-train's `random` source gives (seed 0): (tokens, labels) per step."""
+    from titan_train.data import random_rows
+
+    for step in range(steps):
+        window = random_rows(vocab, seq, seed=0, first_row=step * batch, rows=batch)
+        yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def run_hf(folder: Path, args, device: torch.device) -> dict:
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **fused)
+    vocab = model.config.vocab_size
+    losses, seconds = [], []
+    for tokens, labels in batches(vocab, args.seq, args.batch, args.steps):
+        tokens, labels = tokens.to(device), labels.to(device)
+        sync(device)
+        began = time.perf_counter()
+        loss = model(input_ids=tokens, labels=labels, shift_labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        seconds.append(time.perf_counter() - began)
+        print(f"  hf step {len(losses)}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms", flush=True)
+    del model, optimizer, params, groups
+    return {"losses": losses, "seconds": seconds}
+
+
+def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool) -> dict:
+    from titan_train.cli import parse_args as parse_train_args
+    from titan_train.trainer import Trainer
+
+    job = Path(tempfile.mkdtemp(prefix="titan_bench_"))
+    cli = [
+        "--model.hf_path", str(folder), "--data.source", "random", "--job.device", device.type,
+        "--job.folder", str(job), "--training.steps", str(args.steps), "--training.batch_size", str(args.batch),
+        "--training.seq_len", str(args.seq), "--training.max_grad_norm", str(CLIP),
+        "--training.mixed_precision", "bf16", "--optimizer.lr", str(LR), "--optimizer.beta1", str(BETAS[0]),
+        "--optimizer.beta2", str(BETAS[1]), "--optimizer.weight_decay", str(WEIGHT_DECAY),
+        "--optimizer.eps", str(EPS), "--lr_schedule.kind", "constant", "--lr_schedule.warmup_steps", "0",
+        "--checkpoint.interval", "0", "--checkpoint.resume", "false", "--metrics.tensorboard", "false",
+        "--metrics.progress", "false", "--compile.enabled", "true" if compile_blocks else "false",
+        *args.titan_args.split(),
+    ]
+    config, _ = parse_train_args(cli)
+    trainer = Trainer(config, device)
+    trainer.run()
+    records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        print(f"  titan step {r['step']}: loss {r['loss']:.4f}  {r['step_seconds'] * 1e3:.0f} ms", flush=True)
+    del trainer
+    return {"losses": [r["loss"] for r in records], "seconds": [r["step_seconds"] for r in records]}
+
+
+def main() -> int:
+    args = parse_args()
+    size = "tiny" if args.tiny else "1.5B"
+    if args.tiny:
+        args.batch, args.seq, args.steps, args.warmup = 2, 64, 4, 1
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu --tiny to check the script", file=sys.stderr)
+        return 2
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", flush=True)
+    matmul, copy = measure_rates(device)
+    if matmul:
+        print(f"measured: bf16 matmul {matmul / 1e12:.0f} TFLOP/s (8192^3), copy {copy / 1e9:.0f} GB/s", flush=True)
+    fpt = flops_per_token(size, args.seq)
+    tokens_per_step = args.batch * args.seq
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="hf_llama_") as tmp:
+        folder = Path(tmp)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(hf_config(size)).to(torch.bfloat16)
+        model.save_pretrained(folder)
+        n_params = sum(p.numel() for p in model.parameters())
+        del model
+        print(f"model: {size} Llama ({n_params / 1e9:.2f}B parameters), batch {args.batch} x {args.seq}, "
+              f"{fpt / 1e9:.2f} GFLOP/token", flush=True)
+        for variant in args.variants.split(","):
+            print(f"== {variant}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            began = time.perf_counter()
+            if variant == "hf":
+                out = run_hf(folder, args, device)
+            elif variant in ("titan", "titan_compile"):
+                out = run_titan(folder, args, device, compile_blocks=variant == "titan_compile")
+            else:
+                raise ValueError(f"unknown variant {variant!r}")
+            out["wall_s"] = time.perf_counter() - began
+            out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            timed = out["seconds"][args.warmup:]
+            out["step_s"] = statistics.median(timed)
+            out["tokens_per_s"] = tokens_per_step / out["step_s"]
+            results[variant] = out
+            gc.collect()
+            torch._dynamo.reset()
+
+    anchor = results.get("hf")
+    print(f"\n{'variant':<15}{'tokens/s':>10}{'step ms':>9}{'MFU 989':>9}{'MFU meas':>9}{'peak GiB':>9}"
+          f"{'vs hf':>7}  loss gap (max rel, steps 1-{min(args.steps, 8)})")
+    ok = True
+    for name, out in results.items():
+        achieved = out["tokens_per_s"] * fpt
+        mfu = f"{achieved / PEAK_BF16:9.1%}" if device.type == "cuda" else f"{'n/a':>9}"
+        mfu_meas = f"{achieved / matmul:9.1%}" if matmul else f"{'n/a':>9}"
+        peak = f"{out['peak_gib']:9.1f}" if out["peak_gib"] is not None else f"{'n/a':>9}"
+        ratio = out["tokens_per_s"] / anchor["tokens_per_s"] if anchor else math.nan
+        gap = ""
+        if anchor and name != "hf":
+            n = min(len(out["losses"]), len(anchor["losses"]), 8)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(out["losses"][:n], anchor["losses"][:n]))
+            gap = f"{worst:.2e} {'ok' if worst <= args.loss_rtol else 'MISMATCH'}"
+            ok &= worst <= args.loss_rtol
+        print(f"{name:<15}{out['tokens_per_s']:10.0f}{out['step_s'] * 1e3:9.1f}{mfu}{mfu_meas}{peak}{ratio:7.2f}  {gap}")
+    summary = {"size": size, "batch": args.batch, "seq": args.seq, "flops_per_token": fpt,
+               "matmul_flops": matmul, "copy_bytes_s": copy, "torch": torch.__version__, "results": results}
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "train_throughput.json").write_text(json.dumps(summary, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
