@@ -32,6 +32,38 @@ def test_fused_cross_entropy_matches_float64_reference(chunk, dtype):
     assert h.grad[0, :4].abs().max() == 0  # ignored tokens contribute nothing
 
 
+def test_fusable_chunk_formulation_equals_the_in_place_one():
+    from titan_train.loss import _chunk_loss_and_grad, _chunk_loss_and_grad_fusable
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 50, generator=g)
+    target, valid = torch.randint(0, 50, (9,), generator=g), torch.rand(9, generator=g) > 0.3
+    loss, grad = _chunk_loss_and_grad(logits.clone(), target, valid, torch.float32)  # overwrites its input
+    loss2, grad2 = _chunk_loss_and_grad_fusable(logits, target, valid, torch.float32)
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(grad2, grad)
+
+
+def test_compiled_chunks_and_autocast_match_float64():
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(40, 16, generator=g), torch.randn(70, 16, generator=g) * 0.3
+    labels = torch.randint(0, 70, (40,), generator=g)
+    labels[:3] = IGNORE_INDEX
+    ref = F.cross_entropy(hidden.double() @ weight.double().T, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, labels, chunk=16, compiled=True)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    # Under bf16 autocast the products run in bf16 (fp32 master weight), the softmax and sums in fp32,
+    # and the gradients come back in the inputs' dtypes.
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(h, w, labels, chunk=16)
+    loss.backward()
+    assert loss.dtype == torch.float32 and h.grad.dtype == w.grad.dtype == torch.float32
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
+
+
 def test_fused_cross_entropy_bf16_inputs_close_to_float64():
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(64, 32, generator=g), torch.randn(300, 32, generator=g) * 0.2

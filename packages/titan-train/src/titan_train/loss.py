@@ -15,32 +15,81 @@ from torch.distributed.tensor import DTensor
 from .data import IGNORE_INDEX
 
 
+def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, acc: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [C, V] -> (summed loss over valid rows in `acc`, d loss / d logits [C, V] in logits.dtype).
+
+    Works in place on `logits.to(acc)` (the logits themselves when already `acc`, which it then
+    overwrites), so eager mode holds one [C, V] buffer at a time."""
+    work = logits.to(acc)
+    logsumexp = torch.logsumexp(work, dim=-1)                     # [C]
+    picked = work.gather(1, target[:, None]).squeeze(1)
+    loss = ((logsumexp - picked) * valid).sum()
+    grad = work.sub_(logsumexp[:, None]).exp_()                    # softmax
+    grad[torch.arange(len(target), device=target.device), target] -= 1
+    grad *= valid[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+def _chunk_loss_and_grad_fusable(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, acc: torch.dtype
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as _chunk_loss_and_grad, written without in-place updates so torch.compile fuses it into
+    two passes over the logits (a row reduction, then the gradient)."""
+    work = logits.to(acc)
+    logsumexp = torch.logsumexp(work, dim=-1)
+    picked = work.gather(1, target[:, None]).squeeze(1)
+    loss = ((logsumexp - picked) * valid).sum()
+    columns = torch.arange(work.shape[1], device=work.device)
+    softmax = torch.exp(work - logsumexp[:, None])
+    grad = torch.where(columns[None, :] == target[:, None], softmax - 1, softmax) * valid[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+_compiled_chunk = None
+
+
+def _compiled_chunk_loss_and_grad():
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk_loss_and_grad_fusable, dynamic=False)
+    return _compiled_chunk
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the products run in: autocast's when it is on (the output weight is an fp32 master copy)."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                compiled: bool) -> torch.Tensor:
         # hidden [N, d], weight [V, d], labels [N] -> summed loss over non-ignored labels (fp32 scalar)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums: fp32 (fp64 for fp64 inputs)
+        compute = _compute_dtype(hidden)
+        # Products run explicitly in the compute dtype: an fp32 accumulation GEMM would be ~15x slower on GPUs.
+        h_all, w = hidden.to(compute), weight.to(compute)
+        chunk_fn = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk]                              # [C, d]
-            y = labels[start:start + chunk]                              # [C]
-            logits = (h @ weight.t()).to(acc)                           # [C, V]
-            valid = y != IGNORE_INDEX
-            target = torch.where(valid, y, 0)
-            logsumexp = torch.logsumexp(logits, dim=-1)                  # [C]
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            loss += ((logsumexp - picked) * valid).sum()
-            if need_grad:
-                # d loss / d logits = softmax - one_hot(target), zero on ignored rows; reuse `logits`' memory.
-                grad = logits.sub_(logsumexp[:, None]).exp_()
-                grad[torch.arange(len(y), device=y.device), target] -= 1
-                grad *= valid[:, None]
-                grad = grad.to(hidden.dtype)
-                grad_hidden[start:start + chunk] = grad @ weight
-                grad_weight.addmm_(grad.t().to(acc), h.to(acc))  # fp32 accumulation over chunks
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                h = h_all[start:start + chunk]                           # [C, d]
+                y = labels[start:start + chunk]                          # [C]
+                valid = y != IGNORE_INDEX
+                chunk_loss, grad = chunk_fn(h @ w.t(), torch.where(valid, y, 0), valid, acc)  # grad [C, V]
+                loss += chunk_loss
+                if need_grad:
+                    grad_hidden[start:start + chunk] = grad @ w
+                    if compute == acc:
+                        grad_weight.addmm_(grad.t(), h)
+                    else:  # accumulate the chunks' low-precision products in fp32
+                        grad_weight += grad.t() @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -48,7 +97,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), (grad_weight * grad_loss).to(ctx.weight_dtype), None, None
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype), (grad_weight * grad_loss).to(ctx.weight_dtype),
+                None, None, None)
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -68,14 +118,16 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                               chunk: int = 4096) -> torch.Tensor:
+                               chunk: int = 4096, compiled: bool = False) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight.T, labels), ignoring IGNORE_INDEX labels.
 
-    hidden [..., d], weight [V, d], labels [...] (same leading shape as hidden).
+    hidden [..., d], weight [V, d], labels [...] (same leading shape as hidden). compiled: fuse each
+    chunk's softmax and gradient with torch.compile (two passes over the logits instead of about six).
     """
     if chunk < 1:
         raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk}")
-    return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk)
+    return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk,
+                                          compiled)
 
 
 class CausalLMLoss(nn.Module):
@@ -92,6 +144,7 @@ class CausalLMLoss(nn.Module):
         self.chunk = chunk
         self.context_factory = context_factory
         self.tp_group = None  # set by the tensor-parallel plan
+        self.compiled = False  # fuse each loss chunk with torch.compile (set with compile.enabled)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None):
         context = self.context_factory(document_ids) if self.context_factory is not None else None
@@ -106,4 +159,4 @@ class CausalLMLoss(nn.Module):
             labels = labels.chunk(size, dim=1)[rank]
         if isinstance(weight, DTensor):
             weight = _SumGradOverGroup.apply(weight.to_local(), self.tp_group)
-        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk)
+        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled)

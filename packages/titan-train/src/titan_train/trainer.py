@@ -141,6 +141,7 @@ class Trainer:
         apply_activation_checkpointing(model, config.activation_checkpoint)
         if config.compile.enabled:
             apply_compile(model)
+            self.loss_module.compiled = True
         if self.fsdp:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(self.loss_module, dp_mesh, reshard_after_forward=par.reshard_after_forward,
