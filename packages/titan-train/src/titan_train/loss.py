@@ -133,7 +133,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
 class CausalLMLoss(nn.Module):
     """model + loss in one forward, so parallel wrappers (FSDP's hooks, compile) see one call.
 
-    forward(tokens [b, s], labels [b, s], document_ids [b, s] | None) -> summed loss of this rank's tokens.
+    forward(tokens [b, s], labels [b, s], document_ids [b, s] | None, positions [b, s] | None) -> summed loss of
+    this rank's tokens. positions default to arange(s); context parallelism passes the global positions of
+    the tokens a rank holds.
     Under tensor parallelism the final hidden states are sequence-sharded; each rank scores its own slice
     of the sequence with the (replicated) output weight, so no vocab-parallel softmax exchange is needed.
     """
@@ -146,10 +148,12 @@ class CausalLMLoss(nn.Module):
         self.tp_group = None  # set by the tensor-parallel plan
         self.compiled = False  # fuse each loss chunk with torch.compile (set with compile.enabled)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         context = self.context_factory(document_ids) if self.context_factory is not None else None
         # Explicit positions: under sequence parallelism the embedding output holds only s / tp positions.
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         hidden = self.model.hidden_states(tokens, positions=positions, context=context)  # [b, s, d]
         weight = self.model.output.weight
         assert self.tp_group is None or isinstance(hidden, DTensor), "TP expects sequence-sharded hidden states"

@@ -1,0 +1,265 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stages cut where the model's plan allows,
+1F1B / interleaved 1F1B / zero-bubble schedules, the fused chunked loss on the last stage.
+
+How a run is laid out:
+
+- The model's blocks are split into `pp x stages_per_rank` stages of consecutive layers, cutting only at
+  `model.parallel_plan.pipeline_cut_points`, as evenly as those allow. Looped schedules put stage s on
+  pp rank s % pp; the V schedules (ZBVZeroBubble, DualPipeV) put stages r and 2 pp - 1 - r on rank r.
+- Each rank keeps one *rank model*: the model built on meta with the other ranks' layers deleted
+  (`layers` is a ModuleDict, so names do not change) and `tok_embeddings` / `norm`, `output` only where
+  it holds the first / last stage. Everything that works on a model — tensor parallel, activation
+  checkpointing, compile, materialization, the optimizer, gradient clipping and checkpoints (whose
+  names therefore match a single-process run's) — works on it unchanged.
+- A `PipelineStageModule` per stage holds that stage's share of the rank model's modules; torch's
+  `PipelineStage` wraps it (and FSDP shards it as its own root, blocks first). Its forward takes tokens
+  (first stage) or hidden states, plus `labels`, `positions` and `document_ids` as keyword arguments that
+  the schedule splits into microbatches and hands to every stage.
+- The last stage computes the fused output projection + cross-entropy of loss.py in its forward and
+  returns the summed loss of its microbatch: FSDP's hooks and torch.compile then see the output weight
+  used inside a forward, as in the non-pipelined CausalLMLoss. The schedule's `loss_fn` only scales that
+  sum (1 / scored tokens of the global batch, times the FSDP degree FSDP divides by), so no
+  `[tokens, vocab]` logits ever cross a stage boundary or exist whole.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .loss import _SumGradOverGroup, fused_linear_cross_entropy
+
+# Schedule name -> (class name in torch.distributed.pipelining, stage placement, stages per rank it takes).
+SCHEDULES: dict[str, tuple[str, str, str]] = {
+    "GPipe": ("ScheduleGPipe", "loop", "one"),
+    "1F1B": ("Schedule1F1B", "loop", "one"),
+    "Interleaved1F1B": ("ScheduleInterleaved1F1B", "loop", "several"),
+    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", "loop", "several"),
+    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", "v", "two"),
+    "DualPipeV": ("ScheduleDualPipeV", "v", "two"),
+}
+# Schedules that split the backward into input and weight gradients: torch refuses compiled stages there.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayout:
+    """Which layers each stage holds and which pp rank runs it."""
+
+    stages: tuple[tuple[str, ...], ...]
+    """stage index -> the names (keys of model.layers) of its blocks, in order."""
+    ranks: tuple[int, ...]
+    """stage index -> pp rank."""
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.ranks) if r == pp_rank]
+
+
+def resolve_stages_per_rank(schedule: str, stages_per_rank: int) -> int:
+    """The stages each rank runs: the recipe's value, or (0) what the schedule needs (1, or 2 for the
+    interleaved and V schedules)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallelism.pp_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    takes = SCHEDULES[schedule][2]
+    if stages_per_rank < 0:
+        raise ValueError(f"parallelism.pp_stages_per_rank must be >= 0 (0: the schedule's default), got {stages_per_rank}")
+    if stages_per_rank == 0:
+        return 1 if takes == "one" else 2
+    if takes == "one" and stages_per_rank != 1:
+        raise ValueError(f"parallelism.pp_schedule={schedule} runs one stage per rank, got "
+                         f"pp_stages_per_rank={stages_per_rank} (use Interleaved1F1B or InterleavedZeroBubble)")
+    if takes == "two" and stages_per_rank != 2:
+        raise ValueError(f"parallelism.pp_schedule={schedule} runs exactly two stages per rank (a V), got "
+                         f"pp_stages_per_rank={stages_per_rank}")
+    return stages_per_rank
+
+
+def check_microbatches(*, schedule: str, pp: int, microbatches: int, rows: int) -> None:
+    """`rows`: sequences per step on each data-parallel rank, which the microbatches split."""
+    if microbatches < 1:
+        raise ValueError(f"parallelism.pp_microbatches must be >= 1 (0: pp), got {microbatches}")
+    if rows % microbatches:
+        raise ValueError(f"parallelism.pp_microbatches={microbatches} must divide the sequences each data-parallel "
+                         f"rank takes per step (training.batch_size / dp = {rows})")
+    if schedule != "GPipe" and microbatches < pp:
+        raise ValueError(f"parallelism.pp_schedule={schedule} needs at least pp={pp} microbatches to fill the "
+                         f"pipeline, got pp_microbatches={microbatches}")
+    if SCHEDULES[schedule][2] != "one" and microbatches % pp:
+        raise ValueError(f"parallelism.pp_schedule={schedule} needs pp_microbatches to be a multiple of pp={pp}, "
+                         f"got {microbatches}")
+
+
+def plan_layout(model: nn.Module, *, pp: int, schedule: str, stages_per_rank: int) -> PipelineLayout:
+    """Split `model.layers` into pp * stages_per_rank stages at the plan's cut points, as evenly as they allow."""
+    names = list(model.layers.keys())
+    num_stages = pp * stages_per_rank
+    cuts = set(model.parallel_plan.pipeline_cut_points)
+    if num_stages > len(names):
+        raise ValueError(f"pipeline parallelism needs at least one block per stage: pp={pp} x "
+                         f"{stages_per_rank} stages per rank = {num_stages} stages, but the model has {len(names)} "
+                         "layers")
+    starts = [0]
+    for stage in range(1, num_stages):
+        target = round(stage * len(names) / num_stages)
+        # A later stage must still find one block each after this cut.
+        allowed = [i for i in range(starts[-1] + 1, len(names) - (num_stages - stage) + 1)
+                   if f"layers.{names[i]}" in cuts]
+        if not allowed:
+            raise ValueError(f"the model's parallel plan allows no pipeline cut for stage {stage} of {num_stages} "
+                             f"(cut points: {sorted(cuts) or 'none'})")
+        starts.append(min(allowed, key=lambda i: (abs(i - target), i)))
+    bounds = [*starts, len(names)]
+    stages = tuple(tuple(names[a:b]) for a, b in zip(bounds, bounds[1:]))
+    if SCHEDULES[schedule][1] == "v":
+        ranks = tuple(s if s < pp else 2 * pp - 1 - s for s in range(num_stages))
+    else:
+        ranks = tuple(s % pp for s in range(num_stages))
+    return PipelineLayout(stages=stages, ranks=ranks)
+
+
+def keep_rank_part(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> None:
+    """Delete (on meta, before anything is allocated) what the stages of `pp_rank` do not hold."""
+    if getattr(model, "tie_embeddings", False):
+        raise ValueError("pipeline parallelism with tied embeddings is not supported: the embedding (first stage) "
+                         "and the output projection (last stage) would share one weight across stages; use an "
+                         "untied flavor or pp=1")
+    mine = layout.stages_of(pp_rank)
+    keep = {name for s in mine for name in layout.stages[s]}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if 0 not in mine:
+        model.tok_embeddings = None
+    if len(layout.stages) - 1 not in mine:
+        model.norm = None
+        model.output = None
+        for extra in ("mtp",):  # modules only the last stage uses (DeepSeek-V3's multi-token prediction)
+            if getattr(model, extra, None) is not None:
+                setattr(model, extra, None)
+
+
+class PipelineStageModule(nn.Module):
+    """One stage: embeddings (first stage), a run of blocks, and on the last stage the final norm and the
+    fused output projection + cross-entropy. Its modules are the rank model's own (shared, not copied).
+
+    forward(x, *, labels, positions, document_ids=None): x is tokens [b, s] on the first stage, else the
+    previous stage's hidden states [b, s, d] ([b, s / tp, d] under sequence parallel); returns hidden
+    states, or on the last stage the summed loss of this microbatch's tokens (a 0-dim fp32 tensor).
+    """
+
+    def __init__(self, model: nn.Module, layer_names: tuple[str, ...], *, first: bool, last: bool, chunk: int,
+                 tp_group=None, context_factory: Callable | None = None, compiled_loss: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.rope = model.rope
+        self.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.chunk, self.tp_group, self.context_factory = chunk, tp_group, context_factory
+        self.compiled_loss, self.autocast_dtype = compiled_loss, autocast_dtype
+
+    def forward(self, x: torch.Tensor, *, labels: torch.Tensor, positions: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        autocast = (torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        with autocast:
+            context = self.context_factory(document_ids) if self.context_factory is not None else None
+            h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+            rope = self.rope(positions)
+            for block in self.layers.values():
+                h = block(h, rope, context=context)
+            if self.output is None:
+                return h
+            return self._loss(self.norm(h), labels)
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # As CausalLMLoss: under tensor parallelism each rank scores its own sequence slice with the whole
+        # (replicated) output weight, whose gradient is summed over the tp group.
+        weight = self.output.weight
+        if isinstance(hidden, DTensor):  # Shard(1) under sequence parallel
+            hidden = hidden.to_local()
+            labels = labels.chunk(dist.get_world_size(self.tp_group), dim=1)[dist.get_rank(self.tp_group)]
+        if isinstance(weight, DTensor):
+            weight = _SumGradOverGroup.apply(weight.to_local(), self.tp_group)
+        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled_loss)
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them; `step` is one optimizer step's forward/backward."""
+
+    def __init__(self, model: nn.Module, layout: PipelineLayout, *, schedule: str, microbatches: int,
+                 pp_mesh: DeviceMesh, device: torch.device, chunk: int, tp_group=None,
+                 context_factory: Callable | None = None, compiled_loss: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
+        import torch.distributed.pipelining as pipelining
+
+        self.group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.num_stages = num_stages = len(layout.stages)
+        self.stage_indices = layout.stages_of(self.pp_rank)
+        self.modules = [PipelineStageModule(model, layout.stages[s], first=s == 0, last=s == num_stages - 1,
+                                            chunk=chunk, tp_group=tp_group, context_factory=context_factory,
+                                            compiled_loss=compiled_loss, autocast_dtype=autocast_dtype)
+                        for s in self.stage_indices]
+        self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
+        self.has_first, self.has_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
+        self._scale = 1.0
+        self._losses: list[torch.Tensor] = []
+        self._pipelining = pipelining
+        self.schedule = None  # built by finish(), after FSDP has wrapped the stage modules
+
+    def apply_fsdp(self, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None, reshard_after_forward: bool) -> None:
+        """fully_shard each stage's blocks, then the stage module as its own root (embeddings, norm, output)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for module in self.modules:
+            blocks = list(module.layers.values())
+            for i, block in enumerate(blocks):
+                fully_shard(block, mesh=dp_mesh, mp_policy=policy,
+                            reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+            fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+    def finish(self) -> None:
+        """Wrap the (materialized, possibly sharded) stage modules in PipelineStages and build the schedule."""
+        p = self._pipelining
+        stages = [p.PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                  for module, index in zip(self.modules, self.stage_indices)]
+        schedule_cls = getattr(p, SCHEDULES[self.schedule_name][0])
+        # scale_grads=False: the loss is already normalised by the global count of scored tokens.
+        if len(stages) == 1 and SCHEDULES[self.schedule_name][2] == "one":
+            self.schedule = schedule_cls(stages[0], self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        else:
+            self.schedule = schedule_cls(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: the last stage's forward already returned this microbatch's summed loss."""
+        self._losses.append(output.detach())
+        return output * self._scale
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+             document_ids: torch.Tensor | None, *, scale: float) -> torch.Tensor:
+        """Forward and backward over this data-parallel rank's rows ([rows, s] each), `microbatches` at a
+        time. Returns the summed loss of those rows on the rank holding the last stage, 0 elsewhere."""
+        self._scale, self._losses = scale, []
+        kwargs = {"labels": labels, "positions": positions}
+        if document_ids is not None:
+            kwargs["document_ids"] = document_ids
+        args = (tokens,) if self.has_first else ()
+        self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
+        if not self._losses:
+            return torch.zeros((), device=self.device, dtype=torch.float32)
+        return torch.stack(self._losses).sum().float()
+
+    def reduce_grad_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The global 2-norm from each pp rank's norm over its own stages' gradients."""
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=self.group)
+        return squared.sqrt()
