@@ -88,7 +88,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start:start + chunk] = grad @ w
                     if compute == acc:
                         grad_weight.addmm_(grad.t(), h)
-                    else:  # accumulate the chunks' low-precision products in fp32
+                    elif grad.is_cuda:  # low-precision products accumulated in fp32 by the GEMM itself
+                        grad_weight = torch.addmm(grad_weight, grad.t(), h, out_dtype=acc)
+                    else:
                         grad_weight += grad.t() @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype

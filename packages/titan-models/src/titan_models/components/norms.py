@@ -29,7 +29,9 @@ NormConfig = RMSNormConfig | LayerNormConfig
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does, so
-    bf16 runs round at the same place as the reference."""
+    bf16 runs round at the same place as the reference. The output keeps the input's dtype: with
+    bf16 activations and an fp32 master weight (autocast) it stays bf16, which is what the next
+    matmul would cast it to anyway."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6):
         super().__init__()
@@ -38,7 +40,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return (self.weight * normed.to(x.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
