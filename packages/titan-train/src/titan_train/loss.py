@@ -55,6 +55,21 @@ def _compiled_chunk_loss_and_grad():
     return _compiled_chunk
 
 
+_addmm_out_dtype = True  # torch builds without the mixed-dtype addmm fall back once, then stay there
+
+
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b with low-precision a, b and an fp32 acc: on CUDA the GEMM accumulates into fp32 itself."""
+    global _addmm_out_dtype
+    if a.is_cuda and _addmm_out_dtype:
+        try:
+            return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+        except (RuntimeError, TypeError):
+            _addmm_out_dtype = False
+    acc += a @ b
+    return acc
+
+
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the products run in: autocast's when it is on (the output weight is an fp32 master copy)."""
     device_type = hidden.device.type
@@ -88,10 +103,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start:start + chunk] = grad @ w
                     if compute == acc:
                         grad_weight.addmm_(grad.t(), h)
-                    elif grad.is_cuda:  # low-precision products accumulated in fp32 by the GEMM itself
-                        grad_weight = torch.addmm(grad_weight, grad.t(), h, out_dtype=acc)
                     else:
-                        grad_weight += grad.t() @ h
+                        grad_weight = _accumulate_product(grad_weight, grad.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
