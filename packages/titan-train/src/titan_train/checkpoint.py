@@ -18,8 +18,10 @@ from torch_checkpointing import Checkpointer, ModelState, OptimizerState
 class RNGState:
     """torch's CPU (and current CUDA device's) generator state.
 
-    The trainer seeds every rank alike and draws nothing rank-specific, so the state is the same on
-    all ranks: it is saved once (as replicated) and a run resumes on any number of ranks."""
+    Saved per rank (torch-checkpointing's `per_rank`), so each rank resumes its own generator even where
+    ranks draw differently. The trainer seeds every rank alike, so the states usually agree, and then a
+    run also resumes on another number of ranks (torch-checkpointing loads a per-rank entry there only
+    when every saved rank stored the same bytes)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -40,7 +42,7 @@ class RunCheckpoints:
     """Saves every `interval` steps (asynchronously when asked), keeps the last `keep_last`, resumes."""
 
     def __init__(self, folder: Path, *, keep_last: int, async_save: bool):
-        self.checkpointer = Checkpointer(str(folder), keep_last=keep_last or None)
+        self.checkpointer = Checkpointer(str(folder), keep_last=keep_last or None, per_rank=("rng",))
         self.async_save = async_save
 
     @staticmethod

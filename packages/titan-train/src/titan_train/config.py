@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# (parameter-name pattern, placement) pairs for flexshard; see ParallelismConfig.flexshard_placements.
+PlacementRules = tuple[tuple[str, str], ...]
+
 
 @dataclass(kw_only=True)
 class JobConfig:
@@ -36,6 +39,11 @@ class ModelConfig:
     hf_path: str = ""
     """Start from a Hugging Face model folder (config.json + safetensors): the architecture comes from its
     config (family, flavor and vocab_size are then ignored) and the initial weights from its tensors."""
+    moe_impl: Literal["auto", "titan", "dist_moe"] = "auto"
+    """MoE layers: titan (titan-models' own) or dist_moe (dist-moe's fused grouped-GEMM layer, needed for
+    expert parallelism). auto: dist_moe when parallelism.ep > 1, else titan."""
+    moe_aux_loss_weight: float = 0.0
+    """dist_moe only: weight of DeepSeek-V3's sequence-wise balance loss added to the objective (0: off)."""
 
 
 @dataclass(kw_only=True)
@@ -54,20 +62,34 @@ class TrainingConfig:
     """bf16: bf16 compute, fp32 master weights and gradient reduction. auto: bf16 on cuda, fp32 on cpu."""
     loss_chunk_size: int = 4096
     """Tokens per chunk of the fused output-projection + cross-entropy (full logits never exist)."""
+    moe_bias_update_rate: float = 1e-3
+    """MoE aux-loss-free balancing: after each optimizer step, expert_bias += rate * sign(mean load - load),
+    with the loads counted over the step's whole global batch (0 disables)."""
 
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: flexshard's Muon for hidden matrices (AdamW with `lr` for embeddings, output and
+    vectors); give matrices the owned placement under flexshard so its step needs no communication."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (AdamW; under muon, of the parameters Muon leaves to AdamW)."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not to norms)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """auto: fused on cuda, foreach on cpu."""
+    """AdamW kernels. auto: fused on cuda, foreach on cpu."""
+    muon_lr: float = 0.02
+    """muon: peak learning rate of the Muon matrices (follows the same schedule)."""
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    """muon: Newton-Schulz iterations orthogonalising each update."""
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """muon: dtype of the Newton-Schulz iterations."""
+    muon_adjust_lr: Literal["spectral", "match_adamw_rms", "none"] = "spectral"
+    """muon: per-matrix learning-rate scale: sqrt(max(1, rows/cols)), 0.2 sqrt(max(rows, cols)), or 1."""
 
 
 @dataclass(kw_only=True)
@@ -116,9 +138,23 @@ class ParallelismConfig:
     cp: int = 1
     """Context parallel degree (arrives in issue 7)."""
     ep: int = 1
-    """Expert parallel degree (arrives in issue 7)."""
+    """Expert parallel degree: MoE experts split over ep ranks borrowed from dp_shard (ep must divide it); the
+    experts are FSDP-sharded over the rest of data parallel. Uses model.moe_impl=dist_moe."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after each block's forward (ZeRO-3) instead of keeping them (ZeRO-2)."""
+    fsdp_impl: Literal["fully_shard", "flexshard"] = "fully_shard"
+    """Data-parallel sharding: torch's fully_shard (FSDP2), or flexshard (per-parameter placements, buckets,
+    fp8 all-gather; 1-D dp_shard mesh only)."""
+    flexshard_placements: PlacementRules = ()
+    """flexshard: (parameter-name pattern, placement) pairs, first match wins, unmatched parameters row.
+    Placements: row (dim-0 rows, fully_shard's layout), owned (whole on one rank), block:RxC (R x C tiles).
+    Command line: 'layers.*.weight=owned,output.weight=block:128x128'."""
+    flexshard_buckets: tuple[str, ...] = ()
+    """flexshard: buckets inside each block, one all-gather each; an entry lists parameter-name patterns
+    (relative to the block) joined by '|', e.g. 'attention.*|attention_norm.*'. Empty: one bucket per block."""
+    fp8_all_gather: bool = False
+    """flexshard: all-gather the block:RxC parameters as fp8 e4m3 with one scale per tile (about half the
+    bytes of bf16); needs at least one block placement."""
 
 
 @dataclass(kw_only=True)

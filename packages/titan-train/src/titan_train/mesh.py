@@ -18,6 +18,8 @@ class Degrees:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
+    """Expert parallel degree: a factor of dp_shard (expert_parallel.py splits that dimension)."""
 
     @property
     def dp(self) -> int:
@@ -26,14 +28,14 @@ class Degrees:
 
 def resolve_degrees(config: ParallelismConfig, world_size: int) -> Degrees:
     """Check the degrees against the world size and fill in dp_shard=-1 ("the rest")."""
-    for name in ("pp", "cp", "ep"):
+    for name in ("pp", "cp"):
         value = getattr(config, name)
         if value < 1:
             raise ValueError(f"parallelism.{name} must be >= 1, got {value}")
         if value > 1:
             raise ValueError(f"parallelism.{name}={value}: {name} > 1 arrives in issue 7 "
                              "(this trainer runs dp_replicate, dp_shard and tp)")
-    for name in ("dp_replicate", "tp"):
+    for name in ("dp_replicate", "tp", "ep"):
         if getattr(config, name) < 1:
             raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(config, name)}")
     others = config.dp_replicate * config.tp
@@ -47,7 +49,10 @@ def resolve_degrees(config: ParallelismConfig, world_size: int) -> Degrees:
     if others * dp_shard != world_size:
         raise ValueError(f"parallelism degrees dp_replicate={config.dp_replicate} x dp_shard={dp_shard} x "
                          f"tp={config.tp} = {others * dp_shard}, but the world size is {world_size}")
-    return Degrees(dp_replicate=config.dp_replicate, dp_shard=dp_shard, tp=config.tp)
+    if dp_shard % config.ep:
+        raise ValueError(f"parallelism.ep={config.ep} must divide dp_shard={dp_shard}: expert parallelism borrows "
+                         "its ranks from the data-parallel shard dimension")
+    return Degrees(dp_replicate=config.dp_replicate, dp_shard=dp_shard, tp=config.tp, ep=config.ep)
 
 
 def build_mesh(degrees: Degrees, device: torch.device) -> DeviceMesh | None:

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import titan_models as tm
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from .config import ModelConfig
+from .sharding_impl import load_full_state
 
 
 def model_config(config: ModelConfig, *, vocab_needed: int):
@@ -80,5 +80,5 @@ def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int,
         reset = getattr(module, "reset_buffers", None)
         if reset is not None:
             reset()
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    load_full_state(model, full)  # set_model_state_dict(broadcast_from_rank0), or piecewise for flexshard
 

@@ -38,6 +38,11 @@ def type_name(tp: Any) -> str:
         return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:  # tuple[X, ...] -> "X,..."; a pair tuple[A, B] -> "A=B"
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"{type_name(args[0])},..."
+        return "=".join(type_name(a) for a in args)
     return getattr(tp, "__name__", str(tp))
 
 
@@ -87,7 +92,20 @@ def parse_value(text: str, tp: Any, flag: str) -> Any:
             raise ConfigError(f"{flag} expects float, got {text!r}") from None
     if tp is str:
         return text
+    if origin is tuple:
+        return _parse_tuple(text, tp, flag)
     raise ConfigError(f"{flag} has type {type_name(tp)}, which cannot be set from the command line")
+
+
+def _parse_tuple(text: str, tp: Any, flag: str) -> tuple:
+    """tuple[X, ...] from comma-separated items ('' is empty); a fixed tuple[A, B] item from 'a=b'."""
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(parse_value(item.strip(), args[0], flag) for item in text.split(",") if item.strip())
+    parts = text.split("=", len(args) - 1)
+    if len(parts) != len(args):
+        raise ConfigError(f"{flag} expects items of the form {type_name(tp)}, got {text!r}")
+    return tuple(parse_value(part.strip(), arg, flag) for part, arg in zip(parts, args))
 
 
 def apply_override(config: Any, dotted: str, text: str) -> None:
@@ -124,6 +142,13 @@ def _fits(value: Any, tp: Any) -> bool:
         return any(_fits(value, a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
     if tp is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from .config import (
     ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DataConfig, JobConfig, LRScheduleConfig,
-    ModelConfig, OptimizerConfig, TrainConfig, TrainingConfig,
+    ModelConfig, OptimizerConfig, ParallelismConfig, TrainConfig, TrainingConfig,
 )
 from .overrides import ConfigError, _close
 
@@ -88,3 +88,37 @@ def llama3_1b() -> TrainConfig:
         compile=CompileConfig(enabled=True),
         activation_checkpoint=ActivationCheckpointConfig(mode="selective", selective="ops"),
     )
+
+
+def _debug_moe_ep(family: str, flavor: str, folder: str) -> TrainConfig:
+    config = llama3_debug()
+    config.job.folder = folder
+    # moe_impl auto: dist-moe's layer under ep > 1, titan-models' own with --parallelism.ep 1.
+    config.model = ModelConfig(family=family, flavor=flavor, vocab_size=384)
+    config.training.moe_bias_update_rate = 1e-3  # DeepSeek-V3's aux-loss-free balancing speed
+    config.parallelism = ParallelismConfig(ep=2)
+    return config
+
+
+@register_recipe("qwen3_moe_debug_ep")
+def qwen3_moe_debug_ep() -> TrainConfig:
+    """The debug Qwen3-MoE (8 experts, top-2) with its experts split over 2 ranks: torchrun --nproc-per-node 2 (or 4)."""
+    return _debug_moe_ep("qwen3", "debug_moe", "runs/qwen3_moe_debug_ep")
+
+
+@register_recipe("deepseek_v3_debug_ep")
+def deepseek_v3_debug_ep() -> TrainConfig:
+    """The debug DeepSeek-V3 (MLA, shared + 8 routed experts) with expert parallelism 2: torchrun, 2 or 4 ranks."""
+    return _debug_moe_ep("deepseek_v3", "debug", "runs/deepseek_v3_debug_ep")
+
+
+@register_recipe("llama3_debug_muon")
+def llama3_debug_muon() -> TrainConfig:
+    """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no communication."""
+    config = llama3_debug()
+    config.job.folder = "runs/llama3_debug_muon"
+    config.optimizer = OptimizerConfig(name="muon", muon_lr=0.05, lr=2e-3, weight_decay=0.1)
+    # Attention and MLP matrices owned whole (Muon orthogonalises them where they live); embeddings, norms
+    # and the output head (AdamW's) row-sharded as fully_shard would.
+    config.parallelism = ParallelismConfig(fsdp_impl="flexshard", flexshard_placements=(("layers.*.w*.weight", "owned"),))
+    return config

@@ -11,10 +11,13 @@ from pathlib import Path
 import titan_models as tm
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig
 from .data import IGNORE_INDEX, PackedLoader, RandomTokenLoader, build_tokenizer, open_documents
+from .expert_parallel import (
+    ExpertBiasUpdate, ExpertParallel, data_parallel_groups, prepare_moe_layers, resolve_moe_impl,
+)
+from .grad_norm import clip_by_total_norm
 from .loss import CausalLMLoss
 from .lr_schedule import lr_factor, validate as validate_schedule
 from .mesh import build_mesh, dp_rank, resolve_degrees
@@ -24,7 +27,9 @@ from .overrides import check_types
 from .parallelize import (
     apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tensor_parallel, check_tp_divisibility,
 )
+from .optimizers import build_optimizer
 from .progress import ProgressBar
+from .sharding_impl import apply_flexshard, check_sharding_choices
 
 
 class NonFiniteLossError(RuntimeError):
@@ -105,6 +110,8 @@ class Trainer:
         if t.batch_size % (self.degrees.dp * t.grad_accum_steps):
             raise ValueError(f"training.batch_size={t.batch_size} must be divisible by the data-parallel degree "
                              f"({self.degrees.dp}) x training.grad_accum_steps ({t.grad_accum_steps})")
+        check_sharding_choices(config, dp_replicate=self.degrees.dp_replicate, tp=self.degrees.tp, ep=self.degrees.ep)
+        resolve_moe_impl(config)
         self.mesh = build_mesh(self.degrees, device)
         self.dp_rank = dp_rank(self.mesh, self.degrees)
         self.folder = Path(config.job.folder)
@@ -124,6 +131,7 @@ class Trainer:
 
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
         model = build_on_meta(self.model_cfg)
+        moes = prepare_moe_layers(model, config)  # model.moe_impl: titan-models' MoE or dist-moe's
         self.loss_module = CausalLMLoss(model, chunk=t.loss_chunk_size)
         if config.data.document_masking and not random_data:
             self.loss_module.context_factory = lambda ids: tm.AttentionContext(document_ids=ids)
@@ -138,14 +146,22 @@ class Trainer:
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, t.seq_len)
             apply_tensor_parallel(self.loss_module, self.mesh["tp"])
+        self.expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep) if self.degrees.ep > 1 else None
         apply_activation_checkpointing(model, config.activation_checkpoint)
         if config.compile.enabled:
             apply_compile(model)
             self.loss_module.compiled = True
         if self.fsdp:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
-            apply_fsdp(self.loss_module, dp_mesh, reshard_after_forward=par.reshard_after_forward,
-                       param_dtype=self.compute_dtype if precision == "bf16" else None)
+            param_dtype = self.compute_dtype if precision == "bf16" else None
+            if self.expert_parallel is not None:  # MoE layers first: the blocks' units then leave them out
+                self.expert_parallel.apply_fsdp(dp_mesh, param_dtype=param_dtype,
+                                                reshard_after_forward=par.reshard_after_forward)
+            if par.fsdp_impl == "flexshard":
+                apply_flexshard(self.loss_module, dp_mesh, par, param_dtype=param_dtype)
+            else:
+                apply_fsdp(self.loss_module, dp_mesh, reshard_after_forward=par.reshard_after_forward,
+                           param_dtype=param_dtype)
         if distributed:
             # Sharded while still on meta: each rank allocates only its shards, then copies them out
             # of rank 0's full initialisation.
@@ -155,13 +171,8 @@ class Trainer:
         self.model = model
 
         # Optimizer and schedule.
-        o = config.optimizer
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        impl = o.implementation if o.implementation != "auto" else ("fused" if device.type == "cuda" else "foreach")
-        kernels = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kernels)
+        self.optimizer = build_optimizer(config.optimizer, model, device=device)
+        self.expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=data_parallel_groups(self.mesh))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.steps, config.lr_schedule))
 
@@ -194,12 +205,15 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i in range(t.grad_accum_steps):
             micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
-            if self.fsdp:  # reduce gradients once, after the last microbatch
-                self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
+            if self.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":  # reduce once, after the last
+                self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)  # (flexshard: every one)
             with self._autocast():
                 micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids)
             (micro_loss * scale).backward()
             loss_sum += micro_loss.detach().float()
+            self.expert_bias.accumulate()
+        if self.expert_parallel is not None:
+            self.expert_parallel.finish_gradients()
         grad_norm = self._clip_gradients()
         if dist.is_initialized():
             dist.all_reduce(loss_sum)  # dp ranks hold other rows, tp ranks other sequence slices
@@ -208,19 +222,13 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(step, loss, norm)
         self.optimizer.step()
+        self.expert_bias.update()  # after the step, as aux-loss-free balancing prescribes
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 
     def _clip_gradients(self) -> torch.Tensor:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if isinstance(norm, DTensor):  # sharded gradients: a partial norm to reduce over the mesh
-            norm = norm.full_tensor()
-        if self.config.training.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                                 self.config.training.max_grad_norm, norm, foreach=True)
-        return norm
+        return clip_by_total_norm(list(self.model.parameters()), self.config.training.max_grad_norm)
 
     # --- the run ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:

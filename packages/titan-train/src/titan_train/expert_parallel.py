@@ -1,0 +1,209 @@
+"""Mixture-of-experts wiring: which MoE layer runs (titan-models' or dist-moe's), expert parallelism
+composed with FSDP, and the aux-loss-free expert-bias update.
+
+Mesh. Expert parallelism borrows its ranks from dp_shard (as torchtitan does): the dp_shard dimension
+of the run's mesh is split into (dp_shard_mod_ep, ep), ep innermost, so the ep ranks of a group are
+neighbours and every rank keeps its coordinates (dp_shard index = dp_shard_mod_ep index * ep + ep index).
+
+    non-expert parameters   FSDP over dp_shard (x dp_replicate): unchanged
+    routed expert weights   split by expert over ep (dist_moe.apply_expert_parallel), then FSDP over
+                            dp_shard_mod_ep (x dp_replicate), the data-parallel ranks that hold the same experts
+    router gate             replicated (plain tensor); its gradient is summed over the data-parallel ranks here
+
+Gradient scale. The trainer scales each rank's loss by dp / (global token count), so that averaging
+over the dp ranks gives the global mean. An expert shard's gradient already sums the contributions of
+all ep ranks whose tokens it served (the all-to-all's backward), so after FSDP's average over the
+remaining dp / ep ranks it is ep times too large: `finish_gradients` divides it by ep. (FSDP's own
+gradient divide factor would do it inside the reduction, but with a group of one rank and sum-only
+reductions, which gloo needs, torch 2.14 divides twice.)
+
+FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
+`experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
+(called as a module) are their own unit over the dense data-parallel mesh; the router gate, read
+directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
+"""
+from __future__ import annotations
+
+import warnings
+
+import dist_moe
+import titan_models as tm
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from .config import TrainConfig
+from .parallelize import _matching
+
+
+def resolve_moe_impl(config: TrainConfig) -> str:
+    """titan or dist_moe; checks the MoE fields against each other (before the model is built)."""
+    m, ep = config.model, config.parallelism.ep
+    impl = m.moe_impl if m.moe_impl != "auto" else ("dist_moe" if ep > 1 else "titan")
+    if ep > 1 and impl != "dist_moe":
+        raise ValueError(f"parallelism.ep={ep} needs model.moe_impl=dist_moe (or auto), got {m.moe_impl!r}")
+    for name in ("pp", "cp", "tp"):
+        if ep > 1 and getattr(config.parallelism, name) > 1:
+            raise ValueError(f"parallelism.ep={ep} composes with FSDP/HSDP; with parallelism.{name} > 1 it is not "
+                             "supported yet")
+    if m.moe_aux_loss_weight < 0:
+        raise ValueError(f"model.moe_aux_loss_weight must be >= 0, got {m.moe_aux_loss_weight}")
+    if m.moe_aux_loss_weight > 0 and impl != "dist_moe":
+        raise ValueError("model.moe_aux_loss_weight > 0 needs model.moe_impl=dist_moe (titan-models' MoE has no "
+                         "sequence balance loss)")
+    if config.training.moe_bias_update_rate < 0:
+        raise ValueError(f"training.moe_bias_update_rate must be >= 0, got {config.training.moe_bias_update_rate}")
+    return impl
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The MoE modules the model's parallel plan names (e.g. layers.*.moe), in model order."""
+    names = [n for pattern in model.parallel_plan.moe for n in _matching(model, pattern)]
+    return [model.get_submodule(n) for n in sorted(set(names), key=names.index)]
+
+
+def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float) -> list[str]:
+    """Replace every MoE layer of the (meta) model by dist-moe's, with the same parameter names and
+    shapes (tm.override checks them), so weights, init and checkpoints carry over. Returns their names."""
+    replaced: list[str] = []
+    for pattern in model.parallel_plan.moe:
+        if not _matching(model, pattern):
+            continue  # e.g. mtp.layer.moe on a model without multi-token prediction
+
+        def factory(fqn: str, old: nn.Module) -> nn.Module:
+            config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha)
+            with torch.device(old.router.gate.weight.device):
+                return config.build()
+
+        replaced += tm.override(model, pattern, factory)
+    return replaced
+
+
+def split_dp_shard(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The run's mesh with dp_shard split into (dp_shard_mod_ep, ep): same ranks, same coordinates."""
+    names = tuple(mesh.mesh_dim_names)
+    i = names.index("dp_shard")
+    shape = tuple(mesh.mesh.shape)
+    assert shape[i] % ep == 0, (shape, ep)  # resolve_degrees checked it
+    ranks = mesh.mesh.reshape(*shape[:i], shape[i] // ep, ep, *shape[i + 1:])
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names[:i], "dp_shard_mod_ep", "ep", *names[i + 1:]))
+
+
+def data_parallel_groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup]:
+    """The process groups whose ranks see different tokens of the same layers (a sum over all of them,
+    one dimension after another, is a sum over the data-parallel ranks)."""
+    if mesh is None:
+        return []
+    return [mesh[d].get_group() for d in ("dp_replicate", "dp_shard", "cp")
+            if d in mesh.mesh_dim_names and mesh[d].size() > 1]
+
+
+class ExpertParallel:
+    """Experts split over ep, FSDP-sharded over the rest of data parallel; see the module docstring."""
+
+    def __init__(self, moes: list[nn.Module], mesh: DeviceMesh, ep: int):
+        for moe in moes:
+            if not isinstance(moe, dist_moe.MoE):
+                raise ValueError(f"parallelism.ep={ep} needs dist-moe's MoE layers (model.moe_impl=dist_moe), "
+                                 f"found {type(moe).__name__}")
+        if not moes:
+            raise ValueError(f"parallelism.ep={ep}, but the model has no MoE layers to split")
+        self.moes, self.ep = moes, ep
+        self.mesh = mesh
+        self.expert_mesh = split_dp_shard(mesh, ep)
+        if hasattr(DeviceMesh, "_flatten"):
+            # Lets DTensor reduce an expert gradient's norm over (dp_shard_mod_ep, ep) in one all-reduce.
+            self.expert_mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
+        self.dp_groups = data_parallel_groups(mesh)
+        self.dp = 1
+        for group in self.dp_groups:
+            self.dp *= dist.get_world_size(group)
+        ep_mesh = self.expert_mesh["ep"]
+        for moe in moes:
+            dist_moe.apply_expert_parallel(moe, ep_mesh.get_group(), device_type=mesh.device_type)
+            # Same shards, but as DTensors of our mesh: fully_shard composes a parameter's own mesh with
+            # its data-parallel mesh only when both come from one root mesh.
+            for name in ("w1", "w2", "w3"):
+                param = getattr(moe.experts, name)
+                local = DTensor.from_local(param.to_local(), ep_mesh, [Shard(0)], run_check=False,
+                                           shape=param.shape, stride=param.stride())
+                setattr(moe.experts, name, nn.Parameter(local, requires_grad=param.requires_grad))
+
+    def apply_fsdp(self, dense_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
+                   reshard_after_forward: bool) -> None:
+        """FSDP units for the MoE layers; call before the blocks' fully_shard (which then skips them)."""
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        replicated = self.expert_mesh["dp_replicate"].size() > 1
+        expert_dp_mesh = self.expert_mesh["dp_replicate", "dp_shard_mod_ep"] if replicated else \
+            self.expert_mesh["dp_shard_mod_ep"]
+        # dist-moe's layer returns a view; FSDP warns because an in-place op on it would skip its backward
+        # hook, but the Transformer block adds the MoE output out of place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
+        for moe in self.moes:
+            if moe.shared_experts is not None:
+                fully_shard(moe.shared_experts, mesh=dense_mesh, mp_policy=policy,
+                            reshard_after_forward=reshard_after_forward)
+            fully_shard(moe, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                        ignored_params={moe.router.gate.weight})
+
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        """After the step's last backward: expert gradients divided by ep, and the replicated router gates'
+        gradients averaged over the data-parallel ranks (like every other gradient, each rank's carries dp x
+        its own tokens' share)."""
+        experts = [w.grad for moe in self.moes for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)
+                   if w.grad is not None]
+        if experts:
+            torch._foreach_div_(experts, float(self.ep))
+        grads = [moe.router.gate.weight.grad for moe in self.moes if moe.router.gate.weight.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for group in self.dp_groups:
+            dist.all_reduce(flat, group=group)
+        flat.div_(self.dp)
+        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+class ExpertBiasUpdate:
+    """Aux-loss-free balancing: counts each MoE layer's routed tokens over a whole optimizer step (every
+    microbatch, every data-parallel rank) and moves expert_bias towards the mean load after the step,
+    identically on every rank."""
+
+    def __init__(self, moes: list[nn.Module], *, rate: float, groups: list[dist.ProcessGroup]):
+        self.moes, self.rate, self.groups = moes, rate, groups
+        self.counts: torch.Tensor | None = None  # [layers, experts] float32
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.moes) and self.rate > 0
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """After a microbatch's forward and backward (recomputation in backward counts the same tokens)."""
+        if not self.enabled:
+            return
+        counts = torch.stack([moe.tokens_per_expert.float() for moe in self.moes])
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After the optimizer step: one all-reduce per data-parallel dimension for all layers, then the update."""
+        if not self.enabled or self.counts is None:
+            return
+        counts, self.counts = self.counts, None
+        for group in self.groups:
+            dist.all_reduce(counts, group=group)
+        for moe, load in zip(self.moes, counts):
+            dist_moe.update_expert_bias(moe.expert_bias, load, rate=self.rate)
+
+
+def prepare_moe_layers(model: nn.Module, config: TrainConfig) -> list[nn.Module]:
+    """Swap in the configured MoE implementation (on the meta model) and return the MoE layers."""
+    if resolve_moe_impl(config) == "dist_moe":
+        # The trainer sums the microbatches' gradients, so each carries 1 / grad_accum_steps of the weight.
+        use_dist_moe(model, aux_loss_alpha=config.model.moe_aux_loss_weight / config.training.grad_accum_steps)
+    return moe_layers(model)

@@ -1,0 +1,41 @@
+"""The global gradient norm and clipping over parameters that live on different meshes.
+
+Under expert parallelism the expert gradients are DTensors of the (dp, ep) mesh, the dense ones of the
+data-parallel mesh, and the router gates' plain tensors (identical on every rank); DTensor refuses one
+foreach norm over several meshes, so each mesh's partial norm is reduced on its own and the results
+combined. With one mesh (or none) this is exactly torch's get_total_norm.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `grads` together, the same on every rank."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        if isinstance(norm, DTensor):  # sharded gradients: a partial norm to reduce over the mesh
+            norm = norm.full_tensor()
+        norms.append(norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+
+def clip_by_total_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of `params` so their global norm is at most `max_norm` (0: leave them); returns the
+    norm before clipping."""
+    with_grad = [p for p in params if p.grad is not None]
+    norm = total_norm([p.grad for p in with_grad])
+    if max_norm > 0:
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for p in with_grad:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm

@@ -1,0 +1,137 @@
+"""Expert parallelism (dist-moe) on gloo ranks follows the single-process loss curve of the same recipe.
+
+References are one process running the same recipe with ep=1. For Qwen3-MoE that process uses
+titan-models' own MoE layer (model.moe_impl=auto picks it without ep), an independent implementation
+of the routing and the experts; the parallel runs use dist-moe's layer, experts split over ep ranks.
+
+Tolerance: relative 1e-4 per step over 10 steps in fp32, for the loss and for the gradient norm before
+clipping (as test_parallel.py argues: parallel runs start from bit-identical weights and see the same
+global batches, so only the order of floating-point sums differs, ~1e-7 per operation; the largest
+seen here is 3e-7). The gradient norm is what catches a wrong expert-gradient scale, to which Adam's
+update is nearly blind: experts divided by FSDP's group size instead of the data-parallel size (a factor
+2 on EP2) moved the step-1 norm by 7e-4. The expert biases after 10 aux-loss-free updates must equal
+the single process's exactly: a count not summed over the data-parallel ranks and microbatches, or one
+doubled by activation-checkpoint recomputation, changes a sign and with it the bias.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch_checkpointing import Checkpointer
+
+from titan_train import TrainConfig, load_recipe, train
+from titan_train.cli import main
+from titan_train.expert_parallel import resolve_moe_impl
+from titan_train.overrides import apply_override
+
+STEPS = 10
+TINY = {"model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4", "metrics.tensorboard": "false",
+        "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false",
+        "training.steps": str(STEPS)}
+SINGLE = {"parallelism.ep": "1", "parallelism.dp_shard": "-1"}
+
+
+def moe_job(recipe: str, folder: Path, **overrides: str) -> TrainConfig:
+    config = load_recipe(recipe)
+    for name, value in {**TINY, "job.folder": str(folder), **overrides}.items():
+        apply_override(config, name, value)
+    return config
+
+
+def curve(folder: Path) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm) from metrics.jsonl (a later line for a step wins: a resumed run)."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
+
+
+def assert_follows(got: dict, want: dict, steps) -> None:
+    for step in steps:
+        assert got[step][0] == pytest.approx(want[step][0], rel=1e-4), ("loss", step, got, want)
+        assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), ("grad_norm", step, got, want)
+
+
+def expert_biases(folder: Path, step: int, layers: list[int]) -> dict[str, torch.Tensor]:
+    state = {"model": {f"layers.{i}.moe.expert_bias": torch.zeros(8) for i in layers}}
+    with Checkpointer(str(folder / "checkpoints")) as checkpoints:
+        checkpoints.load(state, step=step)
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def qwen_reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen_single")
+    config = moe_job("qwen3_moe_debug_ep", folder, **SINGLE, **{"checkpoint.interval": "5"})
+    assert resolve_moe_impl(config) == "titan"  # the independent implementation
+    result = train(config)
+    assert result.losses[STEPS] < result.losses[1] - 1.0, f"the tiny MoE job should learn: {result.losses}"
+    return folder
+
+
+def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_reference, tmp_path, jobs):
+    folder = tmp_path / "ep2"
+    config = moe_job("qwen3_moe_debug_ep", folder, **{"parallelism.ep": "2", "checkpoint.interval": "5"})
+    jobs.on_ranks(config, 2)
+    want = curve(qwen_reference)
+    assert_follows(curve(folder), want, range(1, STEPS + 1))
+
+    biases, reference_biases = expert_biases(folder, STEPS, [0, 1]), expert_biases(qwen_reference, STEPS, [0, 1])
+    for name, bias in biases.items():
+        assert bias.abs().sum() > 0, "aux-loss-free balancing moved no bias"
+        assert torch.equal(bias, reference_biases[name]), (name, bias, reference_biases[name])
+
+    meta = json.loads((folder / "checkpoints" / "step-5" / "metadata.json").read_text())
+    assert "rng.cpu" in meta["per_rank"] and "rng.cpu" not in meta["tensors"]  # each rank's own generator
+
+    # The EP2 checkpoint (experts split over ranks, router gates replicated) resumes in one process with
+    # titan-models' MoE and continues the reference curve.
+    moved = tmp_path / "moved"
+    shutil.copytree(folder / "checkpoints" / "step-5", moved / "checkpoints" / "step-5")
+    resumed = train(moe_job("qwen3_moe_debug_ep", moved, **SINGLE, **{"checkpoint.resume": "true"}))
+    assert resumed.start_step == 5 and sorted(resumed.losses) == list(range(6, STEPS + 1))
+    assert_follows(curve(moved), want, range(6, STEPS + 1))
+
+
+def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tmp_path, jobs):
+    """DeepSeek-V3 (a dense first layer, shared experts, group-limited sigmoid routing): experts split over
+    ep=2 and FSDP-sharded over the 2 remaining data-parallel ranks; gradient accumulation (the aux loss
+    weight is shared out over microbatches), the sequence-wise balance loss and full activation
+    checkpointing (the all-to-all runs again in backward) ride along. The reference is one process with
+    dist-moe's layer (titan-models' MoE has no balance loss) and the same global batch in one microbatch."""
+    job = {"training.batch_size": "8", "model.moe_aux_loss_weight": "0.01"}
+    reference = tmp_path / "single"
+    train(moe_job("deepseek_v3_debug_ep", reference, **SINGLE, **job,
+                  **{"model.moe_impl": "dist_moe", "checkpoint.interval": str(STEPS)}))
+    folder = tmp_path / "fsdp4xep2"
+    jobs.on_ranks(moe_job("deepseek_v3_debug_ep", folder, **job, **{
+        "parallelism.ep": "2", "parallelism.dp_shard": "4", "training.grad_accum_steps": "2",
+        "activation_checkpoint.mode": "full", "checkpoint.interval": str(STEPS)}), 4)
+    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    moe_layers = [1]  # layer 0 is dense (first_k_dense=1)
+    assert all(torch.equal(a, b) for a, b in zip(expert_biases(folder, STEPS, moe_layers).values(),
+                                                 expert_biases(reference, STEPS, moe_layers).values()))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({}, "parallelism.ep=2 must divide dp_shard=1"),  # the recipe's ep=2 in one process
+    ({"parallelism.ep": "1", "model.moe_impl": "titan", "model.moe_aux_loss_weight": "0.1"},
+     "model.moe_aux_loss_weight > 0 needs model.moe_impl=dist_moe"),
+    ({"parallelism.ep": "1", "training.moe_bias_update_rate": "-1"}, "training.moe_bias_update_rate must be >= 0"),
+])
+def test_moe_settings_that_cannot_run_are_errors(capsys, overrides, message):
+    args = [p for k, v in {"checkpoint.resume": "false", **overrides}.items() for p in (f"--{k}", v)]
+    assert main(["--recipe", "qwen3_moe_debug_ep", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_expert_parallel_needs_dist_moe():
+    config = load_recipe("qwen3_moe_debug_ep")
+    config.model.moe_impl = "titan"
+    with pytest.raises(ValueError, match="parallelism.ep=2 needs model.moe_impl=dist_moe"):
+        resolve_moe_impl(config)
+    config.model.moe_impl, config.parallelism.cp = "auto", 2
+    with pytest.raises(ValueError, match="with parallelism.cp > 1 it is not supported yet"):
+        resolve_moe_impl(config)
