@@ -13,6 +13,7 @@ from .recipes import DEFAULT_RECIPE, load_recipe, recipes
 
 USAGE = """usage: titan-train [--recipe NAME | --recipe package.module:function] [--SECTION.FIELD VALUE ...]
                    [--list-recipes] [--print-config] [--help]
+       titan-train rl ...   (the RL job: see titan-train rl --help)
 
 Trains a model. With no arguments: the main job (recipe {default}), the debug Llama 3 learning Python's
 standard library on a CPU. Every field below can be overridden; values are checked against their type.
@@ -20,11 +21,13 @@ Under torchrun (torchrun --nproc-per-node N -m titan_train ...) each process is 
 """
 
 
-def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, set[str]]:
-    """The config the arguments describe, and the actions asked for (help, list-recipes, print-config)."""
+def parse_args(argv: Sequence[str], *, registry: dict | None = None, config_type: type = TrainConfig,
+               default: str = DEFAULT_RECIPE) -> tuple[TrainConfig, set[str]]:
+    """The config the arguments describe, and the actions asked for (help, list-recipes, print-config).
+    registry / config_type / default: another command's recipes (titan-train rl), default the trainer's."""
     args = list(argv)
     actions: set[str] = set()
-    recipe = DEFAULT_RECIPE
+    recipe = default
     overrides: list[tuple[str, str]] = []
     i = 0
     while i < len(args):
@@ -49,15 +52,15 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, set[str]]:
         else:
             raise ConfigError(f"unexpected argument {arg!r}: options are --SECTION.FIELD VALUE (see --help)")
         i += 1
-    config = load_recipe(recipe)
+    config = load_recipe(recipe, registry=registry, config_type=config_type)
     check_types(config)
     for name, value in overrides:
         apply_override(config, name, value)
     return config, actions
 
 
-def help_text(config: TrainConfig) -> str:
-    lines = [USAGE.format(default=DEFAULT_RECIPE), "options (type, default from the chosen recipe):"]
+def help_text(config: TrainConfig, *, usage: str = USAGE, default: str = DEFAULT_RECIPE) -> str:
+    lines = [usage.format(default=default), "options (type, default from the chosen recipe):"]
     for flag, tp, default, doc in describe_fields(config):
         lines.append(f"  {flag} {tp}  (default: {default})")
         if doc:
@@ -68,6 +71,10 @@ def help_text(config: TrainConfig) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "rl":
+        from .rl.cli import main as rl_main
+
+        return rl_main(argv[1:], from_command_line=from_command_line)
     try:
         config, actions = parse_args(argv)
     except ConfigError as e:
@@ -94,6 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # user errors (bad degrees, paths, sizes) are ValueErrors naming the field
         print(f"titan-train: error: {e}", file=sys.stderr)
         code = 2
+    return finish(code, from_command_line=from_command_line)
+
+
+def finish(code: int, *, from_command_line: bool) -> int:
+    """The exit code of a command that ran a job (also `titan-train rl`'s)."""
     if from_command_line and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A torchrun rank: everything is written and the process group is gone; skip interpreter
         # teardown, where torch's distributed backends sometimes abort and torchrun reports a failure.

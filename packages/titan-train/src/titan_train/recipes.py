@@ -21,23 +21,28 @@ _RECIPES: dict[str, Recipe] = {}
 DEFAULT_RECIPE = "llama3_debug"
 
 
-def register_recipe(name: str) -> Callable[[Recipe], Recipe]:
-    """Decorator: make `fn` available as `--recipe name`; its docstring's first line is its summary."""
+def register_recipe(name: str, *, registry: dict[str, Callable] | None = None) -> Callable[[Recipe], Recipe]:
+    """Decorator: make `fn` available as `--recipe name`; its docstring's first line is its summary.
+    registry: another command's recipes (`titan-train rl` keeps its own); default: the trainer's."""
+    registry = _RECIPES if registry is None else registry
+
     def wrap(fn: Recipe) -> Recipe:
-        if name in _RECIPES:
+        if name in registry:
             raise ValueError(f"recipe {name!r} is already registered")
-        _RECIPES[name] = fn
+        registry[name] = fn
         return fn
     return wrap
 
 
-def recipes() -> dict[str, str]:
+def recipes(registry: dict[str, Callable] | None = None) -> dict[str, str]:
     """Registered recipe names -> one-line summaries."""
-    return {name: (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "" for name, fn in _RECIPES.items()}
+    registry = _RECIPES if registry is None else registry
+    return {name: (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "" for name, fn in registry.items()}
 
 
-def load_recipe(spec: str) -> TrainConfig:
-    """The config of a registered recipe name or of `package.module:function`."""
+def load_recipe(spec: str, *, registry: dict[str, Callable] | None = None, config_type: type = TrainConfig):
+    """The config of a registered recipe name or of `package.module:function` (a `config_type`)."""
+    registry = _RECIPES if registry is None else registry
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         if os.getcwd() not in sys.path:  # the console script, unlike python -m, does not look in the cwd
@@ -50,14 +55,14 @@ def load_recipe(spec: str) -> TrainConfig:
         if not callable(fn):
             public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
             raise ConfigError(f"--recipe {spec}: {module_name} has no function {attr!r}{_close(attr, public)}")
-    elif spec in _RECIPES:
-        fn = _RECIPES[spec]
+    elif spec in registry:
+        fn = registry[spec]
     else:
-        raise ConfigError(f"unknown recipe {spec!r}{_close(spec, sorted(_RECIPES))} "
+        raise ConfigError(f"unknown recipe {spec!r}{_close(spec, sorted(registry))} "
                           "(or give package.module:function)")
     config = fn()
-    if not isinstance(config, TrainConfig):
-        raise ConfigError(f"--recipe {spec} returned {type(config).__name__}, not a TrainConfig")
+    if not isinstance(config, config_type):
+        raise ConfigError(f"--recipe {spec} returned {type(config).__name__}, not a {config_type.__name__}")
     return config
 
 

@@ -1,0 +1,84 @@
+"""From the RL config to titan-rl's objects (task, algorithm, sampling), and the checks that run before
+anything is built, so a wrong value fails in a second with the field's name."""
+from __future__ import annotations
+
+import importlib.util
+
+import titan_rl
+from titan_rl.envs import ArithmeticTask, CountdownTask, SortingTask, Task
+
+from .config import EnvConfig, RLAlgorithmConfig, RLJobConfig, RolloutConfig
+
+ALGORITHMS = {"grpo": titan_rl.grpo, "dapo": titan_rl.dapo, "gspo": titan_rl.gspo}
+
+
+def make_task(env: EnvConfig) -> Task:
+    """The verifiable task of `env` (its own checks raise ValueError naming the bad value)."""
+    if env.task == "sorting":
+        return SortingTask(min_length=env.min_length, max_length=env.max_length)
+    if env.task == "arithmetic":
+        return ArithmeticTask(max_operand=env.max_operand, ops=env.ops)
+    return CountdownTask(num_numbers=env.num_numbers, max_number=env.max_number)
+
+
+def make_algorithm(config: RLAlgorithmConfig) -> titan_rl.AlgorithmConfig:
+    overrides: dict = {"group_size": config.group_size, "kl_coef": config.kl_coef,
+                       "tis_cap": config.tis_cap if config.tis_cap > 0 else None}
+    if config.clip_low is not None:
+        overrides["clip_low"] = config.clip_low
+    if config.clip_high is not None:
+        overrides["clip_high"] = config.clip_high
+    return ALGORITHMS[config.name](**overrides)
+
+
+def make_sampling(config: RolloutConfig, *, eos_id: int) -> titan_rl.SamplingConfig:
+    return titan_rl.SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                   top_p=config.top_p, stop_token_ids=(eos_id,))
+
+
+def validate(config: RLJobConfig, *, world_size: int) -> None:
+    """Raise ValueError naming the field for every value the job cannot run with."""
+    positive = {
+        "pretrain.batch_size": config.pretrain.batch_size, "pretrain.seq_len": config.pretrain.seq_len,
+        "pretrain.examples": config.pretrain.examples, "rollout.prompts_per_step": config.rollout.prompts_per_step,
+        "training.steps": config.training.steps, "training.minibatches": config.training.minibatches,
+        "metrics.log_interval": config.metrics.log_interval,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    non_negative = {
+        "pretrain.steps": config.pretrain.steps, "pretrain.warmup_steps": config.pretrain.warmup_steps,
+        "rollout.max_policy_lag": config.rollout.max_policy_lag, "eval.problems": config.eval.problems,
+        "eval.interval": config.eval.interval, "algorithm.tis_cap": config.algorithm.tis_cap,
+        "training.max_grad_norm": config.training.max_grad_norm, "training.lr": config.training.lr,
+    }
+    for name, value in non_negative.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if 0 < config.algorithm.tis_cap < 1:
+        raise ValueError(f"algorithm.tis_cap={config.algorithm.tis_cap}: the cap must be >= 1 (or 0 to disable)")
+    if config.rollout.prompts_per_step % world_size:
+        raise ValueError(f"rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible by the "
+                         f"number of ranks ({world_size}): each rank generates an equal share of the prompts")
+    if config.pretrain.steps and config.pretrain.batch_size % world_size:
+        raise ValueError(f"pretrain.batch_size={config.pretrain.batch_size} must be divisible by the number of "
+                         f"ranks ({world_size})")
+    if config.generator.kind == "vllm":
+        if world_size > 1:
+            raise ValueError("generator.kind=vllm runs in one process here; use generator.kind=builtin under torchrun")
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("generator.kind=vllm needs vLLM, which is not installed: install titan-rl[vllm] "
+                             "(tools/vllm-env/run.sh builds such an environment) or use generator.kind=builtin")
+    try:  # titan-rl's own checks, with the section named
+        make_task(config.env)
+    except ValueError as e:
+        raise ValueError(f"env ({config.env.task}): {e}") from None
+    try:
+        make_algorithm(config.algorithm)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"algorithm: {e}") from None
+    try:
+        make_sampling(config.rollout, eos_id=0)
+    except ValueError as e:
+        raise ValueError(f"rollout: {e}") from None

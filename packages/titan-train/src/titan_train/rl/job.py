@@ -1,0 +1,225 @@
+"""The RL job: pretrain the policy on the task's supervised examples (titan-train's trainer), then GRPO-family
+RL with titan-rl's rollouts, losses and generators, data-parallel over the ranks under torchrun.
+
+Per step: every rank generates its share of the prompts with its generator (ShardedRollouts), all ranks
+gather the same global batch, compute group advantages (and DAPO's dynamic sampling) from it, update the
+FSDP-sharded policy on their slices (PolicyUpdate), and hand each generator the full new weights
+(export_weights) with a version bump.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import titan_models as tm
+import titan_rl
+import torch
+import torch.distributed as dist
+from titan_rl.envs import SingleTurn
+
+from ..model_setup import model_config
+from ..overrides import check_types
+from ..trainer import _process_group, _select_device
+from .build import make_algorithm, make_sampling, make_task, validate
+from .config import RLJobConfig
+from .policy import build_copy, build_policy, export_weights, initial_weights
+from .pretrain import policy_model_config, pretrain
+from .report import MetricsFile, RLProgress, text_plot, write_curve
+from .rollouts import GlobalBatch, ShardedRollouts, greedy_eval
+from .update import PolicyUpdate
+
+
+@dataclass
+class RLResult:
+    curve: list[dict[str, float]] = field(default_factory=list)
+    """One record per RL step (as in rl_metrics.jsonl)."""
+    evals: dict[int, float] = field(default_factory=dict)
+    """RL step -> mean reward of greedy answers to the held-out problems (step 0: before RL)."""
+    pretrain_losses: dict[int, float] = field(default_factory=dict)
+    folder: Path = Path(".")
+    seconds: float = 0.0
+
+
+def run_rl(config: RLJobConfig) -> RLResult:
+    """Run the RL job `config` describes (under torchrun: this process's rank of it)."""
+    check_types(config)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    validate(config, world_size=world)
+    device = _select_device(config)
+    with _process_group(device):
+        return RLJob(config, device).run()
+
+
+def _make_generator(config: RLJobConfig, model: torch.nn.Module, pad_id: int) -> titan_rl.Generator:
+    if config.generator.kind == "vllm":  # validate() checked that vLLM is installed
+        from titan_rl.vllm.generator import VLLMGenerator
+
+        return VLLMGenerator.from_model(model, batch_invariant=config.generator.batch_invariant, seed=config.job.seed)
+    return titan_rl.BuiltinGenerator(model, pad_id=pad_id)
+
+
+class RLJob:
+    def __init__(self, config: RLJobConfig, device: torch.device) -> None:
+        self.config, self.device = config, device
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.folder = Path(config.job.folder)
+        self.tokenizer = titan_rl.ByteTokenizer()  # the same ids as titan-train's byte tokenizer (pretraining)
+        self.task = make_task(config.env)
+        self.algorithm = make_algorithm(config.algorithm)
+        self.sampling = make_sampling(config.rollout, eos_id=self.tokenizer.eos_id)
+        self.model_cfg = model_config(policy_model_config(config), vocab_needed=self.tokenizer.vocab_size)
+
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"titan-train rl: {text}", flush=True)
+
+    def run(self) -> RLResult:
+        c = self.config
+        began = time.perf_counter()
+        result = RLResult(folder=self.folder)
+        n_params = tm.count_params(self.model_cfg).total
+        self._say(f"{c.algorithm.name} on {c.env.task}, {c.policy.family} {c.policy.flavor} with "
+                  f"{self.model_cfg.num_layers} layers ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
+                  f"{self.world} rank(s){' (FSDP)' if self.world > 1 else ''}; pretraining {c.pretrain.steps} steps, "
+                  f"then {c.training.steps} RL steps of {c.rollout.prompts_per_step} prompts x {c.algorithm.group_size} "
+                  f"samples; output in {self.folder}")
+
+        # 1. Pretraining: the format of the task (and some of its skill), by titan-train's trainer.
+        if c.pretrain.steps:
+            full, pre = pretrain(c, self.task, self.device)
+            result.pretrain_losses = pre.losses
+        else:
+            full = initial_weights(self.model_cfg, seed=c.policy.init_seed)
+
+        # 2. The policy (sharded), each rank's generator (full weights), the KL reference.
+        torch.manual_seed(c.job.seed * 1000 + self.rank)  # rollouts sample different tokens on each rank
+        invariant = c.generator.batch_invariant
+        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant)
+        weights = export_weights(policy)
+        generator = _make_generator(c, build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant),
+                                    self.tokenizer.pad_id)
+        reference = (build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
+                     if c.algorithm.kl_coef > 0 else None)
+        del full, weights
+        t = c.training
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
+                              max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
+                              pad_id=self.tokenizer.pad_id, reference=reference)
+        rollouts = ShardedRollouts(make_env=lambda: SingleTurn(self.task), generator=generator, tokenizer=self.tokenizer,
+                                   sampling=self.sampling, group_size=self.algorithm.group_size,
+                                   groups_per_step=c.rollout.prompts_per_step,
+                                   max_policy_lag=c.rollout.max_policy_lag, seed=c.job.seed)
+
+        def evaluate(step: int) -> float | None:
+            if not c.eval.problems:
+                return None
+            reward = greedy_eval(task=self.task, generator=generator, tokenizer=self.tokenizer,
+                                 problems=c.eval.problems, max_new_tokens=c.rollout.max_new_tokens, seed=c.job.seed)
+            result.evals[step] = reward
+            return reward
+
+        # 3. RL.
+        before = evaluate(0)
+        if before is not None:
+            self._say(f"greedy reward on {c.eval.problems} held-out problems before RL: {before:.3f}")
+        metrics_file = MetricsFile(self.folder) if self.rank == 0 else None
+        progress = RLProgress(t.steps, enabled=self.rank == 0 and c.metrics.progress, log_interval=c.metrics.log_interval)
+        version, dropped_total, rl_began = generator.policy_version, 0, time.perf_counter()
+        try:
+            for step in range(1, t.steps + 1):
+                step_began = time.perf_counter()
+                m = self._step(rollouts, update, version)
+                version += 1
+                generator.update_weights(export_weights(policy), version=version)
+                dropped_total += int(m["dropped_samples"])
+                m |= {"step": step, "dropped_samples_total": dropped_total,
+                      "step_seconds": time.perf_counter() - step_began, "seconds": time.perf_counter() - rl_began}
+                last = step == t.steps
+                reward = evaluate(step) if (c.eval.interval and step % c.eval.interval == 0) or last else None
+                if reward is not None:
+                    m["eval_reward"] = reward
+                result.curve.append(m)
+                if metrics_file is not None:
+                    metrics_file.write(m)
+                progress.update(step, m, reward)
+        finally:
+            progress.close()
+            rollouts.close()
+            if metrics_file is not None:
+                metrics_file.close()
+        result.seconds = time.perf_counter() - began
+        if self.rank == 0:
+            self._report(result)
+        return result
+
+    def _step(self, rollouts: ShardedRollouts, update: PolicyUpdate, version: int) -> dict[str, float]:
+        """One RL step's rollouts, advantages and update (a collective: every rank runs it alike)."""
+        algo = self.algorithm
+        batch = rollouts.get(version)
+        dropped = batch.dropped_samples
+        rewards, advantages, keep = self._advantages(batch)
+        refills = 0
+        while algo.drop_uninformative_groups and not bool(keep.any()) and refills < algo.max_refill_rounds:
+            refills += 1  # dynamic sampling: every group was uninformative; draw a fresh batch
+            batch = rollouts.get(version)
+            dropped += batch.dropped_samples
+            rewards, advantages, keep = self._advantages(batch)
+        train_samples, train_advantages = [], []
+        for j in range(rewards.shape[0]):
+            if keep[j]:
+                group = batch.samples[j * algo.group_size:(j + 1) * algo.group_size]
+                train_samples += group
+                train_advantages += advantages[j].tolist()
+        samples = batch.samples
+        m = {
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "adv_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+            "adv_abs_max": float(advantages.abs().max()),
+            "staleness": float(version - batch.policy_version), "dropped_samples": float(dropped),
+            "filtered_groups": float((~keep).sum()), "refills": float(refills),
+            "gen_tokens_per_s": batch.generated_tokens / max(batch.generation_seconds, 1e-9),
+            "completion_len": sum(len(s.completion) for s in samples) / len(samples),
+            "policy_version": float(version),
+        }
+        if train_samples:
+            m |= update(train_samples, train_advantages)
+        else:
+            m |= {"loss": 0.0, "kl": 0.0, "train_tokens_per_s": 0.0, "logprob_mismatch_max": 0.0,
+                  "logprob_mismatch_mean": 0.0, "trained_samples": 0.0}
+        return m
+
+    def _advantages(self, batch: GlobalBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rewards and advantages [groups, group_size], keep [groups] from the batch (samples in group order)."""
+        n = self.algorithm.group_size
+        groups = [s.group for s in batch.samples]
+        assert groups == sorted(groups) and len(groups) % n == 0 and all(
+            len(set(groups[i:i + n])) == 1 for i in range(0, len(groups), n)), "samples come whole groups, in order"
+        rewards = torch.tensor([s.reward for s in batch.samples]).view(-1, n)
+        advantages, keep = self.algorithm.advantages(rewards)
+        return rewards, advantages, keep
+
+    def _report(self, result: RLResult) -> None:
+        c, curve = self.config, result.curve
+        k = max(1, min(10, len(curve) // 4))
+        first = sum(r["reward_mean"] for r in curve[:k]) / k
+        last = sum(r["reward_mean"] for r in curve[-k:]) / k
+        print(text_plot([r["reward_mean"] for r in curve], label="sampled reward"), flush=True)
+        write_curve(self.folder / "rl_curve.csv", curve)
+        summary = {
+            "reward_first_steps": first, "reward_last_steps": last, "steps_averaged": k,
+            "eval_reward": {str(s): r for s, r in result.evals.items()},
+            "pretrain_loss": {str(s): v for s, v in result.pretrain_losses.items()},
+            "seconds": result.seconds, "ranks": self.world, "config": asdict(c),
+        }
+        (self.folder / "rl_summary.json").write_text(json.dumps(summary, indent=1))
+        evals = sorted(result.evals.items())
+        evaluated = (f"; greedy reward on {c.eval.problems} held-out problems {evals[0][1]:.3f} -> {evals[-1][1]:.3f}"
+                     if len(evals) > 1 else "")
+        self._say(f"done, {len(curve)} steps in {result.seconds:.0f} s: sampled reward {first:.3f} (first {k} steps) -> "
+                  f"{last:.3f} (last {k}){evaluated}; curve in {self.folder / 'rl_curve.csv'}, every metric in "
+                  f"{self.folder / 'rl_metrics.jsonl'}")

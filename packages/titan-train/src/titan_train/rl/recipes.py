@@ -1,0 +1,42 @@
+"""RL recipes: functions returning an RLJobConfig, registered for `titan-train rl --recipe NAME`
+(`--recipe package.module:function` loads a user's own)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..recipes import register_recipe
+from .config import (
+    EnvConfig, GeneratorConfig, PretrainConfig, RLAlgorithmConfig, RLJobConfig, RLRunConfig, RLTrainingConfig,
+    RolloutConfig,
+)
+
+RL_RECIPES: dict[str, Callable[[], RLJobConfig]] = {}
+DEFAULT_RL_RECIPE = "rl_sorting"
+
+
+@register_recipe("rl_sorting", registry=RL_RECIPES)
+def rl_sorting() -> RLJobConfig:
+    """The main RL job: a 2-layer debug Llama pretrained briefly on sorting 3 digits, then GRPO, on a CPU."""
+    return RLJobConfig()
+
+
+@register_recipe("rl_sorting_async", registry=RL_RECIPES)
+def rl_sorting_async() -> RLJobConfig:
+    """DAPO on sorting with rollouts generated one policy version ahead, batch-invariant trainer and generator."""
+    return RLJobConfig(
+        job=RLRunConfig(folder="runs/rl_sorting_async"),
+        algorithm=RLAlgorithmConfig(name="dapo"),
+        rollout=RolloutConfig(max_policy_lag=1),
+        generator=GeneratorConfig(batch_invariant=True),
+    )
+
+
+@register_recipe("rl_arithmetic", registry=RL_RECIPES)
+def rl_arithmetic() -> RLJobConfig:
+    """GRPO on two-digit addition (reward 1 for the exact sum) after a short pretraining."""
+    return RLJobConfig(
+        job=RLRunConfig(folder="runs/rl_arithmetic"),
+        env=EnvConfig(task="arithmetic", max_operand=99, ops="+"),
+        pretrain=PretrainConfig(steps=60),
+        training=RLTrainingConfig(steps=100),
+    )

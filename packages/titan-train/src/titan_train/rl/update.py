@@ -1,0 +1,132 @@
+"""The optimisation half of an RL step on a data-parallel policy: titan-rl's loss, globally normalised.
+
+Every rank holds the same global list of samples (ShardedRollouts gathers them). The list is cut into
+`minibatches` global minibatches; each rank trains on its contiguous slice of each. titan_rl's
+`policy_loss` averages over what it is given (the rank's slice), while the step must average over the
+whole minibatch, whatever the number of ranks: so each rank's loss is scaled by
+
+    world * (its sequences / the minibatch's sequences)    (sequence-mean aggregation: GRPO, GSPO)
+    world * (its tokens    / the minibatch's tokens)       (token-mean aggregation: DAPO)
+
+and FSDP's gradient average over the ranks (a division by world) turns the sum into the global mean.
+On one process the scale is exactly 1 and the step is `titan_rl.RLLoop.train_on_batch`'s, which the
+tests check bitwise. A rank whose slice is empty still runs a forward and backward (scaled by 0),
+because FSDP's all-gathers and reduce-scatters are collectives every rank must join.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs
+
+# policy_loss metrics that are token means over the rank's slice; combined over ranks weighted by tokens.
+TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncated_frac", "kl")
+
+
+class PolicyUpdate:
+    def __init__(self, *, policy: nn.Module, optimizer: torch.optim.Optimizer, loss: PolicyLossConfig,
+                 minibatches: int = 1, max_grad_norm: float = 1.0, temperature: float = 1.0, pad_id: int,
+                 reference: nn.Module | None = None) -> None:
+        """temperature: the sampling temperature (logprobs are of softmax(logits / T); 0 (greedy) means 1).
+        reference: the frozen policy of the KL term (needed when loss.kl_coef > 0)."""
+        if loss.kl_coef > 0 and reference is None:
+            raise ValueError("loss.kl_coef > 0 needs a reference model")
+        self.policy, self.optimizer, self.loss, self.reference = policy, optimizer, loss, reference
+        self.minibatches, self.max_grad_norm, self.pad_id = minibatches, max_grad_norm, pad_id
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.device = next(policy.parameters()).device
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def _logprobs(self, model: nn.Module, batch: TrainBatch | None) -> torch.Tensor:
+        if batch is None:  # an empty slice: join the collectives with a throwaway row
+            tokens = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+            return token_logprobs(model, tokens, temperature=self.temperature)
+        return token_logprobs(model, batch.tokens, temperature=self.temperature)
+
+    def _clip(self) -> float:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if isinstance(norm, DTensor):  # sharded gradients: a partial norm, reduced over the ranks
+            norm = norm.full_tensor()
+        if self.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, foreach=True)
+        return float(norm)
+
+    def __call__(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
+        """One update on the global `samples` (with their advantages); the same call on every rank."""
+        if len(samples) != len(advantages):
+            raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
+        start = time.perf_counter()
+        token_mean = self.loss.aggregation == "token_mean"
+        parts = [p for p in torch.arange(len(samples)).tensor_split(self.minibatches) if len(p)]
+        slices = []  # per minibatch: (its sequences, its tokens, this rank's TrainBatch or None, its local scale)
+        for part in parts:
+            mine = part.tensor_split(self.world)[self.rank].tolist()
+            tokens = sum(sum(samples[i].loss_mask) for i in part.tolist())
+            batch = (TrainBatch.from_samples([samples[i] for i in mine], [advantages[i] for i in mine],
+                                             pad_id=self.pad_id, device=self.device) if mine else None)
+            local = sum(sum(samples[i].loss_mask) for i in mine) if token_mean else len(mine)
+            scale = self.world * local / (tokens if token_mean else len(part))
+            slices.append((len(part), tokens, batch, scale))
+
+        with torch.no_grad():  # PPO's "old" policy: the batch's start (one update per batch: the current one)
+            olds = [self._logprobs(self.policy, b) if self.minibatches > 1 else None for _, _, b, _ in slices]
+            refs = [self._logprobs(self.reference, b) if self.loss.kl_coef > 0 and b is not None else None
+                    for _, _, b, _ in slices]
+
+        totals: dict[str, float] = {}
+        mismatch_max = torch.zeros((), device=self.device)
+        mismatch = torch.zeros(2, device=self.device)  # (sum |old - behavior| over tokens, tokens)
+        trained_tokens = 0
+        for (sequences, tokens, batch, scale), old, ref in zip(slices, olds, refs):
+            self.optimizer.zero_grad(set_to_none=True)
+            logp = self._logprobs(self.policy, batch)
+            # what each rank adds to this minibatch's global values: loss, token-mean metrics (x tokens)
+            contribution = torch.zeros(1 + len(TOKEN_MEAN_METRICS), device=self.device)
+            if batch is None:
+                (logp.sum() * 0.0).backward()
+            else:
+                old = logp.detach() if old is None else old
+                with torch.no_grad():
+                    diff = (old - batch.behavior_logprobs).abs() * batch.mask
+                    mismatch_max = torch.maximum(mismatch_max, diff.max())
+                    mismatch += torch.stack([diff.sum(), batch.mask.sum()])
+                out = policy_loss(self.loss, logprobs=logp, advantages=batch.advantages, mask=batch.mask,
+                                  old_logprobs=old, behavior_logprobs=batch.behavior_logprobs, ref_logprobs=ref)
+                (out.loss * scale).backward()
+                local_tokens = float(batch.mask.sum())
+                contribution[0] = out.loss.detach() * scale / self.world
+                for j, name in enumerate(TOKEN_MEAN_METRICS):
+                    contribution[1 + j] = out.metrics.get(name, 0.0) * local_tokens / max(tokens, 1)
+                trained_tokens += batch.tokens.numel()
+            grad_norm = self._clip()
+            self.optimizer.step()
+            if self.world > 1:
+                dist.all_reduce(contribution)
+            totals["loss"] = totals.get("loss", 0.0) + float(contribution[0])
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
+            for j, name in enumerate(TOKEN_MEAN_METRICS):
+                totals[name] = totals.get(name, 0.0) + float(contribution[1 + j])
+        self.optimizer.zero_grad(set_to_none=True)
+
+        counts = torch.tensor([float(trained_tokens)], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
+            dist.all_reduce(mismatch)
+            dist.all_reduce(counts)
+        seconds = time.perf_counter() - start
+        metrics = {k: v / max(len(slices), 1) for k, v in totals.items()}
+        metrics |= {"logprob_mismatch_max": float(mismatch_max),
+                    "logprob_mismatch_mean": float(mismatch[0] / mismatch[1].clamp_min(1)),
+                    "train_tokens_per_s": float(counts[0]) / max(seconds, 1e-9),
+                    "trained_samples": float(len(samples))}
+        if self.loss.tis_cap is None:  # reported as 0 by the fixed-size reduction above, but not measured
+            del metrics["tis_weight_mean"], metrics["tis_truncated_frac"]
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        return metrics
