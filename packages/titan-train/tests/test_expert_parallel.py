@@ -29,10 +29,13 @@ from titan_train.expert_parallel import resolve_moe_impl
 from titan_train.overrides import apply_override
 
 STEPS = 10
-TINY = {"model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4", "metrics.tensorboard": "false",
-        "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false",
+TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",
+        "metrics.tensorboard": "false", "metrics.progress": "false", "lr_schedule.warmup_steps": "2",
+        "checkpoint.resume": "false",
         "training.steps": str(STEPS)}
 SINGLE = {"parallelism.ep": "1", "parallelism.dp_shard": "-1"}
+# GPU checks: longer sequences, bf16 against an fp32 reference within bf16's few percent (as test_gpu.py).
+GPU = {"job.device": "cuda", "training.steps": "20", "training.seq_len": "256", "training.batch_size": "8"}
 
 
 def moe_job(recipe: str, folder: Path, **overrides: str) -> TrainConfig:
@@ -135,3 +138,36 @@ def test_expert_parallel_needs_dist_moe():
     config.model.moe_impl, config.parallelism.cp = "auto", 2
     with pytest.raises(ValueError, match="with parallelism.cp > 1 it is not supported yet"):
         resolve_moe_impl(config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_dist_moe_kernels_train_like_titan_moe(tmp_path):
+    """dist-moe's Triton kernels (routing, fused expert MLP) in training on one GPU against titan-models'
+    MoE in fp32. (In one process bf16 is autocast, which dist-moe's expert kernels do not follow: they
+    run in the weights' fp32; under FSDP they get bf16 weights.)"""
+    fp32 = train(moe_job("qwen3_moe_debug_ep", tmp_path / "fp32", **SINGLE, **GPU,
+                         **{"training.mixed_precision": "fp32"})).losses
+    kernels = train(moe_job("qwen3_moe_debug_ep", tmp_path / "dist_moe", **SINGLE, **GPU,
+                            **{"model.moe_impl": "dist_moe", "training.mixed_precision": "bf16"})).losses
+    assert kernels[20] < kernels[1] - 1.0
+    for step in fp32:
+        assert kernels[step] == pytest.approx(fp32[step], rel=5e-2), (step, kernels, fp32)
+
+
+@pytest.mark.parametrize("nproc,recipe,layout", [
+    (2, "qwen3_moe_debug_ep", {}),
+    (4, "deepseek_v3_debug_ep", {"parallelism.dp_shard": "4"}),
+], ids=["ep2", "fsdp4xep2"])
+def test_gpu_expert_parallel_over_nccl_follows_one_gpu(tmp_path, cli, nproc, recipe, layout):
+    """The real command under torchrun on nccl: bf16 experts (FSDP's param dtype) on the Triton kernels,
+    tokens exchanged with all_to_all, against one GPU in fp32 with titan-models' MoE."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs (expert parallelism over nccl)")
+    fp32 = train(moe_job(recipe, tmp_path / "fp32", **SINGLE, **GPU, **{"training.mixed_precision": "fp32"})).losses
+    folder = tmp_path / "ep"
+    args = {**TINY, **GPU, **layout, "training.mixed_precision": "bf16", "job.folder": str(folder)}
+    cli.run(["--recipe", recipe, *(p for k, v in args.items() for p in (f"--{k}", v))], nproc=nproc)
+    got = curve(folder)
+    assert got[20][0] < got[1][0] - 1.0
+    for step in fp32:
+        assert got[step][0] == pytest.approx(fp32[step], rel=5e-2), (step, got, fp32)

@@ -33,7 +33,7 @@ def curve(folder: Path) -> dict[int, tuple[float, float]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, jobs):
     folder = tmp_path_factory.mktemp("single")
-    result = train(jobs.tiny(folder, **{"training.steps": str(STEPS)}))
+    result = train(jobs.tiny(folder, **{"training.steps": str(STEPS), "job.device": "cpu"}))
     assert result.losses[STEPS] < result.losses[1] - 1.0, f"the tiny job should learn: {result.losses}"
     return curve(folder)
 
@@ -41,8 +41,8 @@ def reference(tmp_path_factory, jobs):
 def test_flexshard_in_place_of_fully_shard(reference, tmp_path, jobs):
     folder = tmp_path / "flexshard"
     jobs.on_ranks(jobs.tiny(folder, **{
-        "training.steps": str(STEPS), "parallelism.dp_shard": "2", "parallelism.fsdp_impl": "flexshard",
-        "parallelism.flexshard_placements": PLACEMENTS,
+        "training.steps": str(STEPS), "job.device": "cpu", "parallelism.dp_shard": "2",
+        "parallelism.fsdp_impl": "flexshard", "parallelism.flexshard_placements": PLACEMENTS,
         "parallelism.flexshard_buckets": "attention.*|attention_norm.*,feed_forward.*",
         "checkpoint.interval": str(STEPS)}), 2)
     got = curve(folder)
@@ -63,9 +63,10 @@ def test_fp8_all_gather_stays_close(reference, tmp_path, jobs):
     steps = 6
     folder = tmp_path / "fp8"
     jobs.on_ranks(jobs.tiny(folder, **{
-        "training.steps": str(steps), "parallelism.dp_shard": "2", "parallelism.fsdp_impl": "flexshard",
+        "training.steps": str(steps), "job.device": "cpu", "parallelism.dp_shard": "2",
+        "parallelism.fsdp_impl": "flexshard",
         "parallelism.flexshard_placements": "layers.*.w*.weight=block:64x64", "parallelism.fp8_all_gather": "true"}), 2)
-    exact = train(jobs.tiny(tmp_path / "single", **{"training.steps": str(steps)})).losses
+    exact = train(jobs.tiny(tmp_path / "single", **{"training.steps": str(steps), "job.device": "cpu"})).losses
     got = {step: loss for step, (loss, _) in curve(folder).items()}
     assert got == pytest.approx(exact, rel=1e-2)
     assert any(abs(got[s] - exact[s]) > 1e-5 * exact[s] for s in exact), "fp8 gathers changed nothing"

@@ -24,8 +24,9 @@ from titan_train.optimizers import build_optimizer
 from titan_train.overrides import apply_override
 
 STEPS = 10
-TINY = {"model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4", "metrics.tensorboard": "false",
-        "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false",
+TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",
+        "metrics.tensorboard": "false", "metrics.progress": "false", "lr_schedule.warmup_steps": "2",
+        "checkpoint.resume": "false",
         "training.steps": str(STEPS), "optimizer.muon_ns_dtype": "float32"}
 
 
@@ -43,9 +44,9 @@ def curve(folder: Path) -> dict[int, tuple[float, float]]:
 
 def _rank_main(rank: int, world: int, port: int, config: TrainConfig, report: str) -> None:
     """One rank of the run, with every optimizer step's collectives counted (flexshard.CollectiveCounter)."""
+    import flexshard
     import torch.distributed as dist
 
-    import flexshard
     from titan_train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -126,3 +127,23 @@ def test_parameter_groups():
     adamw = build_optimizer(load_recipe("llama3_debug").optimizer, moe, device=torch.device("cpu"))
     routers = {id(p) for n, p in moe.named_parameters() if n.endswith("router.gate.weight")}
     assert len(adamw.param_groups) == 3 and {id(p) for p in adamw.param_groups[2]["params"]} == routers
+
+
+def test_gpu_flexshard_muon_with_fp8_gathers_over_nccl(tmp_path, cli):
+    """On 2 GPUs (nccl): Muon on Owned matrices with bf16 Newton-Schulz, feed-forward weights in 128 x 128
+    tiles gathered as fp8 (flexshard's GPU quantize kernels), bf16 compute; against one GPU's fp32 Muon
+    within bf16's few percent (as test_gpu.py)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (flexshard over nccl)")
+    gpu = {"job.device": "cuda", "training.steps": "20", "training.seq_len": "256", "training.batch_size": "8"}
+    fp32 = train(muon_job(tmp_path / "fp32", **gpu, **{"training.mixed_precision": "fp32"})).losses
+    folder = tmp_path / "flexshard"
+    args = {**TINY, **gpu, "training.mixed_precision": "bf16", "optimizer.muon_ns_dtype": "bfloat16",
+            "parallelism.flexshard_placements":
+                "layers.*.attention.w*.weight=owned,layers.*.feed_forward.w*.weight=block:128x128",
+            "parallelism.fp8_all_gather": "true", "job.folder": str(folder)}
+    cli.run(["--recipe", "llama3_debug_muon", *(p for k, v in args.items() for p in (f"--{k}", v))], nproc=2)
+    got = curve(folder)
+    assert got[20][0] < got[1][0] - 1.0
+    for step in fp32:
+        assert got[step][0] == pytest.approx(fp32[step], rel=5e-2), (step, got, fp32)

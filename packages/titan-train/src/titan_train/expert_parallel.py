@@ -165,7 +165,8 @@ class ExpertParallel:
         for group in self.dp_groups:
             dist.all_reduce(flat, group=group)
         flat.div_(self.dp)
-        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        pieces = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
 
 
 class ExpertBiasUpdate:

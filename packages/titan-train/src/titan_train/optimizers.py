@@ -26,7 +26,9 @@ def build_optimizer(config: OptimizerConfig, model: nn.Module, *, device: torch.
     matrices = [(n, p) for n, p in named if p.ndim >= 2]
     vectors = [p for _, p in named if p.ndim < 2]
     if config.name == "adamw":
-        impl = config.implementation if config.implementation != "auto" else ("fused" if device.type == "cuda" else "foreach")
+        impl = config.implementation
+        if impl == "auto":
+            impl = "fused" if device.type == "cuda" else "foreach"
         kernels = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
         routers = [p for n, p in matrices if n.endswith("router.gate.weight")]
         groups = [{"params": [p for n, p in matrices if not n.endswith("router.gate.weight")],
