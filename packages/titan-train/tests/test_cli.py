@@ -61,12 +61,12 @@ def test_errors_name_the_problem_and_the_choices(capsys, argv, expected):
 
 
 def test_degrees_that_do_not_fit_are_errors(capsys):
-    assert main(["--parallelism.pp", "2", "--checkpoint.resume", "false"]) == 2
-    assert "pp > 1 arrives in issue 7" in capsys.readouterr().err
+    assert main(["--parallelism.pp", "2", "--checkpoint.resume", "false"]) == 2  # one process, pp 2
+    assert "world size 1 is not divisible by dp_replicate * tp * pp * cp = 2" in capsys.readouterr().err
     assert main(["--parallelism.tp", "2", "--checkpoint.resume", "false"]) == 2  # one process, tp 2
-    assert "world size 1 is not divisible by dp_replicate * tp = 2" in capsys.readouterr().err
+    assert "world size 1 is not divisible by dp_replicate * tp * pp * cp = 2" in capsys.readouterr().err
     assert main(["--parallelism.dp_shard", "2", "--checkpoint.resume", "false"]) == 2
-    assert "dp_shard=2 x tp=1 = 2, but the world size is 1" in capsys.readouterr().err
+    assert "dp_shard=2 x cp=1 x tp=1 = 2, but the world size is 1" in capsys.readouterr().err
     assert main(["--training.batch_size", "0", "--checkpoint.resume", "false"]) == 2
     assert "training.batch_size must be >= 1" in capsys.readouterr().err
 

@@ -7,6 +7,7 @@ objects whose state_dict() is saved and whose load_state_dict() a load calls.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +42,16 @@ class RNGState:
 class RunCheckpoints:
     """Saves every `interval` steps (asynchronously when asked), keeps the last `keep_last`, resumes."""
 
-    def __init__(self, folder: Path, *, keep_last: int, async_save: bool):
+    def __init__(self, folder: Path, *, keep_last: int, async_save: bool,
+                 adapt: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
         self.checkpointer = Checkpointer(str(folder), keep_last=keep_last or None, per_rank=("rng",))
         self.async_save = async_save
+        self.adapt = adapt  # rewrites the state of every save and load (pipeline parallelism: each rank's stages)
 
-    @staticmethod
-    def state(model: nn.Module, optimizer, scheduler, loader, step: int, device: torch.device) -> dict[str, Any]:
-        return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
-                "data": loader, "rng": RNGState(device), "step": step}
+    def state(self, model: nn.Module, optimizer, scheduler, loader, step: int, device: torch.device) -> dict[str, Any]:
+        state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
+                 "data": loader, "rng": RNGState(device), "step": step}
+        return self.adapt(state) if self.adapt is not None else state
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         # save() returns once the state is staged (training may go on); the write finishes behind it.

@@ -134,9 +134,18 @@ class ParallelismConfig:
     tp: int = 1
     """Tensor (+ sequence) parallel degree."""
     pp: int = 1
-    """Pipeline parallel degree (arrives in issue 7)."""
+    """Pipeline parallel degree: the blocks split into stages over pp ranks (torch.distributed.pipelining)."""
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble",
+                         "DualPipeV"] = "1F1B"
+    """Pipeline schedule. Interleaved*: several stages per rank (smaller bubble); ZeroBubble/DualPipeV split
+    the backward into input and weight gradients to fill the bubble (not with compile.enabled)."""
+    pp_microbatches: int = 0
+    """Microbatches each step's rows are split into for the pipeline (0: one per stage); more shrink the bubble."""
+    pp_stages_per_rank: int = 0
+    """Stages per pp rank (0: the schedule's own: 1, or 2 for Interleaved* and the V schedules, which need 2)."""
     cp: int = 1
-    """Context parallel degree (arrives in issue 7)."""
+    """Context parallel degree: each sequence split over cp ranks (load-balanced causal chunks, ring attention);
+    FSDP shards over dp_shard x cp."""
     ep: int = 1
     """Expert parallel degree: MoE experts split over ep ranks borrowed from dp_shard (ep must divide it); the
     experts are FSDP-sharded over the rest of data parallel. Uses model.moe_impl=dist_moe."""

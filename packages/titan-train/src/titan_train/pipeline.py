@@ -24,6 +24,7 @@ How a run is laid out:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,7 +34,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .config import ParallelismConfig
+from .grad_norm import total_norm
 from .loss import _SumGradOverGroup, fused_linear_cross_entropy
+from .model_setup import _initial_state
 
 # Schedule name -> (class name in torch.distributed.pipelining, stage placement, stages per rank it takes).
 SCHEDULES: dict[str, tuple[str, str, str]] = {
@@ -56,6 +60,8 @@ class PipelineLayout:
     """stage index -> the names (keys of model.layers) of its blocks, in order."""
     ranks: tuple[int, ...]
     """stage index -> pp rank."""
+    parameter_order: tuple[str, ...] = ()
+    """The whole model's parameter names in model order (checkpoints list them so)."""
 
     def stages_of(self, pp_rank: int) -> list[int]:
         return [s for s, r in enumerate(self.ranks) if r == pp_rank]
@@ -68,7 +74,8 @@ def resolve_stages_per_rank(schedule: str, stages_per_rank: int) -> int:
         raise ValueError(f"parallelism.pp_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     takes = SCHEDULES[schedule][2]
     if stages_per_rank < 0:
-        raise ValueError(f"parallelism.pp_stages_per_rank must be >= 0 (0: the schedule's default), got {stages_per_rank}")
+        raise ValueError(f"parallelism.pp_stages_per_rank must be >= 0 (0: the schedule's default), "
+                         f"got {stages_per_rank}")
     if stages_per_rank == 0:
         return 1 if takes == "one" else 2
     if takes == "one" and stages_per_rank != 1:
@@ -80,10 +87,38 @@ def resolve_stages_per_rank(schedule: str, stages_per_rank: int) -> int:
     return stages_per_rank
 
 
-def check_microbatches(*, schedule: str, pp: int, microbatches: int, rows: int) -> None:
+@dataclass(frozen=True, kw_only=True)
+class PipelineSettings:
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+
+
+def check_pipeline(config: ParallelismConfig, *, pp: int, rows: int, grad_accum_steps: int,
+                   compiled: bool) -> PipelineSettings:
+    """The recipe's pipeline fields checked against each other (before the model is built); `rows` is the
+    number of sequences each data-parallel rank takes per step, which the microbatches split."""
+    schedule = config.pp_schedule
+    stages_per_rank = resolve_stages_per_rank(schedule, config.pp_stages_per_rank)
+    if config.pp_microbatches < 0:
+        raise ValueError(f"parallelism.pp_microbatches must be >= 0 (0: one per stage), got {config.pp_microbatches}")
+    microbatches = config.pp_microbatches or pp * stages_per_rank
+    check_microbatches(schedule=schedule, pp=pp, stages=pp * stages_per_rank, microbatches=microbatches, rows=rows)
+    if grad_accum_steps != 1:
+        raise ValueError(f"training.grad_accum_steps={grad_accum_steps} with parallelism.pp={pp}: the pipeline's "
+                         "microbatches already accumulate gradients; set parallelism.pp_microbatches instead")
+    if compiled and schedule in SPLIT_BACKWARD:
+        raise ValueError(f"parallelism.pp_schedule={schedule} splits the backward into input and weight "
+                         "gradients, which torch does not support for compiled stages; use compile.enabled=false "
+                         "or the 1F1B / Interleaved1F1B schedules")
+    if config.fsdp_impl != "fully_shard":
+        raise ValueError(f"parallelism.pp > 1 shards stages with fully_shard; parallelism.fsdp_impl="
+                         f"{config.fsdp_impl} is not supported with pipeline parallelism yet")
+    return PipelineSettings(schedule=schedule, stages_per_rank=stages_per_rank, microbatches=microbatches)
+
+
+def check_microbatches(*, schedule: str, pp: int, stages: int, microbatches: int, rows: int) -> None:
     """`rows`: sequences per step on each data-parallel rank, which the microbatches split."""
-    if microbatches < 1:
-        raise ValueError(f"parallelism.pp_microbatches must be >= 1 (0: pp), got {microbatches}")
     if rows % microbatches:
         raise ValueError(f"parallelism.pp_microbatches={microbatches} must divide the sequences each data-parallel "
                          f"rank takes per step (training.batch_size / dp = {rows})")
@@ -93,6 +128,9 @@ def check_microbatches(*, schedule: str, pp: int, microbatches: int, rows: int) 
     if SCHEDULES[schedule][2] != "one" and microbatches % pp:
         raise ValueError(f"parallelism.pp_schedule={schedule} needs pp_microbatches to be a multiple of pp={pp}, "
                          f"got {microbatches}")
+    if schedule == "DualPipeV" and microbatches < stages:
+        raise ValueError(f"parallelism.pp_schedule=DualPipeV needs at least one microbatch per stage ({stages}), "
+                         f"got pp_microbatches={microbatches}")
 
 
 def plan_layout(model: nn.Module, *, pp: int, schedule: str, stages_per_rank: int) -> PipelineLayout:
@@ -120,7 +158,7 @@ def plan_layout(model: nn.Module, *, pp: int, schedule: str, stages_per_rank: in
         ranks = tuple(s if s < pp else 2 * pp - 1 - s for s in range(num_stages))
     else:
         ranks = tuple(s % pp for s in range(num_stages))
-    return PipelineLayout(stages=stages, ranks=ranks)
+    return PipelineLayout(stages=stages, ranks=ranks, parameter_order=tuple(n for n, _ in model.named_parameters()))
 
 
 def keep_rank_part(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> None:
@@ -195,13 +233,21 @@ class Pipeline:
     """This rank's stages and the schedule that runs them; `step` is one optimizer step's forward/backward."""
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, *, schedule: str, microbatches: int,
-                 pp_mesh: DeviceMesh, device: torch.device, chunk: int, tp_group=None,
+                 mesh: DeviceMesh, device: torch.device, chunk: int, tp_group=None,
                  context_factory: Callable | None = None, compiled_loss: bool = False,
                  autocast_dtype: torch.dtype | None = None):
         import torch.distributed.pipelining as pipelining
 
-        self.group = pp_mesh.get_group()
-        self.pp_rank = pp_mesh.get_local_rank()
+        self.group = mesh["pp"].get_group()
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.slice_ranks = mesh.mesh[self.pp_rank].flatten().tolist()  # the ranks that hold the same stages
+        self.layout = layout
+        if (SCHEDULES[schedule][1] == "v" and dist.get_backend(self.group) == "gloo"
+                and not hasattr(pipelining.PipelineStage, "_is_same_rank")):
+            # The V's turn puts two neighbouring stages on one rank; older pipelining warms their link up
+            # with a send to itself, which NCCL does but gloo cannot.
+            raise ValueError(f"parallelism.pp_schedule={schedule} needs NCCL or a newer torch than {torch.__version__} "
+                             "on gloo (CPU); use 1F1B, Interleaved1F1B or InterleavedZeroBubble there")
         self.num_stages = num_stages = len(layout.stages)
         self.stage_indices = layout.stages_of(self.pp_rank)
         self.modules = [PipelineStageModule(model, layout.stages[s], first=s == 0, last=s == num_stages - 1,
@@ -211,7 +257,7 @@ class Pipeline:
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.has_first, self.has_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
         self._scale = 1.0
-        self._losses: list[torch.Tensor] = []
+        self.fsdp = False  # set by apply_fsdp
         self._pipelining = pipelining
         self.schedule = None  # built by finish(), after FSDP has wrapped the stage modules
 
@@ -220,6 +266,7 @@ class Pipeline:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        self.fsdp = True
         for module in self.modules:
             blocks = list(module.layers.values())
             for i, block in enumerate(blocks):
@@ -230,7 +277,14 @@ class Pipeline:
     def finish(self) -> None:
         """Wrap the (materialized, possibly sharded) stage modules in PipelineStages and build the schedule."""
         p = self._pipelining
-        stages = [p.PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+        # The last stage runs its whole backward with the input gradients (and nothing at the weight step)
+        # where torch's split backward goes wrong there: under FSDP (the stage root's norm and output
+        # gradients come out wrong, seen on torch 2.14) or where it cannot cut the graph at the fused
+        # loss, a custom autograd Function (torch 2.11). Its bubble is then that of interleaved 1F1B.
+        whole_last = self.schedule_name in SPLIT_BACKWARD and (
+            self.fsdp or not split_backward_handles_custom_functions())
+        stages = [p.PipelineStage(module, index, self.num_stages, self.device, group=self.group,
+                                  dw_builder=_no_weight_step if whole_last and index == self.num_stages - 1 else None)
                   for module, index in zip(self.modules, self.stage_indices)]
         schedule_cls = getattr(p, SCHEDULES[self.schedule_name][0])
         # scale_grads=False: the loss is already normalised by the global count of scored tokens.
@@ -240,26 +294,97 @@ class Pipeline:
             self.schedule = schedule_cls(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss: the last stage's forward already returned this microbatch's summed loss."""
-        self._losses.append(output.detach())
+        """The schedule's loss: the last stage's forward already returned this microbatch's summed loss.
+        (torch may also call it on a warm-up output to infer gradient shapes, so it records nothing.)"""
         return output * self._scale
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
              document_ids: torch.Tensor | None, *, scale: float) -> torch.Tensor:
         """Forward and backward over this data-parallel rank's rows ([rows, s] each), `microbatches` at a
         time. Returns the summed loss of those rows on the rank holding the last stage, 0 elsewhere."""
-        self._scale, self._losses = scale, []
+        self._scale = scale
         kwargs = {"labels": labels, "positions": positions}
         if document_ids is not None:
             kwargs["document_ids"] = document_ids
         args = (tokens,) if self.has_first else ()
-        self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
-        if not self._losses:
+        losses: list[torch.Tensor] = []  # the loss_fn's outputs, one per microbatch, on the last stage's rank
+        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        if not losses:
             return torch.zeros((), device=self.device, dtype=torch.float32)
-        return torch.stack(self._losses).sum().float()
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / scale
 
-    def reduce_grad_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        """The global 2-norm from each pp rank's norm over its own stages' gradients."""
-        squared = norm.float() ** 2
+    def checkpoint_entries(self, state: dict) -> dict:
+        """The run's checkpoint state with the model and optimizer entries presenting every stage (see
+        pipeline_checkpoint.py), so the ranks' states fit together and load into any layout."""
+        from .pipeline_checkpoint import StageEntries
+
+        for key in ("model", "optimizer"):
+            state[key] = StageEntries(state[key], pp_group=self.group, slice_ranks=self.slice_ranks,
+                                      model_order=list(self.layout.parameter_order))
+        return state
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients: each pp rank's norm over its own stages, reduced
+        over the pp group (squares summed). Returns that global norm (before clipping)."""
+        with_grad = [p for p in params if p.grad is not None]
+        squared = total_norm([p.grad for p in with_grad]).float() ** 2
         dist.all_reduce(squared, group=self.group)
-        return squared.sqrt()
+        norm = squared.sqrt()
+        if max_norm > 0:
+            by_mesh: dict[object, list[torch.Tensor]] = {}  # one foreach call per mesh, as grad_norm.py does
+            for p in with_grad:
+                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+            for group in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        return norm
+
+
+@functools.cache
+def split_backward_handles_custom_functions() -> bool:
+    """Whether this torch's zero-bubble split (input gradients now, weight gradients later) works when a
+    weight meets the activations first in a custom autograd Function, as the output weight does in the fused
+    loss. torch 2.11's fails there ("Attribute '_input_metadata' is invalid"); later ones do not."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return (x * w).sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad * w, grad * x
+
+    x, w = torch.ones(2, requires_grad=True), nn.Parameter(torch.full((2,), 2.0))
+    try:
+        _, groups = stage_backward_input((Product.apply(x * 3, w),), None, [x], iter([w]))
+        stage_backward_weight(iter([w]), groups)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(w.grad, torch.full((2,), 3.0)))
+
+
+def _no_weight_step():
+    """A PipelineStage dw_builder: the weight gradients were computed with the input gradients already."""
+    return lambda: None
+
+
+def materialize_rank_part(model: nn.Module, model_cfg, *, device: torch.device, seed: int, hf_path: str = "") -> None:
+    """model_setup.materialize for a rank model that holds only some layers: rank 0 builds the whole initial
+    state and broadcasts every tensor; each rank keeps those of its own stages (a non-strict load, since
+    rank 0's full state names layers it does not hold)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    full = _initial_state(model_cfg, seed=seed, hf_path=hf_path) if dist.get_rank() == 0 else {}
+    for module in model.modules():  # buffers (RoPE frequencies) are recomputed, not broadcast
+        reset = getattr(module, "reset_buffers", None)
+        if reset is not None:
+            reset()
+    expected = set(model.state_dict())
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=False))
+    if dist.get_rank() == 0:
+        assert expected <= set(full), f"initial state lacks {sorted(expected - set(full))[:5]}"

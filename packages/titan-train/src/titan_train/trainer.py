@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
+from .context_parallel import apply_context_parallel, check_context_parallel, local_indices, shard_sequence
 from .data import IGNORE_INDEX, PackedLoader, RandomTokenLoader, build_tokenizer, open_documents
 from .expert_parallel import (
     ExpertBiasUpdate, ExpertParallel, data_parallel_groups, prepare_moe_layers, resolve_moe_impl,
@@ -20,7 +21,7 @@ from .expert_parallel import (
 from .grad_norm import clip_by_total_norm
 from .loss import CausalLMLoss
 from .lr_schedule import lr_factor, validate as validate_schedule
-from .mesh import build_mesh, dp_rank, resolve_degrees
+from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
 from .metrics import MetricsWriter, memory_gib, peak_flops
 from .model_setup import build_on_meta, materialize, model_config
 from .overrides import check_types
@@ -28,6 +29,7 @@ from .parallelize import (
     apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tensor_parallel, check_tp_divisibility,
 )
 from .optimizers import build_optimizer
+from .pipeline import Pipeline, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
 from .progress import ProgressBar
 from .sharding_impl import apply_flexshard, check_sharding_choices
 
@@ -112,6 +114,12 @@ class Trainer:
                              f"({self.degrees.dp}) x training.grad_accum_steps ({t.grad_accum_steps})")
         check_sharding_choices(config, dp_replicate=self.degrees.dp_replicate, tp=self.degrees.tp, ep=self.degrees.ep)
         resolve_moe_impl(config)
+        self.pp_settings = None
+        if self.degrees.pp > 1:
+            self.pp_settings = check_pipeline(par, pp=self.degrees.pp, rows=t.batch_size // self.degrees.dp,
+                                              grad_accum_steps=t.grad_accum_steps, compiled=config.compile.enabled)
+        if self.degrees.cp > 1:
+            check_context_parallel(cp=self.degrees.cp, tp=self.degrees.tp, seq_len=t.seq_len)
         self.mesh = build_mesh(self.degrees, device)
         self.dp_rank = dp_rank(self.mesh, self.degrees)
         self.folder = Path(config.job.folder)
@@ -131,18 +139,25 @@ class Trainer:
 
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
         model = build_on_meta(self.model_cfg)
+        layout = None
+        if self.pp_settings is not None:  # keep this rank's stages only (names unchanged), still on meta
+            layout = plan_layout(model, pp=self.degrees.pp, schedule=self.pp_settings.schedule,
+                                 stages_per_rank=self.pp_settings.stages_per_rank)
+            keep_rank_part(model, layout, self.mesh.get_local_rank("pp"))
         moes = prepare_moe_layers(model, config)  # model.moe_impl: titan-models' MoE or dist-moe's
         self.loss_module = CausalLMLoss(model, chunk=t.loss_chunk_size)
         if config.data.document_masking and not random_data:
             self.loss_module.context_factory = lambda ids: tm.AttentionContext(document_ids=ids)
         precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.fsdp = self.degrees.dp > 1
+        self.fsdp = self.degrees.dp * self.degrees.cp > 1  # cp ranks share the gradient reduction
         distributed = dist.is_initialized()
         if not distributed:
             # init_weights seeds each parameter by its name: run it before wrappers rename blocks.
             materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=False,
                         hf_path=config.model.hf_path)
+        if self.degrees.cp > 1:
+            apply_context_parallel(model, self.mesh["cp"].get_group())
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, t.seq_len)
             apply_tensor_parallel(self.loss_module, self.mesh["tp"])
@@ -151,18 +166,32 @@ class Trainer:
         if config.compile.enabled:
             apply_compile(model)
             self.loss_module.compiled = True
+        self.pipeline = None
+        if layout is not None:
+            self.pipeline = Pipeline(
+                model, layout, schedule=self.pp_settings.schedule, microbatches=self.pp_settings.microbatches,
+                mesh=self.mesh, device=device, chunk=t.loss_chunk_size, tp_group=self.loss_module.tp_group,
+                context_factory=self.loss_module.context_factory, compiled_loss=self.loss_module.compiled,
+                autocast_dtype=torch.bfloat16 if precision == "bf16" and not self.fsdp else None)
         if self.fsdp:
-            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.degrees.dp_replicate > 1 else self.mesh["dp_shard"]
+            dp_mesh = fsdp_mesh(self.mesh, self.degrees)
             param_dtype = self.compute_dtype if precision == "bf16" else None
             if self.expert_parallel is not None:  # MoE layers first: the blocks' units then leave them out
                 self.expert_parallel.apply_fsdp(dp_mesh, param_dtype=param_dtype,
                                                 reshard_after_forward=par.reshard_after_forward)
-            if par.fsdp_impl == "flexshard":
+            if self.pipeline is not None:
+                self.pipeline.apply_fsdp(dp_mesh, param_dtype=param_dtype,
+                                         reshard_after_forward=par.reshard_after_forward)
+            elif par.fsdp_impl == "flexshard":
                 apply_flexshard(self.loss_module, dp_mesh, par, param_dtype=param_dtype)
             else:
                 apply_fsdp(self.loss_module, dp_mesh, reshard_after_forward=par.reshard_after_forward,
                            param_dtype=param_dtype)
-        if distributed:
+        if self.pipeline is not None:
+            materialize_rank_part(model, self.model_cfg, device=device, seed=config.model.init_seed,
+                                  hf_path=config.model.hf_path)
+            self.pipeline.finish()
+        elif distributed:
             # Sharded while still on meta: each rank allocates only its shards, then copies them out
             # of rank 0's full initialisation.
             materialize(model, self.model_cfg, device=device, seed=config.model.init_seed, distributed=True,
@@ -180,8 +209,9 @@ class Trainer:
         if c.interval > 0 or c.resume:
             from .checkpoint import RunCheckpoints  # torch-checkpointing is only needed when checkpointing
 
-            self.checkpoints = RunCheckpoints(self.folder / "checkpoints", keep_last=c.keep_last,
-                                              async_save=c.async_save)
+            self.checkpoints = RunCheckpoints(
+                self.folder / "checkpoints", keep_last=c.keep_last, async_save=c.async_save,
+                adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None)
         self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
         self.peak = peak_flops(device)
 
@@ -196,22 +226,34 @@ class Trainer:
         t = self.config.training
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
         # Normalise by the global count of scored tokens, so the loss and its gradient are the same
-        # whatever the layout; FSDP averages gradients over dp ranks, so scale by dp to get the sum.
+        # whatever the layout; FSDP averages gradients over dp x cp ranks, so scale by that to get the sum.
         scored = int((batch.labels != IGNORE_INDEX).sum())
-        scale = self.degrees.dp / max(scored, 1)
+        scale = self.degrees.dp * self.degrees.cp / max(scored, 1)
         rows = t.batch_size // self.degrees.dp
         local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        positions = None
+        if self.degrees.cp > 1:  # this cp rank's two load-balanced chunks of every sequence
+            cp_rank = self.mesh.get_local_rank("cp")
+            local = type(local)(*shard_sequence(cp_rank, self.degrees.cp, local.tokens, local.labels,
+                                                local.document_ids))
+            positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
         micro_rows = rows // t.grad_accum_steps
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for i in range(t.grad_accum_steps):
-            micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
-            if self.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":  # reduce once, after the last
-                self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)  # (flexshard: every one)
-            with self._autocast():
-                micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids)
-            (micro_loss * scale).backward()
-            loss_sum += micro_loss.detach().float()
-            self.expert_bias.accumulate()
+        if self.pipeline is not None:  # the schedule splits the rows into microbatches, FSDP reduces once
+            if positions is None:
+                positions = torch.arange(t.seq_len, device=self.device).expand(rows, -1)
+            loss_sum = self.pipeline.step(local.tokens, local.labels, positions, local.document_ids, scale=scale)
+        else:
+            loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+            for i in range(t.grad_accum_steps):
+                micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
+                micro_positions = None if positions is None else positions[i * micro_rows:(i + 1) * micro_rows]
+                if self.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":  # reduce once, after the last
+                    self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)  # (flexshard: every one)
+                with self._autocast():
+                    micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
+                (micro_loss * scale).backward()
+                loss_sum += micro_loss.detach().float()
+                self.expert_bias.accumulate()
         if self.expert_parallel is not None:
             self.expert_parallel.finish_gradients()
         grad_norm = self._clip_gradients()
@@ -228,6 +270,8 @@ class Trainer:
         return loss, norm
 
     def _clip_gradients(self) -> torch.Tensor:
+        if self.pipeline is not None:  # each pp rank holds other stages: the norm is reduced over pp too
+            return self.pipeline.clip_gradients(list(self.model.parameters()), self.config.training.max_grad_norm)
         return clip_by_total_norm(list(self.model.parameters()), self.config.training.max_grad_norm)
 
     # --- the run ------------------------------------------------------------------------------------
@@ -282,8 +326,8 @@ class Trainer:
         n_params = tm.count_params(self.model_cfg).total
         resumed = f", resuming after step {start}" if start else ""
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
-        print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on "
-              f"{self.device.type}, dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp}; "
+        print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
+              f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "
               f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
               f"{c.data.source}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
 
