@@ -3,7 +3,8 @@
 Tolerance: 1e-10 absolute on outputs and on dQ/dK/dV. In float64 the only difference is the order of
 the sums (blockwise online softmax, gradients accumulated around the ring), a relative error near
 1e-15 per operation; a wrong mask, a block merged with the wrong weight or a dK/dV that ends at the
-wrong rank is off by 1e-2 or more.
+wrong rank is off by 1e-2 or more. The bf16 case (products in bf16, statistics in fp32, as on GPUs) is
+held to 3e-2: bf16 keeps 8 bits of mantissa (relative 4e-3 per rounding) and the values here are O(1).
 """
 from __future__ import annotations
 
@@ -77,14 +78,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ring_rank(rank: int, world: int, port: int, folder: str, masked: bool) -> None:
+def _ring_rank(rank: int, world: int, port: int, folder: str, masked: bool, variant: str) -> None:
     import torch.distributed as dist
+
+    import titan_train.context_parallel as context_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if variant == "row-chunks":  # a few query rows at a time
+        context_parallel._SCORE_ELEMENTS = 3 * B * HQ * S // world
     try:
         q, k, v, dout, docs = _inputs()
         q, k, v, dout, docs = shard_sequence(rank, world, q, k, v, dout, docs)
+        dtype = torch.bfloat16 if variant == "bf16" else torch.float64
+        q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         context = tm.AttentionContext(document_ids=docs if masked else None)
         out = RingAttention(scale=D**-0.5, group=dist.group.WORLD)(q, k, v, context=context)
@@ -95,13 +102,17 @@ def _ring_rank(rank: int, world: int, port: int, folder: str, masked: bool) -> N
     os._exit(0)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("masked", [False, True], ids=["causal", "documents"])
-def test_ring_attention_matches_dense_attention(tmp_path, cp, masked):
-    mp.start_processes(_ring_rank, args=(cp, _free_port(), str(tmp_path), masked), nprocs=cp, start_method="fork")
+@pytest.mark.parametrize("cp,masked,variant", [
+    (2, False, "float64"), (4, False, "float64"), (2, True, "float64"), (4, True, "float64"),
+    (2, True, "row-chunks"), (2, True, "bf16"),
+], ids=["cp2-causal", "cp4-causal", "cp2-documents", "cp4-documents", "cp2-documents-row-chunks", "cp2-bf16"])
+def test_ring_attention_matches_dense_attention(tmp_path, cp, masked, variant):
+    mp.start_processes(_ring_rank, args=(cp, _free_port(), str(tmp_path), masked, variant), nprocs=cp,
+                       start_method="fork")
     per_rank = [torch.load(tmp_path / f"{r}.pt") for r in range(cp)]
     _, _, _, _, docs = _inputs()
     expected = _reference(docs if masked else None)
+    atol = 3e-2 if variant == "bf16" else 1e-10
     for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
-        got = unshard_sequence([p[i] for p in per_rank], cp)
-        torch.testing.assert_close(got, expected[i], atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
+        got = unshard_sequence([p[i] for p in per_rank], cp).double()
+        torch.testing.assert_close(got, expected[i], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")

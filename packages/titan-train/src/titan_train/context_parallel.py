@@ -64,16 +64,26 @@ def unshard_sequence(shards: list[torch.Tensor], cp: int) -> torch.Tensor:
 # --- one block pair: local queries x one rank's keys ---------------------------------------------------
 # Shapes: q [b, hkv, g, sq, d] (g = hq / hkv query heads per K/V head), k [b, hkv, 1, sk, d],
 # v [b, hkv, 1, sk, dv], mask broadcastable to [b, 1, 1, sq, sk] (True = may attend) or None,
-# out [b, hkv, g, sq, dv], lse [b, hkv, g, sq] (fp32; fp64 for fp64 inputs).
+# out [b, hkv, g, sq, dv], lse [b, hkv, g, sq]. Products run in the inputs' dtype (bf16 on GPUs, like a
+# flash kernel's), softmax statistics and accumulators in fp32 (fp64 for fp64 inputs); the scores are
+# computed a chunk of query rows at a time, so at most _SCORE_ELEMENTS of them exist at once.
+
+_SCORE_ELEMENTS = 1 << 26  # 256 MiB of fp32 scores
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
-    """Softmax statistics and accumulation: fp32, or fp64 for fp64 inputs (tests)."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _row_chunks(q: torch.Tensor, k: torch.Tensor):
+    b, hkv, g, sq, _ = q.shape
+    rows = max(1, _SCORE_ELEMENTS // max(1, b * hkv * g * k.shape[-2]))
+    for start in range(0, sq, rows):
+        yield slice(start, min(start + rows, sq))
+
+
 def _scores(q, k, scale, mask):
-    s = torch.matmul(q.to(_acc(q)), k.to(_acc(q)).transpose(-1, -2)) * scale
+    s = torch.matmul(q, k.transpose(-1, -2)).to(_acc(q)) * scale
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -82,23 +92,38 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def _rows_of(mask, rows):
+    return None if mask is None else mask[..., rows, :]
+
+
 def _block_forward(q, k, v, scale, mask):
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse)[..., None])
-    return torch.matmul(p, v.to(p.dtype)), lse
+    acc = _acc(q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=acc)
+    lse = q.new_empty(q.shape[:-1], dtype=acc)
+    for rows in _row_chunks(q, k):
+        s = _scores(q[..., rows, :], k, scale, _rows_of(mask, rows))
+        lse[..., rows] = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - _finite(lse[..., rows])[..., None])
+        out[..., rows, :] = torch.matmul(p.to(v.dtype), v).to(acc)
+    return out, lse
 
 
-def _block_backward(q, k, v, scale, mask, out, dout, lse, delta):
-    """Gradients of one block given the *final* out / lse (so p is the block's share of the global
-    softmax). Returns dq [b, hkv, g, sq, d], dk [b, hkv, 1, sk, d], dv [b, hkv, 1, sk, dv] in fp32."""
-    s = _scores(q, k, scale, mask)
-    p = torch.exp(s - _finite(lse)[..., None])                       # [b, hkv, g, sq, sk]
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2, keepdim=True)
-    dp = torch.matmul(dout, v.to(p.dtype).transpose(-1, -2))
-    ds = p * (dp - delta[..., None]) * scale
-    dq = torch.matmul(ds, k.to(p.dtype))
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(p.dtype)).sum(2, keepdim=True)
+def _block_backward(q, k, v, scale, mask, dout, lse, delta):
+    """Gradients of one block given the *final* lse (so p is the block's share of the global softmax) and
+    delta = rowsum(dO * O). Returns dq [b, hkv, g, sq, d], dk [b, hkv, 1, sk, d], dv [b, hkv, 1, sk, dv]
+    in the accumulation dtype."""
+    acc = _acc(q)
+    dq = q.new_empty(q.shape, dtype=acc)
+    dk, dv = k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc)
+    for rows in _row_chunks(q, k):
+        s = _scores(q[..., rows, :], k, scale, _rows_of(mask, rows))
+        p = torch.exp(s - _finite(lse[..., rows])[..., None])      # [b, hkv, g, rows, sk]
+        do = dout[..., rows, :]
+        dv += torch.matmul(p.to(v.dtype).transpose(-1, -2), do).to(acc).sum(2, keepdim=True)
+        dp = torch.matmul(do, v.transpose(-1, -2)).to(acc)
+        ds = p * (dp - delta[..., rows, None]) * scale
+        dq[..., rows, :] = torch.matmul(ds.to(q.dtype), k).to(acc)
+        dk += torch.matmul(ds.to(q.dtype).transpose(-1, -2), q[..., rows, :]).to(acc).sum(2, keepdim=True)
     return dq, dk, dv
 
 
@@ -150,30 +175,73 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _ring_forward(q, k, v, scale: float, group: ProcessGroup, docs: list[torch.Tensor] | None):
+    """q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] (this rank's tokens) -> out [b, sq, hq, dv]
+    and the log-sum-exp [b, hkv, hq / hkv, sq] of every query over all keys."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    b, local_len, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[3]
+    qh = q.permute(0, 2, 1, 3).reshape(b, hkv, hq // hkv, local_len, d)
+    out = q.new_zeros((b, hkv, hq // hkv, local_len, dv), dtype=_acc(q))
+    lse = q.new_full((b, hkv, hq // hkv, local_len), float("-inf"), dtype=_acc(q))
+    kv = torch.cat((k, v), dim=-1)                               # [b, sk, hkv, d + dv]: one message per hop
+    for step in range(cp):
+        source = (rank - step) % cp
+        if step < cp - 1:
+            incoming, works = _ring_exchange(kv, group)
+        pair = _Pairing(rank, source, cp, local_len, docs, q.device)
+        kh = kv[..., :d].permute(0, 2, 1, 3)[:, :, None, pair.cols]   # [b, hkv, 1, sk', d]
+        vh = kv[..., d:].permute(0, 2, 1, 3)[:, :, None, pair.cols]
+        block_out, block_lse = _block_forward(qh[..., pair.rows, :], kh, vh, scale, pair.mask)
+        _merge(out[..., pair.rows, :], lse[..., pair.rows], block_out, block_lse)  # views: in place
+        if step < cp - 1:
+            _wait(works)
+            kv = incoming
+    return out.reshape(b, hq, local_len, dv).permute(0, 2, 1, 3).to(q.dtype), lse
+
+
+def _ring_backward(q, k, v, result, lse, dout, scale: float, group: ProcessGroup, docs: list[torch.Tensor] | None):
+    """dq, dk, dv of _ring_forward's output, running the ring again: K/V and their gradients travel."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    b, local_len, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[3]
+    g = hq // hkv
+    qh = q.permute(0, 2, 1, 3).reshape(b, hkv, g, local_len, d)
+    acc = _acc(q)
+    douth = dout.permute(0, 2, 1, 3).reshape(b, hkv, g, local_len, dv).to(q.dtype)
+    outh = result.permute(0, 2, 1, 3).reshape(b, hkv, g, local_len, dv)
+    delta = (douth.to(acc) * outh.to(acc)).sum(-1)              # [b, hkv, g, sq]: rowsum(dO * O)
+    dq = torch.zeros_like(qh, dtype=acc)
+    kv = torch.cat((k, v), dim=-1)
+    dkv = torch.zeros_like(kv, dtype=acc)                       # the gradient of the block held now
+    for step in range(cp):
+        source = (rank - step) % cp
+        if step < cp - 1:
+            incoming, works = _ring_exchange(kv, group)         # K/V for the next step, during compute
+        pair = _Pairing(rank, source, cp, local_len, docs, q.device)
+        kh = kv[..., :d].permute(0, 2, 1, 3)[:, :, None, pair.cols]
+        vh = kv[..., d:].permute(0, 2, 1, 3)[:, :, None, pair.cols]
+        bq, bk, bv = _block_backward(qh[..., pair.rows, :], kh, vh, scale, pair.mask, douth[..., pair.rows, :],
+                                     lse[..., pair.rows], delta[..., pair.rows])
+        dq[..., pair.rows, :] += bq
+        # [b, hkv, 1, sk', d] -> [b, sk', hkv, d]
+        dkv[:, pair.cols, :, :d] += bk[:, :, 0].permute(0, 2, 1, 3)
+        dkv[:, pair.cols, :, d:] += bv[:, :, 0].permute(0, 2, 1, 3)
+        # dK/dV follow their block one hop; after the last step the hop ends at the block's owner.
+        dkv, dkv_works = _ring_exchange(dkv, group)
+        _wait(dkv_works)
+        if step < cp - 1:
+            _wait(works)
+            kv = incoming
+    dq = dq.reshape(b, hq, local_len, d).permute(0, 2, 1, 3).to(q.dtype)
+    return dq, dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype)
+
+
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, group: ProcessGroup, docs: list[torch.Tensor] | None):
-        # q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] (this rank's tokens) -> out [b, sq, hq, dv]
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        b, local_len, hq, d = q.shape
-        hkv, dv = k.shape[2], v.shape[3]
-        qh = q.permute(0, 2, 1, 3).reshape(b, hkv, hq // hkv, local_len, d)
-        out = q.new_zeros((b, hkv, hq // hkv, local_len, dv), dtype=_acc(q))
-        lse = q.new_full((b, hkv, hq // hkv, local_len), float("-inf"), dtype=_acc(q))
-        kv = torch.cat((k, v), dim=-1)                               # [b, sk, hkv, d + dv]: one message per hop
-        for step in range(cp):
-            source = (rank - step) % cp
-            if step < cp - 1:
-                incoming, works = _ring_exchange(kv, group)
-            pair = _Pairing(rank, source, cp, local_len, docs, q.device)
-            kh = kv[..., :d].permute(0, 2, 1, 3)[:, :, None, pair.cols]   # [b, hkv, 1, sk', d]
-            vh = kv[..., d:].permute(0, 2, 1, 3)[:, :, None, pair.cols]
-            block_out, block_lse = _block_forward(qh[..., pair.rows, :], kh, vh, scale, pair.mask)
-            _merge(out[..., pair.rows, :], lse[..., pair.rows], block_out, block_lse)  # views: in place
-            if step < cp - 1:
-                _wait(works)
-                kv = incoming
-        result = out.reshape(b, hq, local_len, dv).permute(0, 2, 1, 3).to(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):  # products in q's dtype, statistics in fp32
+            result, lse = _ring_forward(q, k, v, scale, group, docs)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.scale, ctx.group, ctx.docs = scale, group, docs
         return result
@@ -181,40 +249,9 @@ class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, result, lse = ctx.saved_tensors
-        scale, group, docs = ctx.scale, ctx.group, ctx.docs
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        b, local_len, hq, d = q.shape
-        hkv, dv = k.shape[2], v.shape[3]
-        g = hq // hkv
-        qh = q.permute(0, 2, 1, 3).reshape(b, hkv, g, local_len, d)
-        acc = _acc(q)
-        douth = dout.permute(0, 2, 1, 3).reshape(b, hkv, g, local_len, dv).to(acc)
-        outh = result.permute(0, 2, 1, 3).reshape(b, hkv, g, local_len, dv)
-        delta = (douth * outh.to(acc)).sum(-1)                      # [b, hkv, g, sq]: rowsum(dO * O)
-        dq = torch.zeros_like(qh, dtype=acc)
-        kv = torch.cat((k, v), dim=-1)
-        dkv = torch.zeros_like(kv, dtype=acc)                       # the gradient of the block held now
-        for step in range(cp):
-            source = (rank - step) % cp
-            if step < cp - 1:
-                incoming, works = _ring_exchange(kv, group)         # K/V for the next step, during compute
-            pair = _Pairing(rank, source, cp, local_len, docs, q.device)
-            kh = kv[..., :d].permute(0, 2, 1, 3)[:, :, None, pair.cols]
-            vh = kv[..., d:].permute(0, 2, 1, 3)[:, :, None, pair.cols]
-            bq, bk, bv = _block_backward(qh[..., pair.rows, :], kh, vh, scale, pair.mask, outh[..., pair.rows, :],
-                                         douth[..., pair.rows, :], lse[..., pair.rows], delta[..., pair.rows])
-            dq[..., pair.rows, :] += bq
-            # [b, hkv, 1, sk', d] -> [b, sk', hkv, d]
-            dkv[:, pair.cols, :, :d] += bk[:, :, 0].permute(0, 2, 1, 3)
-            dkv[:, pair.cols, :, d:] += bv[:, :, 0].permute(0, 2, 1, 3)
-            # dK/dV follow their block one hop; after the last step the hop ends at the block's owner.
-            dkv, dkv_works = _ring_exchange(dkv, group)
-            _wait(dkv_works)
-            if step < cp - 1:
-                _wait(works)
-                kv = incoming
-        dq = dq.reshape(b, hq, local_len, d).permute(0, 2, 1, 3).to(q.dtype)
-        return dq, dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None
+        with torch.autocast(dout.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(q, k, v, result, lse, dout, ctx.scale, ctx.group, ctx.docs)
+        return dq, dk, dv, None, None, None
 
 
 def _gather_documents(document_ids: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
@@ -242,6 +279,11 @@ class RingAttention(nn.Module):
             # One all-gather per forward: every layer reuses it (a fresh context per forward).
             docs = context.cached(("cp_document_ids", ids.shape, ids.device),
                                   lambda: _gather_documents(ids, self.group))
+        if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: all three in the autocast dtype
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        elif not q.dtype == k.dtype == v.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         return _RingAttentionFunction.apply(q, k, v, self.scale, self.group, docs)
 
     def extra_repr(self) -> str:
