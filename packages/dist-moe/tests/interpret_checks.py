@@ -20,7 +20,8 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 import dist_moe  # noqa: E402
 from dist_moe.kernels import configs  # noqa: E402
 from dist_moe.kernels.configs import RowConfig, WeightConfig  # noqa: E402
-from dist_moe.kernels.launch import RowOperands, row_gemm, weight_gemm  # noqa: E402
+from dist_moe.kernels.launch import RowOperands, TileMaps, gather_rows, row_gemm, weight_gemm  # noqa: E402
+from dist_moe.kernels.row_tiles import ROW_ALIGN  # noqa: E402
 
 # Integer-overflow checks of every interpreted op cost time and test nothing here.
 interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
@@ -49,7 +50,7 @@ def loop_reference(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch
 
 def grouped_mm_checks() -> None:
     gen = torch.Generator().manual_seed(0)
-    counts = [5, 0, 19, 17]  # uneven, one empty, tails against 16-row tiles
+    counts = [5, 0, 19, 17, 70]  # uneven, one empty, tails against 16-row tiles; 70 > one 64-row chunk
     rows, k, n = sum(counts), 40, 36  # K and N tails against 16 and 32
     x = torch.randn(rows, k, generator=gen)
     linear_w = torch.randn(len(counts), n, k, generator=gen)  # stored [E, N, K]
@@ -73,18 +74,46 @@ def grouped_mm_checks() -> None:
         out = torch.full((rows, n), float("nan"))
         row_gemm(RowOperands(a=x48, b=w_rows, offsets=offsets, out=out, num_rows=rows), config)
         check(f"row_gemm_n_contiguous_weights_{name}", out, want48)
-    # Weight gradient written in a transposed layout, two tile shapes (grid and persistent launches).
+    # Weight gradient: pointer loads with masked tails (written in a transposed layout), and the
+    # padded layout through TMA descriptors, one output or split in two; grid and persistent launches.
     dy = torch.randn(rows, n, generator=gen)
     want_dw, start = [], 0
     for c in counts:
         want_dw.append(x[start:start + c].double().T @ dy[start:start + c].double())
         start += c
+    want_dw = torch.stack(want_dw)  # [E, k, n]
+    maps = TileMaps(offsets, rows)
+    identity = torch.arange(rows, dtype=torch.int32)
+    x_padded, dy_padded = gather_rows(x, identity, 1, maps), gather_rows(dy, identity, 1, maps)
     for name, config in {"16": WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_stages=1),
                          "32": WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_stages=1,
-                                            persistent=True, flatten=True)}.items():
+                                            persistent=True)}.items():
         dw = torch.full_like(linear_w, float("nan"))  # [E, N, K]; the kernel writes [E, K, N] views
-        weight_gemm(p=x, q=dy, offsets=offsets, out=dw.transpose(1, 2), config=config)
-        check(f"weight_gemm_{name}", dw.transpose(1, 2), torch.stack(want_dw))
+        weight_gemm(p=x, q=dy, ends=offsets, outs=(dw.transpose(1, 2),), config=config)
+        check(f"weight_gemm_pointer_{name}", dw.transpose(1, 2), want_dw)
+        dw = torch.full((len(counts), k, n), float("nan"))
+        weight_gemm(p=x_padded, q=dy_padded, ends=maps.padded_ends(), outs=(dw,), padded=True, config=config)
+        check(f"weight_gemm_padded_tma_{name}", dw, want_dw)
+        top, bottom = (torch.full((len(counts), 16, n), float("nan")) for _ in range(2))
+        weight_gemm(p=x_padded[:, :32], q=dy_padded, ends=maps.padded_ends(), outs=(top, bottom), padded=True,
+                    config=dataclasses.replace(config, block_k=16))
+        check(f"weight_gemm_padded_split_{name}", torch.cat([top, bottom], dim=1), want_dw[:, :32])
+    # The padded layout itself: row r of expert e at r + shift, zero rows up to a whole chunk.
+    slot = torch.randperm(rows * 2, generator=gen)[:rows].to(torch.int32)  # any slots, top_k 2
+    tokens = torch.randn(rows, k, generator=gen)
+    got = gather_rows(tokens, slot, 2, maps)
+    want_rows, chunks = [], []
+    start = 0
+    for c in counts:
+        padded = -(-c // ROW_ALIGN) * ROW_ALIGN
+        block = torch.zeros(padded, k, dtype=torch.float64)
+        block[:c] = tokens[slot[start:start + c].long() // 2].double()
+        want_rows.append(block)
+        chunks.append(padded)
+        start += c
+    used = sum(chunks)
+    check("gather_rows_padded_layout", got[:used], torch.cat(want_rows))
+    check("padded_ends", maps.padded_ends(), torch.tensor(chunks).cumsum(0).double())
     # The public function: forward and both gradients through autograd.
     xg, wg = x.clone().requires_grad_(), linear_w.clone().requires_grad_()
     out = dist_moe.grouped_mm(xg, wg.transpose(1, 2), offsets, backend="triton")
@@ -109,7 +138,8 @@ def expert_mlp_reference(x, w1, w2, w3, expert_ids, weights):
     return torch.stack(outs)
 
 
-def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: int = 24, ffn: int = 40) -> None:
+def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: int = 24, ffn: int = 40,
+                    weight_grad: str = "triton") -> None:
     gen = torch.Generator().manual_seed(1)
     num_experts = 5
     ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(rows)])
@@ -128,7 +158,7 @@ def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: i
     grad = torch.randn(rows, dim, generator=gen)
     mine = {k: v.clone().requires_grad_() for k, v in params.items()}
     out = dist_moe.expert_mlp(mine["x"], mine["w1"], mine["w2"], mine["w3"], offsets, row_slot, top_k=top_k,
-                              weights=mine.get("weights"), backend="triton")
+                              weights=mine.get("weights"), backend="triton", weight_grad=weight_grad)
     out.backward(grad)
     ref = {k: v.double().requires_grad_() for k, v in params.items()}
     want = expert_mlp_reference(ref["x"], ref["w1"], ref["w2"], ref["w3"], ids, ref.get("weights"))
@@ -142,10 +172,15 @@ def main() -> None:
     grouped_mm_checks()
     expert_mlp_case("expert_mlp_top2_weighted", rows=11, top_k=2, with_weights=True)
     expert_mlp_case("expert_mlp_top1_unweighted", rows=9, top_k=1, with_weights=False)
+    # The fallback option: weight gradients by torch._grouped_mm on the same padded operands.
+    expert_mlp_case("expert_mlp_top2_torch_weight_grad", rows=11, top_k=2, with_weights=True,
+                    weight_grad="torch_grouped_mm")
     # The fused kernels again with TMA weight descriptors and persistent launches.
-    configs.row_candidates = lambda role, device: [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2,
-                                                             num_warps=4, num_stages=1, persistent=True,
-                                                             tma=True)]
+    def tma_persistent(role, device, dtype=None):  # the SwiGLU backward's tiles hold whole 64-row chunks
+        return [RowConfig(block_m=64 if role == "swiglu_bwd" else 16, block_n=16, block_k=16, group_m=2,
+                          num_warps=4, num_stages=1, persistent=True, tma=True)]
+
+    configs.row_candidates = tma_persistent
     configs._chosen.clear()
     import dist_moe.kernels.launch as launch
 

@@ -104,14 +104,55 @@ def test_triton_path_on_gpu(dtype):
 
 
 @cuda
-def test_triton_path_makes_no_host_sync_on_gpu():
+def test_triton_path_makes_no_host_sync_on_gpu(assert_no_host_sync):
     ids, row_slot, offsets, mine, _, grad = make_case(300, 4, 8, 256, 192, "cuda", torch.bfloat16)
+    grad = grad.to("cuda", torch.bfloat16)  # a copy from pageable host memory synchronises: before, not inside
     args = (mine["x"], mine["w1"], mine["w2"], mine["w3"], offsets, row_slot)
-    dist_moe.expert_mlp(*args, top_k=4, weights=mine["weights"]).backward(grad.cuda().bfloat16())  # tune first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = dist_moe.expert_mlp(*args, top_k=4, weights=mine["weights"])
-        out.backward(grad.cuda().bfloat16())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+
+    def step():
+        dist_moe.expert_mlp(*args, top_k=4, weights=mine["weights"]).backward(grad)
+
+    step()  # compiles (and would tune) every kernel first
+    assert_no_host_sync(step)
+
+
+@cuda
+def test_every_candidate_on_gpu(monkeypatch):
+    """Each shipped tile configuration (the first-call tuner may pick any) against float64: the
+    fused MLP (every row role, the padded weight gradient) and grouped_mm (pointer weight gradient)."""
+    from dist_moe.kernels import configs, launch
+
+    rows_of = {role: configs.row_candidates(role, torch.device("cuda"), torch.bfloat16) for role in configs.ROLES}
+    weights_of = {tma: configs.weight_candidates(torch.device("cuda"), torch.bfloat16, tma=tma)
+                  for tma in (False, True)}
+    depth = max(len(v) for v in [*rows_of.values(), *weights_of.values()])
+    for index in range(depth):
+        monkeypatch.setattr(launch, "row_candidates",
+                            lambda role, device, dtype=None: [rows_of[role][min(index, len(rows_of[role]) - 1)]])
+        monkeypatch.setattr(launch, "weight_candidates", lambda device, dtype=None, *, tma=False:
+                            [weights_of[tma][min(index, len(weights_of[tma]) - 1)]])
+        configs._chosen.clear()
+        run("triton", "cuda", torch.bfloat16, rows=200, top_k=4, num_experts=6, dim=256, ffn=256, starve=(2,))
+        run_grouped_mm_case()
+    configs._chosen.clear()
+
+
+def run_grouped_mm_case():
+    counts = [0, 300, 17, 0, 129]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(counts), 256, generator=gen).cuda().bfloat16().requires_grad_()
+    stored = torch.randn(len(counts), 384, 256, generator=gen).cuda().bfloat16().requires_grad_()  # Linear [E, N, K]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    out = dist_moe.grouped_mm(x, stored.transpose(1, 2), offsets, backend="triton")
+    grad = torch.randn(out.shape, generator=gen).cuda().bfloat16()
+    out.backward(grad)
+    xr, wr = x.detach().double().requires_grad_(), stored.detach().double().requires_grad_()
+    pieces, start = [], 0
+    for e, c in enumerate(counts):
+        pieces.append(xr[start:start + c] @ wr[e].T)
+        start += c
+    want = torch.cat(pieces)
+    want.backward(grad.double())
+    for name, got, expected in (("out", out, want), ("grad_x", x.grad, xr.grad), ("grad_w", stored.grad, wr.grad)):
+        err = (got.double() - expected).abs().max().item()
+        assert err <= 2e-2 * expected.abs().max().item(), f"grouped_mm {name}: error {err:.3e}"

@@ -13,29 +13,60 @@ import sys
 
 import torch
 
-from dist_moe.kernels.hopper_check import _pretend_triton_on_cpu, capture_launches, check, layer_launches
+from dist_moe.kernels.hopper_check import (
+    _capability,
+    _pretend_triton_on_cpu,
+    capture_launches,
+    capture_layer,
+    check,
+    layer_launches,
+)
 
 
 def sweep_launches():
-    """Launches of every configuration bench_moe.py sweeps (grouped GEMM and weight gradient)."""
+    """Launches of every configuration bench_moe.py sweeps: the grouped GEMM forward, the weight
+    gradient (padded TMA operands, one and two outputs; pointer loads), and the layer with one
+    kernel role forced to each variant of the in-place backward sweep."""
+    import dist_moe.kernels.configs as configs
     import dist_moe.kernels.launch as launch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_moe
+    from gemm_sections import row_sweep, weight_sweep
+    from layer_sections import bwd_variants
 
     bf = torch.bfloat16
     x, linear_w = torch.zeros(256, 7168, dtype=bf), torch.zeros(4, 2048, 7168, dtype=bf)
     offsets = torch.tensor([64, 128, 192, 256], dtype=torch.int32)
     out = torch.zeros(256, 2048, dtype=bf)
     dy = torch.zeros(256, 2048, dtype=bf)
+    wide = torch.zeros(256 + 4 * 63, 6144, dtype=bf)  # [dgate | dup | w h] in the padded layout
+    x_padded = torch.zeros(256 + 4 * 63, 7168, dtype=bf)
+    dw = torch.zeros(4, 2048, 7168, dtype=bf)
+    tma_configs, pointer_configs = weight_sweep(dry=False)
     with capture_launches(launch) as seen, _pretend_triton_on_cpu():
-        for config in bench_moe.row_sweep(dry=False):
+        for config in row_sweep(dry=False):
             launch.row_gemm(launch.RowOperands(a=x, b=linear_w.transpose(1, 2), offsets=offsets, out=out,
                                                num_rows=256), config)
-        for config in bench_moe.weight_sweep(dry=False):
-            launch.weight_gemm(p=x, q=dy, offsets=offsets, out=linear_w.transpose(1, 2), config=config)
-    return seen
+        for config in tma_configs:
+            launch.weight_gemm(p=wide[:, :4096], q=x_padded, ends=offsets, outs=(dw, dw.clone()), padded=True,
+                               config=config)
+            launch.weight_gemm(p=x_padded, q=wide[:, 4096:], ends=offsets, outs=(dw.transpose(1, 2),), padded=True,
+                               config=config)
+        for config in pointer_configs:
+            launch.weight_gemm(p=dy, q=x, ends=offsets, outs=(dw,), config=config)
+    with _capability(9, 0):  # the shipped first candidates, as an sm_90 GPU sees them
+        gpu = torch.device("cuda")
+        first_rows = {role: configs.row_candidates(role, gpu, bf)[0] for role in configs.ROLES}
+        first_weights = {tma: configs.weight_candidates(gpu, bf, tma=tma)[0] for tma in (False, True)}
+    for role, config in bwd_variants(dry=False):
+        def rows(r, device, dtype=None, role=role, config=config):
+            return [config if r == role else first_rows[r]]
 
+        def weights_of(device, dtype=None, *, tma=False, role=role, config=config):
+            return [config if role == "weight" and tma else first_weights[tma]]
+
+        seen.extend(capture_layer(rows, weights_of))
+    return seen
 
 
 def main() -> int:

@@ -8,6 +8,17 @@ from torch import Tensor
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+# Who computes the expert weight gradients on the Triton path: dist-moe's kernel, or (a measured
+# fallback, see tools/bench/moe) torch._grouped_mm on the same padded operands.
+WeightGrad = Literal["triton", "torch_grouped_mm"]
+WEIGHT_GRADS: tuple[str, ...] = ("triton", "torch_grouped_mm")
+
+
+def check_weight_grad(weight_grad: str) -> None:
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+    if weight_grad == "torch_grouped_mm" and not hasattr(__import__("torch"), "_grouped_mm"):
+        raise ValueError("weight_grad='torch_grouped_mm' needs torch._grouped_mm, which this torch lacks")
 
 
 def triton_available() -> bool:

@@ -12,10 +12,16 @@ Triton path, forward: (1) gate/up GEMM reading x[slot // top_k] inside the kerne
 accumulators sharing each A tile, SwiGLU in the epilogue -> h [R, ffn] (gate and up kept for the
 backward); (2) down GEMM whose epilogue multiplies by the routing weight and stores row r at its
 slot -> [rows, top_k, dim], summed over top_k (a contiguous reduction, deterministic).
-Backward: (3) dOut[slot // top_k] @ w2 with the routing-weight gradient (sum of acc * h), the
-weight scaling and the SwiGLU backward in the epilogue; (4) w2's gradient with the gathered,
-weighted dOut; (5) dgate @ w1 + dup @ w3 in one accumulator, stored at the slots and summed;
-(6) w1 and w3 gradients sharing the gathered x tile. No launch reads device data on the host.
+
+Backward, in the padded row layout (each expert's rows start at a multiple of 64 rows, zero rows
+fill its last chunk; kernels/row_tiles.py), so every GEMM operand that is not a weight goes
+through TMA and the weight gradients sum whole chunks without masks: (3) D = dOut[slot // top_k]
+(a gather copy: Hopper TMA cannot gather); (4) D @ w2 with the routing-weight gradient
+(sum of acc * h), the weight scaling and the SwiGLU backward in the epilogue, writing
+[dgate | dup | w * h] side by side; (5) w2's gradient D^T (w * h); (6) dgate @ w1 + dup @ w3 in
+one accumulator, stored at the slots and summed; (7) X = x[slot // top_k] (gather copy) and the
+w1 and w3 gradients [dgate | dup]^T X as one GEMM writing both. No launch reads device data on
+the host.
 """
 from __future__ import annotations
 
@@ -23,18 +29,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dist_moe.backend import Backend, resolve_backend
+from dist_moe.backend import Backend, WeightGrad, check_weight_grad, resolve_backend
 from dist_moe.host_sync import read_to_host
 
 
 def expert_mlp(
     x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, offsets: Tensor, row_slot: Tensor, *,
     top_k: int = 1, weights: Tensor | None = None, backend: Backend = "auto",
+    weight_grad: WeightGrad = "triton",
 ) -> Tensor:
     """x [rows, dim], w1/w3 [E, ffn, dim], w2 [E, dim, ffn] (Linear-style) -> [rows, dim].
 
     See the module docstring for `row_slot`, `offsets`, `top_k` and `weights` [rows, top_k].
+    `weight_grad` (Triton path): "triton" (dist-moe's kernel) or "torch_grouped_mm" (a fallback:
+    torch._grouped_mm on the same padded operands; tools/bench/moe measures both).
     """
+    check_weight_grad(weight_grad)
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, dim], got {tuple(x.shape)}")
     rows, dim = x.shape
@@ -54,7 +64,8 @@ def expert_mlp(
                         f"{w2.dtype}, {w3.dtype}")
     if resolve_backend(backend, x) == "torch":
         return _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights)
-    return _ExpertMLP.apply(x, w1, w2, w3, offsets.to(torch.int32), row_slot.to(torch.int32), weights, top_k)
+    return _ExpertMLP.apply(x, w1, w2, w3, offsets.to(torch.int32), row_slot.to(torch.int32), weights, top_k,
+                            weight_grad)
 
 
 def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights) -> Tensor:
@@ -85,23 +96,26 @@ def _sum_slots(slots: Tensor, rows: int, top_k: int) -> Tensor:
 
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, offsets, slot, weights, top_k):
+    def forward(ctx, x, w1, w2, w3, offsets, slot, weights, top_k, weight_grad):
         from dist_moe.kernels.launch import EPILOGUE_SCATTER, EPILOGUE_SWIGLU, RowOperands, row_gemm
 
         rows, dim = x.shape
         num_routed, ffn = slot.shape[0], w1.shape[1]
         save = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 6))
         flat_weights = weights.reshape(-1).float().contiguous() if weights is not None else None
-        h = x.new_empty(num_routed, ffn)
-        gate = x.new_empty(num_routed, ffn) if save else None
-        up = x.new_empty(num_routed, ffn) if save else None
+        if save:  # [R, 3 * ffn]: gate | up | h, the backward's [dgate | dup | w h] layout
+            acts = x.new_empty(num_routed, 3 * ffn)
+            gate, up, h = acts[:, :ffn], acts[:, ffn:2 * ffn], acts[:, 2 * ffn:]
+        else:
+            gate = up = None
+            h = x.new_empty(num_routed, ffn)
         row_gemm(RowOperands(a=x, b=w1.transpose(1, 2), b2=w3.transpose(1, 2), offsets=offsets, out=h, out2=gate,
                              out3=up, num_rows=num_routed, slot=slot, top_k=top_k, gather_a=True,
                              epilogue=EPILOGUE_SWIGLU, save_preact=save))
         slots = x.new_empty(num_routed, dim)
         row_gemm(RowOperands(a=h, b=w2.transpose(1, 2), offsets=offsets, out=slots, num_rows=num_routed,
                              slot=slot, epilogue=EPILOGUE_SCATTER, weight=flat_weights))
-        ctx.top_k = top_k
+        ctx.top_k, ctx.weight_grad = top_k, weight_grad
         ctx.weights_shape = None if weights is None else (weights.shape, weights.dtype)
         if save:
             ctx.save_for_backward(x, w1, w2, w3, offsets, slot, flat_weights, gate, up, h)
@@ -113,6 +127,8 @@ class _ExpertMLP(torch.autograd.Function):
             EPILOGUE_SCATTER,
             EPILOGUE_SWIGLU_BWD,
             RowOperands,
+            TileMaps,
+            gather_rows,
             row_gemm,
             weight_gemm,
         )
@@ -124,35 +140,57 @@ class _ExpertMLP(torch.autograd.Function):
         num_routed, ffn = slot.shape[0], w1.shape[1]
         need_x, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:4]
         need_weights = ctx.needs_input_grad[6]
+        maps = TileMaps(offsets, num_routed)
 
         dx = dw1 = dw2 = dw3 = dweights = None
+        d_out = gather_rows(grad_out, slot, top_k, maps)  # [padded rows, dim]
+        # [padded rows, 3 * ffn]: dgate | dup | w * h, written by the SwiGLU-backward epilogue.
+        grads = x.new_empty(maps.padded_rows, 3 * ffn)
+        dgate, dup, hw = grads[:, :ffn], grads[:, ffn:2 * ffn], grads[:, 2 * ffn:]
         # Partial sums of the routing-weight gradient, one row per N tile; zeroed by the launcher,
         # sized for the narrowest tile any configuration uses (16 columns).
         partial = (torch.empty(_cdiv(ffn, 16), num_routed, device=x.device, dtype=torch.float32)
                    if need_weights else None)
-        dgate = x.new_empty(num_routed, ffn)
-        dup = x.new_empty(num_routed, ffn)
-        row_gemm(RowOperands(a=grad_out, b=w2, offsets=offsets, out=dgate, out2=dup, aux=(gate, up, h),
-                             num_rows=num_routed, slot=slot, top_k=top_k, gather_a=True,
-                             epilogue=EPILOGUE_SWIGLU_BWD, weight=flat_weights, partial=partial))
+        row_gemm(RowOperands(a=d_out, b=w2, offsets=offsets, out=dgate, out2=dup, out3=hw, aux=(gate, up, h),
+                             num_rows=num_routed, slot=slot, top_k=top_k, padded_a=True,
+                             epilogue=EPILOGUE_SWIGLU_BWD, weight=flat_weights, partial=partial, maps=maps))
         if need_weights:
             shape, dtype = ctx.weights_shape
             dweights = partial.sum(dim=0).view(shape).to(dtype)
-        if need_w2:
-            dw2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
-            weight_gemm(p=h, q=grad_out, offsets=offsets, out=dw2.transpose(1, 2), slot=slot, top_k=top_k,
-                        gather_q=True, weight=flat_weights)
+        if need_w2:  # [E, dim, ffn] = D^T (w h)
+            dw2 = _weight_grads(d_out, hw, maps.padded_ends(), [w2.shape[1]], ctx.weight_grad, weight_gemm)[0]
+        del d_out
         if need_x:
             dx_slots = x.new_empty(num_routed, dim)
-            row_gemm(RowOperands(a=dgate, a2=dup, b=w1, b2=w3, offsets=offsets, out=dx_slots,
-                                 num_rows=num_routed, slot=slot, epilogue=EPILOGUE_SCATTER))
+            row_gemm(RowOperands(a=dgate, a2=dup, b=w1, b2=w3, offsets=offsets, out=dx_slots, num_rows=num_routed,
+                                 slot=slot, padded_a=True, epilogue=EPILOGUE_SCATTER, maps=maps))
             dx = _sum_slots(dx_slots, rows, top_k)
         if need_w1 or need_w3:
-            dw1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
-            dw3 = torch.empty_like(w3, memory_format=torch.contiguous_format)
-            weight_gemm(p=x, q=dgate, q2=dup, offsets=offsets, out=dw1.transpose(1, 2), out2=dw3.transpose(1, 2),
-                        slot=slot, top_k=top_k, gather_p=True)
-        return dx, dw1 if need_w1 else None, dw2, dw3 if need_w3 else None, None, None, dweights, None
+            routed_x = gather_rows(x, slot, top_k, maps)  # [padded rows, dim]
+            # [E, ffn, dim] each: dgate^T X and dup^T X, one GEMM over [dgate | dup]
+            dw1, dw3 = _weight_grads(grads[:, :2 * ffn], routed_x, maps.padded_ends(), [ffn, ffn],
+                                     ctx.weight_grad, weight_gemm)
+        return dx, dw1 if need_w1 else None, dw2, dw3 if need_w3 else None, None, None, dweights, None, None
+
+
+def _weight_grads(p: Tensor, q: Tensor, padded_ends: Tensor, widths: list[int], how: str,
+                  weight_gemm) -> list[Tensor]:
+    """Contiguous [E, width, NQ] gradients, one per consecutive column block of P [padded rows, sum
+    of widths]: out[e] = P_e^T Q_e over each expert's padded rows (zero rows in the padding)."""
+    num_experts, nq = padded_ends.shape[0], q.shape[1]
+    if how == "torch_grouped_mm":  # the fallback; groups are whole 64-row chunks, as its kernels like
+        outs, start = [], 0
+        for width in widths:
+            block = p[:, start:start + width]
+            try:
+                outs.append(torch._grouped_mm(block.t(), q, offs=padded_ends))
+            except RuntimeError:  # a build that wants the transposed operand compact
+                outs.append(torch._grouped_mm(block.t().contiguous(), q, offs=padded_ends))
+            start += width
+        return outs
+    outs = [q.new_empty(num_experts, width, nq) for width in widths]
+    weight_gemm(p=p, q=q, ends=padded_ends, outs=tuple(outs), padded=True)
+    return outs
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -60,7 +60,12 @@ class _GroupedMM(torch.autograd.Function):
             from dist_moe.kernels.launch import weight_gemm
 
             dw = torch.empty_like(w)  # keeps w's layout (a transposed Linear weight stays transposed)
-            weight_gemm(p=x, q=grad_out, offsets=offsets, out=dw)
+            # dw[e] = x_e^T dy_e; computed as its transpose dy_e^T x_e when K is dw's contiguous
+            # axis, so the kernel's stores run along rows.
+            if dw.stride(1) == 1 and dw.stride(2) != 1:
+                weight_gemm(p=grad_out, q=x, ends=offsets, outs=(dw.transpose(1, 2),))
+            else:
+                weight_gemm(p=x, q=grad_out, ends=offsets, outs=(dw,))
         return dx, dw, None, None
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dist_moe.backend import BACKENDS, Backend
+from dist_moe.backend import BACKENDS, Backend, WeightGrad, check_weight_grad
 from dist_moe.dispatch import combine, dispatch, ep_size
 from dist_moe.expert_mlp import expert_mlp
 from dist_moe.routing import ScoreFunc, check_routing_args, route, sequence_balance_loss
@@ -45,6 +45,7 @@ class MoEConfig:
     aux_loss_alpha: float = 0.0  # > 0 adds DeepSeek-V3's sequence-wise balance loss in training
     ep_group: dist.ProcessGroup | None = None
     backend: Backend = "auto"
+    weight_grad: WeightGrad = "triton"  # Triton path: who computes the expert weight gradients
 
     def __post_init__(self) -> None:
         for name in ("dim", "num_experts", "expert_dim"):
@@ -58,6 +59,7 @@ class MoEConfig:
             raise ValueError(f"aux_loss_alpha must be >= 0, got {self.aux_loss_alpha}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_weight_grad(self.weight_grad)
 
     @classmethod
     def like(cls, other: object, *, dim: int, **changes) -> "MoEConfig":
@@ -142,7 +144,7 @@ class MoE(nn.Module):
             self.tokens_per_expert.copy_(sent.tokens_per_expert)
         w1, w2, w3 = self._local_expert_weights()
         y = expert_mlp(sent.x, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
-                       backend=cfg.backend)
+                       backend=cfg.backend, weight_grad=cfg.weight_grad)
         out = combine(y, sent)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

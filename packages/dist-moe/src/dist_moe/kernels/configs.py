@@ -1,10 +1,11 @@
 """Kernel configurations (tile sizes, warps, stages, launch style) and the first-call tuner.
 
-Candidates are ordered best-guess first. On Hopper, tl.dot of bf16 with a float32 accumulator
-becomes wgmma; 128x256x64 tiles with 8 warps and 3-4 stages fill the 227 KiB of shared memory
-the way the fastest published Triton Hopper GEMMs do. With autotuning on (the default on CUDA;
-DIST_MOE_AUTOTUNE=0 turns it off) the first call for a (kernel, shape, dtype) key times every
-candidate once and keeps the fastest; a candidate that fails to compile is skipped.
+Candidates are ordered best first (the H200 sweep of tools/bench/moe). On Hopper, tl.dot of bf16
+with a float32 accumulator becomes wgmma; 128x256x64 tiles with 8 warps and 3-4 stages fill the
+227 KiB of shared memory. With autotuning on (the default on CUDA; DIST_MOE_AUTOTUNE=0 turns it
+off) the first call for a (kernel, shape, dtype) key times each of its 2-4 candidates once and
+keeps the fastest; a candidate that fails to compile is skipped. float32 on GPU (a correctness
+path) has one small tile and is never tuned.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import torch
+
+from dist_moe.kernels.row_tiles import ROW_ALIGN
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +41,8 @@ class RowConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class WeightConfig:
-    """Weight-gradient kernel: output tile BLOCK_K x BLOCK_N, BLOCK_R rows per step."""
+    """Weight-gradient kernel: output tile BLOCK_K x BLOCK_N, BLOCK_R rows per step; persistent
+    launches run `per_sm` programs per SM, otherwise one program per tile."""
 
     block_k: int = 128
     block_n: int = 128
@@ -47,10 +51,10 @@ class WeightConfig:
     num_warps: int = 8
     num_stages: int = 3
     persistent: bool = False
-    flatten: bool = False
+    per_sm: int = 1
 
     def name(self) -> str:
-        style = ("persistent" if self.persistent else "grid") + ("+flat" if self.flatten else "")
+        style = f"persistent x{self.per_sm}" if self.persistent else "grid"
         return (f"{self.block_k}x{self.block_n}x{self.block_r} g{self.group_k} w{self.num_warps} "
                 f"s{self.num_stages} {style}")
 
@@ -66,62 +70,92 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-# Row-tiled kernel roles: "plain" (grouped_mm, the down projection), "concat" (the input gradient,
-# two A/B pairs in one accumulator), "dual"
-# (gate and up in one tile: two accumulators, so half the N width), "swiglu_bwd" (heavier epilogue:
-# narrower tiles). tools/bench/moe/check_hopper_compile.py compiles every candidate for sm_90 and
-# checks pipelining, shared memory and register spills.
-def row_candidates(role: str, device: torch.device) -> list[RowConfig]:
-    if interpreting():
-        return [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)]
+def _wgmma_dtype(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+# Row-tiled kernel roles: "plain" (grouped_mm, the down projection), "dual" (gate and up in one
+# tile: two accumulators, so half the N width), "swiglu_bwd" (dOut @ W2 with the SwiGLU backward
+# in a heavier epilogue), "concat" (the input gradient, two A/B pairs in one accumulator).
+# Hopper, 16-bit: the H200 sweep's best configurations first (tools/bench/moe, float64-checked):
+# grouped GEMM 128x256x64, 8 warps, 3 stages, persistent with the tile loop flattened into the K
+# loop and TMA operands (756/697/739/629 TFLOP/s against torch._grouped_mm's 681/644/671/617).
+# tools/bench/moe/check_hopper_compile.py compiles every candidate for sm_90 and checks
+# pipelining, shared memory and register spills.
+_HOPPER_ROWS = {
+    "plain": [
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, flatten=True,
+                  tma=True),
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, persistent=True, tma=True),
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, tma=True),
+    ],
+    # The gathered A comes through pointer loads (TMA cannot gather on Hopper); two float32
+    # accumulators: 128x128 each is the register budget.
+    "dual": [
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True),
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True, flatten=True,
+                  tma=True),
+    ],
+    # The epilogue reads three tiles and writes three next to the accumulator: N at most 128, and
+    # 64 when flattened (the next tile's prefetch holds registers too; 128 spills).
+    "swiglu_bwd": [
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True),
+        RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, persistent=True, flatten=True,
+                  tma=True),
+        RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, tma=True),
+    ],
+    # Two K loops in one tile (loop fusion cannot flatten those into the tile loop); 4 stages of
+    # 128x256 spill registers (triton 3.6).
+    "concat": [
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, tma=True),
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True),
+    ],
+}
+ROLES = tuple(_HOPPER_ROWS)
+
+
+def row_candidates(role: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[RowConfig]:
+    assert role in ROLES, role
+    if interpreting():  # tiny tiles; the SwiGLU backward's row tiles must hold whole padded chunks
+        block_m = ROW_ALIGN if role == "swiglu_bwd" else 16
+        return [RowConfig(block_m=block_m, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)]
+    if not _wgmma_dtype(dtype):  # float32 on GPU is a correctness path: one small tile, no tuning
+        return [RowConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)]
     if _capability(device) >= (9, 0):
-        if role in ("plain", "concat"):
-            candidates = [
-                RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
-                RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),
-                RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
-                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3),  # 2 programs per SM
-            ]
-            # Two A/B pairs in one loop: 4 stages spill registers (triton 3.6).
-            return [c for c in candidates if role == "plain" or c.num_stages == 3]
-        if role == "dual":  # two float32 accumulators: 128x128 each is the register budget
-            return [
-                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
-                RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True),
-                RowConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4),
-            ]
-        # swiglu_bwd: the epilogue holds the accumulator and three loaded tiles; 128x128 spills.
-        return [
-            RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4),
-            RowConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4),
-            RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, tma=True),
-            RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-        ]
+        return list(_HOPPER_ROWS[role])
     return [
         RowConfig(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=4),
         RowConfig(block_m=128, block_n=64, block_k=32, num_warps=4, num_stages=4),
     ]
 
 
-def weight_candidates(device: torch.device, *, two_outputs: bool = False) -> list[WeightConfig]:
-    """Two outputs (gate and up gradients) mean two accumulators: half the tile each."""
+# Weight gradient, Hopper, 16-bit, operands in the padded layout through TMA (the expert MLP's
+# backward): a persistent 128x256 tile whose flattened loop prefetches the next tile during the
+# store (short row loops: 1024 rows per expert are 16 steps), a tile per program, and 128x128
+# with 4 warps at two programs per SM (one's store hides behind the other's loads).
+_HOPPER_WEIGHTS_TMA = [
+    WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True),
+    WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3),
+    WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=4, persistent=True, per_sm=2),
+    WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3),
+]
+# Pointer loads with masked tails (grouped_mm's backward on unpadded rows): the H200 sweep's best.
+_HOPPER_WEIGHTS_POINTER = [
+    WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3),
+    WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3),
+]
+
+
+def weight_candidates(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
+                      tma: bool = False) -> list[WeightConfig]:
     if interpreting():
         return [WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_warps=4, num_stages=1)]
+    if not _wgmma_dtype(dtype):
+        return [WeightConfig(block_k=64, block_n=64, block_r=32, num_warps=4, num_stages=2)]
     if _capability(device) >= (9, 0):
-        if two_outputs:
-            return [
-                WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=3),
-                WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4),
-                WeightConfig(block_k=128, block_n=64, block_r=64, num_warps=4, num_stages=4),
-            ]
-        return [
-            WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3),
-            WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4),
-            WeightConfig(block_k=256, block_n=128, block_r=64, num_warps=8, num_stages=3),
-            # 96 KiB of shared memory: two programs per SM, one's epilogue hiding the other's loads.
-            WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3),
-        ]
+        return list(_HOPPER_WEIGHTS_TMA if tma else _HOPPER_WEIGHTS_POINTER)
     return [WeightConfig(block_k=128, block_n=128, block_r=32, num_warps=4, num_stages=4)]
 
 

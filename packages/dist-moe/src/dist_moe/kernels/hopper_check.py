@@ -61,7 +61,12 @@ def specialise(kernel, args: tuple, kwargs: dict):
 
 def inspect_compiled(compiled) -> dict:
     ptx = compiled.asm["ptx"]
+    # The box of each TMA descriptor as compiled: rows wider than the 128-byte swizzle are split
+    # into several copies by the compiler (the host descriptor gets this box).
+    boxes = [tuple(m["block_size"]) for m in (getattr(compiled.metadata, "tensordesc_meta", None) or [])
+             if isinstance(m, dict) and "block_size" in m]
     return {
+        "boxes": boxes,
         "shared": compiled.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
@@ -98,7 +103,7 @@ def capture_launches(launch_module):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
 
-    names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel")
+    names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel", "gather_rows_kernel")
     saved = {n: getattr(launch_module, n) for n in names}
     for n in names:
         setattr(launch_module, n, Recorder(saved[n]))
@@ -110,7 +115,31 @@ def capture_launches(launch_module):
 
 
 def layer_launches(quick: bool):
-    """Launches of one MoE layer forward+backward and one grouped_mm forward+backward."""
+    """Launches of one MoE layer forward+backward and one grouped_mm forward+backward, once per
+    candidate index (every Hopper candidate of every kernel role appears; --quick: the first)."""
+    import dist_moe.kernels.configs as configs
+
+    row_lists = {role: _hopper_rows(configs, role) for role in configs.ROLES}
+    weight_lists = {tma: _hopper_weights(configs, tma) for tma in (False, True)}
+    depth = 1 if quick else max(len(v) for v in [*row_lists.values(), *weight_lists.values()])
+    all_launches = []
+    for index in range(depth):
+        def rows(role, device, dtype=None, index=index):
+            options = row_lists[role]
+            return [options[min(index, len(options) - 1)]]
+
+        def weights_of(device, dtype=None, *, tma=False, index=index):
+            options = weight_lists[tma]
+            return [options[min(index, len(options) - 1)]]
+
+        all_launches.extend(capture_layer(rows, weights_of))
+    return all_launches
+
+
+def capture_layer(rows, weights_of) -> list:
+    """The launches (recorded, not run) of a MoE layer forward+backward and a grouped_mm
+    forward+backward at DeepSeek-V3 widths (few experts and rows: they do not change the compiled
+    code), with `rows(role, device, dtype)` and `weights_of(device, dtype, tma=)` as the candidate lists."""
     import dist_moe
     import dist_moe.kernels.configs as configs
     import dist_moe.kernels.launch as launch
@@ -126,51 +155,33 @@ def layer_launches(quick: bool):
     sent = dist_moe.dispatch(x, ids, weights, num_experts=experts)
     grad = torch.randn(tokens, dim, generator=gen).to(bf)
 
-    plans = []
-    row_lists = {role: _hopper_rows(configs, role) for role in ("plain", "concat", "dual", "swiglu_bwd")}
-    weight_lists = {two: _hopper_weights(configs, two) for two in (False, True)}
-    depth = 1 if quick else max(max(len(v) for v in row_lists.values()), max(len(v) for v in weight_lists.values()))
-    for index in range(depth):
-        def rows(role, device, index=index):
-            options = row_lists[role]
-            return [options[min(index, len(options) - 1)]]
-
-        def weights_of(device, *, two_outputs=False, index=index):
-            options = weight_lists[two_outputs]
-            return [options[min(index, len(options) - 1)]]
-
-        plans.append((rows, weights_of))
-
-    all_launches = []
-    for rows, weights_of in plans:
-        old = (launch.row_candidates, launch.weight_candidates)
-        launch.row_candidates, launch.weight_candidates = rows, weights_of
+    old = (launch.row_candidates, launch.weight_candidates)
+    launch.row_candidates, launch.weight_candidates = rows, weights_of
+    configs._chosen.clear()
+    try:
+        with capture_launches(launch) as seen, _pretend_triton_on_cpu():
+            xs = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
+            wt = weights.clone().requires_grad_()
+            out = dist_moe.expert_mlp(*xs, sent.offsets, sent.row_slot, top_k=top_k, weights=wt, backend="triton")
+            out.backward(grad)
+            xg = torch.randn(tokens * top_k, dim, generator=gen).to(bf).requires_grad_()
+            wg = w1.clone().requires_grad_()
+            y = dist_moe.grouped_mm(xg, wg.transpose(1, 2), sent.offsets, backend="triton")
+            y.backward(torch.randn(y.shape, generator=gen).to(bf))
+    finally:
+        launch.row_candidates, launch.weight_candidates = old
         configs._chosen.clear()
-        try:
-            with capture_launches(launch) as seen, _pretend_triton_on_cpu():
-                xs = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
-                wt = weights.clone().requires_grad_()
-                out = dist_moe.expert_mlp(*xs, sent.offsets, sent.row_slot, top_k=top_k, weights=wt,
-                                          backend="triton")
-                out.backward(grad)
-                xg = torch.randn(tokens * top_k, dim, generator=gen).to(bf).requires_grad_()
-                wg = w1.clone().requires_grad_()
-                y = dist_moe.grouped_mm(xg, wg.transpose(1, 2), sent.offsets, backend="triton")
-                y.backward(torch.randn(y.shape, generator=gen).to(bf))
-            all_launches.extend(seen)
-        finally:
-            launch.row_candidates, launch.weight_candidates = old
-    return all_launches
+    return seen
 
 
 def _hopper_rows(configs, role):
     with _capability(9, 0):
-        return configs.row_candidates(role, torch.device("cuda"))
+        return configs.row_candidates(role, torch.device("cuda"), torch.bfloat16)
 
 
-def _hopper_weights(configs, two):
+def _hopper_weights(configs, tma):
     with _capability(9, 0):
-        return configs.weight_candidates(torch.device("cuda"), two_outputs=two)
+        return configs.weight_candidates(torch.device("cuda"), torch.bfloat16, tma=tma)
 
 
 @contextmanager
@@ -206,8 +217,8 @@ def _pretend_triton_on_cpu():
 
 
 def describe(kwargs: dict) -> str:
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "EPILOGUE", "A_GATHER", "P_GATHER", "Q_GATHER", "Q_SCALE",
-            "TWO_B", "TWO_Q", "CONCAT_K", "A_TMA", "B_TMA", "B_K_CONTIG", "FLATTEN", "num_warps", "num_stages")
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "EPILOGUE", "A_GATHER", "A_PADDED", "TWO_B", "CONCAT_K",
+            "A_TMA", "B_TMA", "B_K_CONTIG", "TMA", "FLATTEN", "num_warps", "num_stages")
     return " ".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
 
 
@@ -226,7 +237,7 @@ def check(launches: list) -> int:
     seen, failures = set(), 0
     print(f"triton {triton.__version__}, target sm_90; {len(launches)} launches captured")
     for kernel, call_args, kwargs in launches:
-        if kernel.__name__ == "tile_map_kernel" and "tile_map" in seen:
+        if kernel.__name__ in ("tile_map_kernel", "gather_rows_kernel") and kernel.__name__ in seen:
             continue
         signature, constexprs, attrs, options = specialise(kernel, call_args, kwargs)
         key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted((k, str(v)) for k, v in constexprs.items())),
@@ -234,8 +245,8 @@ def check(launches: list) -> int:
         if key in seen:
             continue
         seen.add(key)
-        if kernel.__name__ == "tile_map_kernel":
-            seen.add("tile_map")
+        if kernel.__name__ in ("tile_map_kernel", "gather_rows_kernel"):
+            seen.add(kernel.__name__)
         start = time.time()
         try:
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
@@ -246,7 +257,7 @@ def check(launches: list) -> int:
             continue
         info = inspect_compiled(compiled)
         problems = []
-        if kernel.__name__ != "tile_map_kernel":
+        if kernel.__name__ not in ("tile_map_kernel", "gather_rows_kernel"):
             if not info["wgmma"]:
                 problems.append("no wgmma")
             if not (info["cp_async"] or info["tma"]):
@@ -262,7 +273,9 @@ def check(launches: list) -> int:
         failures += bool(problems)
         status = "FAIL " + "; ".join(problems) if problems else "ok"
         print(f"{status:4s} {kernel.__name__:18s} {time.time() - start:5.1f}s smem {info['shared'] // 1024:3d}K "
-              f"regs {info['registers']} cp.async {info['cp_async']:3d} tma {info['tma']:2d}  {describe(kwargs)}{warning}",
+              f"regs {info['registers']} cp.async {info['cp_async']:3d} tma {info['tma']:2d}"
+              f"{' boxes ' + ','.join('x'.join(map(str, b)) for b in info['boxes']) if info['boxes'] else ''}  "
+              f"{describe(kwargs)}{warning}",
               flush=True)
     print(f"{len(seen)} variants, {failures} failing")
     return failures

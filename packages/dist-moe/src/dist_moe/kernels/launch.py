@@ -1,11 +1,11 @@
-"""Launchers for the Triton kernels: argument checks, TMA descriptors, grids, tuning keys.
+"""Launchers for the Triton kernels: argument checks, row-tile tables, TMA descriptors, grids, tuning keys.
 
 Nothing here reads device data on the host: per-expert counts stay on the device (the grids are
 upper bounds), so a launch never synchronises.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -15,17 +15,19 @@ from dist_moe.kernels.configs import (
     RowConfig,
     WeightConfig,
     choose,
+    interpreting,
     row_candidates,
     weight_candidates,
 )
+from dist_moe.kernels.interpreter_backport import backport_scalar_index
 from dist_moe.kernels.row_gemm import (
     EPILOGUE_SCATTER,
     EPILOGUE_STORE,
     EPILOGUE_SWIGLU,
     EPILOGUE_SWIGLU_BWD,
     row_gemm_kernel,
-    tile_map_kernel,
 )
+from dist_moe.kernels.row_tiles import ROW_ALIGN, TILE_FIELDS, gather_rows_kernel, padded_rows, tile_map_kernel
 from dist_moe.kernels.weight_gemm import weight_gemm_kernel
 
 try:  # host-built TMA descriptors (triton >= 3.4); without them every load uses pointers
@@ -34,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     TensorDescriptor = None
 
 __all__ = ["EPILOGUE_SCATTER", "EPILOGUE_STORE", "EPILOGUE_SWIGLU", "EPILOGUE_SWIGLU_BWD", "RowOperands",
-           "row_gemm", "weight_gemm"]
+           "TileMaps", "gather_rows", "row_gemm", "weight_gemm"]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -49,61 +51,126 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _aligned(t: Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
+def _prepare() -> None:
+    if interpreting():
+        backport_scalar_index()
 
 
-# A TMA box row wider than the widest shared-memory swizzle (128 bytes) is not used: such boxes
-# are left to pointer loads rather than relying on the compiler to split them.
-_TMA_MAX_INNER_BYTES = 128
+def _descriptor(t: Tensor, shape: list[int], row_stride: int, block: list[int]):
+    """TMA descriptor over a row-major 2-D view of `t`, or None when the layout does not allow one.
 
-
-def _a_descriptor(a: Tensor, rows: int, k: int, config: RowConfig):
-    """TMA descriptor over A [rows, K] (row-major, 16-byte aligned), or None."""
-    if TensorDescriptor is None or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or not _aligned(a):
+    Box rows wider than the 128-byte swizzle are fine: the compiler splits them into several copies
+    (python -m dist_moe.kernels.hopper_check shows the boxes it chose)."""
+    size = t.element_size()
+    if TensorDescriptor is None or t.data_ptr() % 16 or (row_stride * size) % 16 or min(shape) <= 0:
         return None
-    if config.block_k * a.element_size() > _TMA_MAX_INNER_BYTES:
+    return TensorDescriptor(t, shape, [row_stride, 1], block)
+
+
+def _a_descriptor(a: Tensor, k: int, config: RowConfig):
+    """Over A [rows, K] (row-major)."""
+    if a.stride(1) != 1:
         return None
-    return TensorDescriptor(a, [rows, k], [a.stride(0), 1], [config.block_m, config.block_k])
+    return _descriptor(a, [a.shape[0], k], a.stride(0), [config.block_m, config.block_k])
 
 
 def _b_descriptor(b: Tensor, config: RowConfig):
-    """TMA descriptor over the weights b [E, K, N] seen 2-D, or None when the layout does not allow it."""
-    if TensorDescriptor is None or not _aligned(b):
-        return None
+    """Over the weights b [E, K, N] seen 2-D, or None when the layout does not allow it."""
     e, k, n = b.shape
-    size = b.element_size()
-    if (b.stride(1) == 1 and b.stride(0) == n * b.stride(2) and (b.stride(2) * size) % 16 == 0
-            and config.block_k * size <= _TMA_MAX_INNER_BYTES):
-        return TensorDescriptor(b, [e * n, k], [b.stride(2), 1], [config.block_n, config.block_k])
+    if b.stride(1) == 1 and b.stride(0) == n * b.stride(2):
+        return _descriptor(b, [e * n, k], b.stride(2), [config.block_n, config.block_k])
     # [E*K, N] rows cross experts at K, so a K tail would read the next expert: only when K is whole.
-    if (b.stride(2) == 1 and b.stride(0) == k * b.stride(1) and (b.stride(1) * size) % 16 == 0
-            and k % config.block_k == 0 and config.block_n * size <= _TMA_MAX_INNER_BYTES):
-        return TensorDescriptor(b, [e * k, n], [b.stride(1), 1], [config.block_k, config.block_n])
+    if b.stride(2) == 1 and b.stride(0) == k * b.stride(1) and k % config.block_k == 0:
+        return _descriptor(b, [e * k, n], b.stride(1), [config.block_k, config.block_n])
     return None
+
+
+@dataclass
+class TileMaps:
+    """Row-tile tables of one grouping of rows (`offsets` [E] int32 cumulative ends of `num_rows`
+    rows), one per BLOCK_M, made on the device on first use; and the padded layout's expert ends."""
+
+    offsets: Tensor
+    num_rows: int
+    _tables: dict[int, Tensor] = field(default_factory=dict)
+    _padded_ends: Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.offsets.shape[0]
+
+    @property
+    def padded_rows(self) -> int:
+        return padded_rows(self.num_rows, self.num_experts)
+
+    def max_tiles(self, block_m: int) -> int:
+        # Row tiles in use <= floor(rows / BLOCK_M) + E (each group adds at most one partial tile).
+        return self.num_rows // block_m + self.num_experts
+
+    def table(self, block_m: int) -> Tensor:
+        if block_m not in self._tables:
+            _prepare()
+            max_tiles = self.max_tiles(block_m)
+            device = self.offsets.device
+            table = torch.empty((max_tiles + 1) * TILE_FIELDS, device=device, dtype=torch.int32)
+            if self._padded_ends is None:
+                self._padded_ends = torch.empty(self.num_experts, device=device, dtype=torch.int32)
+            block_e = triton.next_power_of_2(max(self.num_experts, 16))
+            tile_map_kernel[(1,)](self.offsets, table, self._padded_ends, self.num_experts, max_tiles,
+                                  BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=max(16, 8192 // block_e),
+                                  ALIGN=ROW_ALIGN, num_warps=4)
+            self._tables[block_m] = table
+        return self._tables[block_m]
+
+    def padded_ends(self) -> Tensor:
+        """[E] int32: each expert's end row in the padded layout."""
+        if self._padded_ends is None:
+            self.table(ROW_ALIGN)
+        return self._padded_ends
+
+
+_GATHER_BLOCK_M, _GATHER_BLOCK_C = 64, 128
+
+
+def gather_rows(src: Tensor, slot: Tensor, top_k: int, maps: TileMaps) -> Tensor:
+    """[padded rows, cols]: routed row r holds src[slot[r] // top_k] at its padded position, zeros in the padding."""
+    src = src if src.stride(1) == 1 else src.contiguous()
+    cols = src.shape[1]
+    out = src.new_empty(maps.padded_rows, cols)
+    if maps.num_rows == 0 or cols == 0:
+        out.zero_()
+        return out
+    table = maps.table(_GATHER_BLOCK_M)
+    max_tiles = maps.max_tiles(_GATHER_BLOCK_M)
+    grid = (max_tiles, triton.cdiv(cols, _GATHER_BLOCK_C))
+    gather_rows_kernel[grid](src, out, table, slot, max_tiles, cols, top_k, src.stride(0), out.stride(0),
+                             BLOCK_M=_GATHER_BLOCK_M, BLOCK_C=_GATHER_BLOCK_C, num_warps=4)
+    return out
 
 
 @dataclass
 class RowOperands:
     """What one row-tiled launch reads and writes (see row_gemm.py for the variants)."""
 
-    a: Tensor  # [rows or inputs, K]
+    a: Tensor  # [rows or inputs or padded rows, K]
     b: Tensor  # [E, K, N] math layout (any strides)
     offsets: Tensor  # [E] int32 cumulative row ends
-    out: Tensor  # [rows or slots, N]
+    out: Tensor  # [rows or slots or padded rows, N]
     num_rows: int  # routed rows (sum of the group sizes, at most)
     slot: Tensor | None = None  # [rows] int32: row r reads a[slot[r] // top_k] (A_GATHER) / writes out[slot[r]]
     top_k: int = 1
     gather_a: bool = False
+    padded_a: bool = False  # A (and A2) in the padded row layout
     a2: Tensor | None = None  # CONCAT_K: second A, same strides as a
     b2: Tensor | None = None  # TWO_B or CONCAT_K: second weight, same strides as b
     epilogue: int = EPILOGUE_STORE
     out2: Tensor | None = None
     out3: Tensor | None = None
-    aux: tuple[Tensor, Tensor, Tensor] | None = None  # SWIGLU_BWD: gate, up, h [rows, N]
+    aux: tuple[Tensor, Tensor, Tensor] | None = None  # SWIGLU_BWD: gate, up, h [rows, N], strides of out
     weight: Tensor | None = None  # float32 [slots] routing weight, indexed by slot
     partial: Tensor | None = None  # SWIGLU_BWD with weight: float32 [cdiv(N, BLOCK_N), slots]
     save_preact: bool = False
+    maps: TileMaps | None = None  # row-tile tables to reuse (made from offsets when None)
 
     def role(self) -> str:
         if self.epilogue == EPILOGUE_SWIGLU_BWD:
@@ -118,38 +185,41 @@ def row_gemm(ops: RowOperands, config: RowConfig | None = None) -> RowConfig:
     e, k, n = ops.b.shape
     if ops.num_rows == 0 or n == 0:
         return config or RowConfig()
+    if ops.maps is None:
+        ops.maps = TileMaps(ops.offsets, ops.num_rows)
     if config is not None:
         _launch_rows(ops, config)
         return config
-    key = ("row", ops.role(), ops.epilogue, ops.gather_a, ops.a2 is not None, n, k, e, ops.a.dtype,
-           tuple(ops.b.stride()[1:]) == (1, k), str(ops.a.device))
-    chosen = choose(key, row_candidates(ops.role(), ops.a.device), lambda c: _launch_rows(ops, c))
+    key = ("row", ops.role(), ops.epilogue, ops.gather_a, ops.padded_a, ops.a2 is not None, n, k, e, ops.a.dtype,
+           ops.b.stride(1) == 1, str(ops.a.device))
+    chosen = choose(key, row_candidates(ops.role(), ops.a.device, ops.a.dtype), lambda c: _launch_rows(ops, c))
     _launch_rows(ops, chosen)
     return chosen
 
 
 def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
+    _prepare()
     num_experts, k, n = ops.b.shape
     k2 = ops.a2.shape[1] if ops.a2 is not None else k
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if ops.epilogue == EPILOGUE_SWIGLU_BWD:
+        assert bm % ROW_ALIGN == 0, "the padded outputs' zero rows must lie in the expert's last row tile"
+        assert bm * ops.out.stride(0) + n * ops.out.stride(1) < 2**31, "tile offsets must fit int32"
     if ops.partial is not None:
         assert ops.partial.shape[0] >= triton.cdiv(n, bn), "partial needs a row per N tile"
         ops.partial.zero_()  # rows past this config's N tiles must not keep another config's sums
-    # Row tiles in use <= floor(rows / BLOCK_M) + E (each group adds at most one partial tile).
-    max_row_tiles = ops.num_rows // bm + num_experts
-    tile_info = torch.empty((max_row_tiles + 1) * 3, device=ops.a.device, dtype=torch.int32)
-    block_e = triton.next_power_of_2(max(num_experts, 16))
-    tile_map_kernel[(1,)](ops.offsets, tile_info, num_experts, max_row_tiles, BLOCK_M=bm, BLOCK_E=block_e,
-                          BLOCK_T=max(16, 8192 // block_e), num_warps=4)
+    maps = ops.maps or TileMaps(ops.offsets, ops.num_rows)
+    tile_info = maps.table(bm)
+    max_row_tiles = maps.max_tiles(bm)
     max_tiles = max_row_tiles * triton.cdiv(n, bn)
     grid = (min(max_tiles, _num_sms(ops.a.device)) if config.persistent else max_tiles,)
 
     a_desc = a2_desc = b_desc = b2_desc = None
     if config.tma:
         if not ops.gather_a:
-            a_desc = _a_descriptor(ops.a, ops.a.shape[0], k, config)
+            a_desc = _a_descriptor(ops.a, k, config)
             if ops.a2 is not None:
-                a2_desc = _a_descriptor(ops.a2, ops.a2.shape[0], k2, config)
+                a2_desc = _a_descriptor(ops.a2, k2, config)
                 a_desc = a_desc if a2_desc is not None else None
         b_desc = _b_descriptor(ops.b, config)
         if ops.b2 is not None:
@@ -161,8 +231,10 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
         assert ops.b2.stride() == ops.b.stride(), "the two weights must share strides"
     if ops.a2 is not None:
         assert ops.a2.stride() == ops.a.stride(), "the two A operands must share strides"
-    for t in (ops.out2, ops.out3, *(ops.aux or ())):
-        assert t is None or t.stride() == ops.out.stride(), "outputs and saved activations must share strides"
+    for t in (ops.out2, ops.out3):
+        assert t is None or t.stride() == ops.out.stride(), "the outputs must share strides"
+    if ops.aux is not None:
+        assert all(t.stride() == ops.out.stride() for t in ops.aux), "saved activations and outputs share strides"
 
     dummy = ops.out
     slot = ops.slot if ops.slot is not None else ops.offsets
@@ -176,13 +248,13 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
         tile_info, slot,
         ops.weight if ops.weight is not None else dummy,
         ops.partial if ops.partial is not None else dummy,
-        n, k, k2, max_row_tiles, ops.out.shape[0], ops.top_k,
+        n, k, k2, max_row_tiles, ops.partial.shape[1] if ops.partial is not None else 0, ops.top_k,
         ops.a.stride(0), ops.a.stride(1),
         ops.b.stride(0), ops.b.stride(1), ops.b.stride(2),
         ops.out.stride(0), ops.out.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-        A_GATHER=ops.gather_a, A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_K_CONTIG=b_k_contig,
-        TWO_B=ops.b2 is not None and ops.a2 is None, CONCAT_K=ops.a2 is not None,
+        A_GATHER=ops.gather_a, A_PADDED=ops.padded_a, A_TMA=a_desc is not None, B_TMA=b_desc is not None,
+        B_K_CONTIG=b_k_contig, TWO_B=ops.b2 is not None and ops.a2 is None, CONCAT_K=ops.a2 is not None,
         EPILOGUE=ops.epilogue, SAVE_PREACT=ops.save_preact, HAS_WEIGHT=ops.weight is not None,
         EVEN_K=(k % bk == 0 and k2 % bk == 0), EVEN_N=(n % bn == 0),
         DOT_PRECISION=_dot_precision(ops.a.dtype), FLATTEN=config.persistent and config.flatten,
@@ -190,47 +262,61 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
     )
 
 
-def weight_gemm(
-    *, p: Tensor, q: Tensor, offsets: Tensor, out: Tensor, q2: Tensor | None = None, out2: Tensor | None = None,
-    slot: Tensor | None = None, top_k: int = 1, gather_p: bool = False, gather_q: bool = False,
-    weight: Tensor | None = None, config: WeightConfig | None = None,
-) -> WeightConfig:
+def weight_gemm(*, p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...], padded: bool = False,
+                config: WeightConfig | None = None) -> WeightConfig:
     """out[e] = P[rows of e]^T @ Q[rows of e] for every expert e (zeros when it has no rows).
 
-    out [E, KP, NQ] may have any strides; `weight` (float32 [slots]) scales Q's rows (Q_SCALE).
-    Returns the configuration used.
+    p [rows, KP], q [rows, NQ] row-major; `ends` [E] int32 each expert's end row (the padded ends
+    when `padded`: then P and Q are in the padded row layout and go through TMA). `outs` is
+    (out [E, KP, NQ],) or (out [E, S, NQ], out2 [E, KP - S, NQ]): P's first S columns give out, the
+    rest out2. Outputs take any strides (NQ contiguous stores best). Returns the configuration used.
     """
-    num_experts, kp, nq = out.shape
+    num_experts, split, nq = outs[0].shape
+    kp = p.shape[1]
+    assert q.shape[1] == nq and p.shape[0] == q.shape[0] and ends.shape[0] == num_experts
+    assert len(outs) == 1 and split == kp or len(outs) == 2 and outs[1].shape == (num_experts, kp - split, nq)
     if num_experts == 0 or kp == 0 or nq == 0:
         return config or WeightConfig()
     if config is not None:
-        _launch_weight(p, q, q2, out, out2, offsets, slot, weight, top_k, gather_p, gather_q, config)
+        _launch_weight(p, q, ends, outs, padded, config)
         return config
-    key = ("weight", gather_p, gather_q, weight is not None, q2 is not None, kp, nq, p.dtype,
-           tuple(out.stride()), str(p.device))
-    chosen = choose(key, weight_candidates(p.device, two_outputs=q2 is not None),
-                    lambda c: _launch_weight(p, q, q2, out, out2, offsets, slot, weight, top_k, gather_p,
-                                             gather_q, c))
-    _launch_weight(p, q, q2, out, out2, offsets, slot, weight, top_k, gather_p, gather_q, chosen)
+    key = ("weight", padded, kp, nq, split, p.dtype, tuple(outs[0].stride()), str(p.device))
+    candidates = weight_candidates(p.device, p.dtype, tma=padded)
+    chosen = choose(key, candidates, lambda c: _launch_weight(p, q, ends, outs, padded, c))
+    _launch_weight(p, q, ends, outs, padded, chosen)
     return chosen
 
 
-def _launch_weight(p, q, q2, out, out2, offsets, slot, weight, top_k, gather_p, gather_q,
+def _launch_weight(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...], padded: bool,
                    config: WeightConfig) -> None:
-    num_experts, kp, nq = out.shape
-    bk, bn = config.block_k, config.block_n
-    if q2 is not None:
-        assert q2.stride() == q.stride() and out2 is not None and out2.stride() == out.stride()
+    _prepare()
+    num_experts, split, nq = outs[0].shape
+    kp = p.shape[1]
+    bk, bn, br = config.block_k, config.block_n, config.block_r
+    out = outs[0]
+    out2 = outs[1] if len(outs) == 2 else out
+    assert out2.stride() == out.stride(), "the two outputs must share strides"
+    if len(outs) == 2 and split % bk:  # a tile would straddle the two outputs: one launch each
+        _launch_weight(p[:, :split], q, ends, outs[:1], padded, config)
+        _launch_weight(p[:, split:], q, ends, outs[1:], padded, config)
+        return
+    p_desc = q_desc = None
+    if padded:
+        assert ROW_ALIGN % br == 0, "padded experts are whole ROW_ALIGN chunks"
+        if p.stride(1) == 1 and q.stride(1) == 1:
+            p_desc = _descriptor(p, [p.shape[0], kp], p.stride(0), [br, bk])
+            q_desc = _descriptor(q, [q.shape[0], nq], q.stride(0), [br, bn])
+            if p_desc is None or q_desc is None:
+                p_desc = q_desc = None
     tiles = triton.cdiv(kp, bk) * triton.cdiv(nq, bn) * num_experts
-    grid = (min(tiles, _num_sms(p.device)) if config.persistent else tiles,)
+    grid = (min(tiles, config.per_sm * _num_sms(p.device)) if config.persistent else tiles,)
     weight_gemm_kernel[grid](
-        p, q, q2 if q2 is not None else q, out, out2 if out2 is not None else out,
-        offsets, slot if slot is not None else offsets, weight if weight is not None else out,
-        kp, nq, top_k, num_experts,
+        p, p_desc if p_desc is not None else p, q, q_desc if q_desc is not None else q, out, out2, ends,
+        kp, nq, split, num_experts,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=config.block_r, GROUP_K=config.group_k,
-        P_GATHER=gather_p, Q_GATHER=gather_q, Q_SCALE=weight is not None, TWO_Q=q2 is not None,
+        BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, GROUP_K=config.group_k,
+        BLOCK_E=triton.next_power_of_2(max(num_experts, 16)), TMA=p_desc is not None,
         EVEN_K=(kp % bk == 0), EVEN_N=(nq % bn == 0), DOT_PRECISION=_dot_precision(p.dtype),
-        FLATTEN=config.persistent and config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )

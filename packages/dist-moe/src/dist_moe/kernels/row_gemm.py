@@ -1,17 +1,20 @@
 """Row-tiled grouped GEMM (Triton): out[rows of expert e] = A[rows] @ B[e], one expert per tile.
 
 Rows are sorted by expert; `offsets` [E] int32 holds each expert's end row. A tile covers
-BLOCK_M rows of one expert and BLOCK_N output columns. A one-program kernel first writes the
-row-tile table (expert, first row, end row) from the offsets on the device, so the launch needs
-no host knowledge of the per-expert counts: the grid is an upper bound (rows / BLOCK_M + E row
-tiles) and surplus programs find no tile. With persistent launches a program loops over tiles.
+BLOCK_M rows of one expert and BLOCK_N output columns; the row-tile table comes from
+`row_tiles.tile_map_kernel` (on the device, so the launch needs no host knowledge of the
+per-expert counts: the grid is an upper bound and surplus programs find no tile). With
+persistent launches a program loops over tiles.
 
 Variants (constexpr), all fused into the same main loop and epilogue:
 - A_GATHER: A row r is `a[slot[r] // top_k]`, gathered inside the kernel (no permuted copy).
+- A_PADDED: A is in the padded row layout (row r at r + shift, see row_tiles.py).
 - TWO_B: a second weight B2 with its own accumulator (gate and up projections share the A tile).
 - CONCAT_K: acc += A2 @ B2 after A @ B (the two halves of the gate/up input gradient).
 - EPILOGUE: STORE (out[r] = acc), SWIGLU (h = silu(acc) * acc2, also keeps both pre-activations),
-  SCATTER (out[slot[r]] = acc * weight[slot[r]]: the combine), SWIGLU_BWD (see `_swiglu_bwd`).
+  SCATTER (out[slot[r]] = acc * weight[slot[r]]: the combine), SWIGLU_BWD (see `_swiglu_bwd`;
+  reads gate/up/h at row r and writes its three outputs at row r + shift, the padded layout, zero
+  rows included; all six share one row stride, so one offset tensor serves them).
 - A_TMA / B_TMA: operands through Hopper TMA descriptors (host-built) instead of pointer loads.
 
 B[e] is the math layout [K, N]; B_K_CONTIG says K is its contiguous axis (a Linear-style weight
@@ -26,34 +29,6 @@ EPILOGUE_STORE = 0
 EPILOGUE_SWIGLU = 1
 EPILOGUE_SCATTER = 2
 EPILOGUE_SWIGLU_BWD = 3
-
-
-@triton.jit
-def tile_map_kernel(offsets_ptr, info_ptr, num_experts, max_tiles,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program: info[t] = (expert, first row, end row) for every row tile t < max_tiles, and
-    info[max_tiles] = (number of tiles in use, 0, 0). Tiles past that number stay unused."""
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < num_experts
-    ends = tl.load(offsets_ptr + e, mask=e_ok, other=0)
-    starts = tl.load(offsets_ptr + e - 1, mask=e_ok & (e > 0), other=0)
-    tiles = tl.where(e_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_end = tl.cumsum(tiles, axis=0)
-    tile_start = tile_end - tiles
-    for t0 in range(0, max_tiles, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        # [BLOCK_T, BLOCK_E] one-hot: the expert whose tile range holds t (empty experts hold none).
-        inside = (tile_start[None, :] <= t[:, None]) & (t[:, None] < tile_end[None, :])
-        expert = tl.sum(tl.where(inside, e[None, :], 0), axis=1)
-        first = tl.sum(tl.where(inside, starts[None, :] + (t[:, None] - tile_start[None, :]) * BLOCK_M, 0), axis=1)
-        end = tl.sum(tl.where(inside, ends[None, :], 0), axis=1)
-        ok = t < max_tiles
-        tl.store(info_ptr + t * 3, expert, mask=ok)
-        tl.store(info_ptr + t * 3 + 1, first, mask=ok)
-        tl.store(info_ptr + t * 3 + 2, end, mask=ok)
-    tl.store(info_ptr + max_tiles * 3, tl.sum(tiles, axis=0))
-    tl.store(info_ptr + max_tiles * 3 + 1, 0)
-    tl.store(info_ptr + max_tiles * 3 + 2, 0)
 
 
 @triton.jit
@@ -106,13 +81,13 @@ def row_gemm_kernel(
     stride_be, stride_bk, stride_bn,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    A_GATHER: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_K_CONTIG: tl.constexpr,
-    TWO_B: tl.constexpr, CONCAT_K: tl.constexpr, EPILOGUE: tl.constexpr,
+    A_GATHER: tl.constexpr, A_PADDED: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    B_K_CONTIG: tl.constexpr, TWO_B: tl.constexpr, CONCAT_K: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_PREACT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
-    total_m = tl.load(tile_info_ptr + max_tiles * 3)
+    total_m = tl.load(tile_info_ptr + max_tiles * 5)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -128,9 +103,14 @@ def row_gemm_kernel(
         tile_m = first_m + (tile % width) % group_rows
         tile_n = (tile % width) // group_rows
 
-        e = tl.load(tile_info_ptr + tile_m * 3)
-        m0 = tl.load(tile_info_ptr + tile_m * 3 + 1)
-        row_end = tl.load(tile_info_ptr + tile_m * 3 + 2)
+        info = tile_info_ptr + tile_m * 5
+        e = tl.load(info)
+        m0 = tl.load(info + 1)
+        row_end = tl.load(info + 2)
+        if A_PADDED or EPILOGUE == 3:
+            shift = tl.load(info + 3)
+        else:
+            shift = 0
         n0 = tile_n * BLOCK_N
         rows = m0 + offs_m
         row_ok = rows < row_end
@@ -141,14 +121,19 @@ def row_gemm_kernel(
             slot = tl.load(slot_ptr + rows, mask=row_ok, other=0)
         if A_GATHER:
             a_row_offsets = (slot // top_k).to(tl.int64) * stride_am
+            a_m0 = m0
+        elif A_PADDED:
+            a_row_offsets = (rows + shift).to(tl.int64) * stride_am
+            a_m0 = m0 + shift
         else:
             a_row_offsets = rows.to(tl.int64) * stride_am
+            a_m0 = m0
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if TWO_B:
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
-            a = _load_a(a_ptr, a_desc, a_row_offsets, row_ok, m0, k, offs_k, K, stride_ak, A_TMA, EVEN_K)
+            a = _load_a(a_ptr, a_desc, a_row_offsets, row_ok, a_m0, k, offs_k, K, stride_ak, A_TMA, EVEN_K)
             b = _load_b(b_ptr, b_desc, e, k, n0, offs_k, cols, col_ok, K, N, stride_be, stride_bk, stride_bn,
                         B_TMA, B_K_CONTIG, EVEN_K, EVEN_N, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -158,7 +143,8 @@ def row_gemm_kernel(
                 acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PRECISION)
         if CONCAT_K:
             for k in range(0, K2, BLOCK_K):
-                a = _load_a(a2_ptr, a2_desc, a_row_offsets, row_ok, m0, k, offs_k, K2, stride_ak, A_TMA, EVEN_K)
+                a = _load_a(a2_ptr, a2_desc, a_row_offsets, row_ok, a_m0, k, offs_k, K2, stride_ak, A_TMA,
+                            EVEN_K)
                 b = _load_b(b2_ptr, b2_desc, e, k, n0, offs_k, cols, col_ok, K2, N, stride_be, stride_bk,
                             stride_bn, B_TMA, B_K_CONTIG, EVEN_K, EVEN_N, BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -181,28 +167,45 @@ def row_gemm_kernel(
             slot_offsets = slot.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
             tl.store(out_ptr + slot_offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            _swiglu_bwd(acc, row_offsets, mask, row_ok, slot, tile_n, num_slots, out_ptr, out2_ptr,
+            # Offsets within the tile fit int32 (the launcher checks): half the registers of int64
+            # offsets, which this epilogue (six tiles read or written) needs.
+            tile_offsets = offs_m[:, None] * stride_om + cols[None, :] * stride_on
+            tile_start = m0.to(tl.int64) * stride_om
+            fill_end = tl.load(info + 4)
+            _swiglu_bwd(acc, tile_offsets, tile_start, tile_start + shift.to(tl.int64) * stride_om, mask, row_ok,
+                        rows < fill_end, col_ok, slot, tile_n, num_slots, out_ptr, out2_ptr, out3_ptr,
                         aux_ptr, aux2_ptr, aux3_ptr, weight_ptr, partial_ptr, HAS_WEIGHT)
 
 
 @triton.jit
-def _swiglu_bwd(acc, offsets, mask, row_ok, slot, tile_n, num_slots, dgate_ptr, dup_ptr,
-                gate_ptr, up_ptr, h_ptr, weight_ptr, partial_ptr, HAS_WEIGHT: tl.constexpr):
+def _swiglu_bwd(acc, tile_offsets, aux_start, out_start, mask, row_ok, row_kept, col_ok, slot, tile_n, num_slots,
+                dgate_ptr, dup_ptr, hw_ptr, gate_ptr, up_ptr, h_ptr, weight_ptr, partial_ptr,
+                HAS_WEIGHT: tl.constexpr):
     """acc = dOut[token] @ W2^T, the gradient of h before the routing weight w.
 
     d w = <dOut[token], h @ W2> = sum over columns of acc * h: each N tile writes its partial sum
     to partial[tile_n, slot] (summed by the launcher, deterministically). Then dh = w * acc and
-    the SwiGLU backward gives d gate = dh * up * silu'(gate), d up = dh * silu(gate).
+    the SwiGLU backward gives d gate = dh * up * silu'(gate), d up = dh * silu(gate). Also stores
+    hw = w * h, the down projection's weight-gradient operand. gate, up, h are read at row r (the
+    tile starts `aux_start` elements in); the three outputs (same strides) go to row r + shift of
+    the padded layout (from `out_start`), zeros in the expert's padding rows.
     """
+    out_mask = row_kept[:, None] & col_ok[None, :]
+    # One loaded tile at a time next to the accumulator (register pressure): h, then gate, then up.
+    h = tl.load(h_ptr + aux_start + tile_offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_WEIGHT:
-        h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(partial_ptr + tile_n.to(tl.int64) * num_slots + slot, tl.sum(acc * h, axis=1), mask=row_ok)
         w = tl.load(weight_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
-    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        h = h * w[:, None]
+    # Padding rows come out zero without selects: h, gate and up load as zeros there, and acc is
+    # zero because the padded dOut rows are (gather_rows_kernel writes them).
+    tl.store(hw_ptr + out_start + tile_offsets, h.to(hw_ptr.dtype.element_ty), mask=out_mask)
+    gate = tl.load(gate_ptr + aux_start + tile_offsets, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
-    dgate = acc * up * sig * (1.0 + gate * (1.0 - sig))
     dup = acc * gate * sig
-    tl.store(dgate_ptr + offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + offsets, dup.to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + out_start + tile_offsets, dup.to(dup_ptr.dtype.element_ty), mask=out_mask)
+    acc = acc * sig * (1.0 + gate * (1.0 - sig))  # dh * silu'(gate)
+    up = tl.load(up_ptr + aux_start + tile_offsets, mask=mask, other=0.0).to(tl.float32)
+    dgate = acc * up
+    tl.store(dgate_ptr + out_start + tile_offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=out_mask)

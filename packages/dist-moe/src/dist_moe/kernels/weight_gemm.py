@@ -1,12 +1,25 @@
 """Per-expert reduction GEMM (Triton): out[e] = P[rows of e]^T @ Q[rows of e], the weight gradient.
 
-A tile is a [BLOCK_K, BLOCK_N] block of out[e]; its program loops over the expert's rows in
-chunks of BLOCK_R, so empty experts write zeros and no host knowledge of the counts is needed.
-Tiles go to programs one each, or in a persistent loop over as many programs as SMs.
-Variants (constexpr): P_GATHER / Q_GATHER read row `x[slot[r] // top_k]` inside the kernel,
-Q_SCALE multiplies Q's row by weight[slot[r]] (the routing weight), TWO_Q adds a second Q with
-its own output (gate and up weight gradients share the P tile). Outputs take any strides, so a
-gradient is written directly in its parameter's Linear-style layout.
+A tile is a [BLOCK_K, BLOCK_N] block of out[e]; it sums the expert's rows in steps of BLOCK_R
+rows. `ends` [E] int32 holds each expert's end row; empty experts get zero tiles, and nothing
+about the counts is needed on the host.
+
+Two ways to read P and Q:
+- TMA (Hopper descriptors): the operands are in the padded row layout of row_tiles.py, so every
+  expert's rows are whole BLOCK_R chunks (its zero rows fill the last one) and the main loop has
+  no masks; `ends` are the padded ends.
+- pointers: any row-major P and Q; rows past the expert's end are masked (the tail chunk).
+
+Schedule: the tile loop and the row loop are one flattened loop written out here (the compiler's
+loop fusion needs inner trip counts that do not vary, and here they follow the expert's rows):
+a program takes tiles pid, pid + programs, ..., spending max(1, chunks of its expert) steps on
+each; a step loads one chunk of P and Q, so the software pipeline prefetches the next tile's first
+chunks while this tile's result is stored. A grid of one program per tile is the same loop run
+for one tile. Tiles go in expert-major order, so the programs running together share one expert's
+rows in L2.
+
+SPLIT: out rows k >= SPLIT go to out2[e, k - SPLIT] (the gate and up weight gradients from one P
+holding both gradients side by side); SPLIT = KP with one output. Outputs take any strides.
 """
 from __future__ import annotations
 
@@ -15,89 +28,105 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_rows(ptr, row_offsets, row_ok, cols, col_ok, stride_c, EVEN: tl.constexpr):
-    ptrs = ptr + row_offsets[:, None] + cols[None, :] * stride_c
-    if EVEN:
-        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+def _programs_tiles_below(limit, pid, programs):
+    """How many of this program's tiles (pid, pid + programs, ...) are below `limit` (per entry)."""
+    return tl.maximum(limit - pid + programs - 1, 0) // programs
+
+
+@triton.jit
+def _rows_of(ends_ptr, e):
+    start = tl.load(ends_ptr + tl.maximum(e - 1, 0))
+    start = tl.where(e > 0, start, 0)
+    return start, tl.load(ends_ptr + e)
+
+
+@triton.jit
+def _load_chunk(ptr, desc, r0, row_end, c0, offs_r, offs_c, C, stride_r, stride_c,
+                TMA: tl.constexpr, EVEN_C: tl.constexpr):
+    """Rows [r0, r0 + BLOCK_R) x columns [c0, c0 + BLOCK_C) of a row-major operand."""
+    if TMA:
+        tile = desc.load([r0, c0])
     else:
-        tile = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    return tile  # one return: early returns are not portable across triton versions
+        rows = r0 + offs_r
+        cols = c0 + offs_c
+        ptrs = ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
+        if EVEN_C:
+            tile = tl.load(ptrs, mask=(rows < row_end)[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows < row_end)[:, None] & (cols < C)[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
 def weight_gemm_kernel(
-    p_ptr, q_ptr, q2_ptr, out_ptr, out2_ptr,
-    offsets_ptr, slot_ptr, weight_ptr,
-    KP, NQ, top_k, num_experts,
+    p_ptr, p_desc, q_ptr, q_desc, out_ptr, out2_ptr, ends_ptr,
+    KP, NQ, SPLIT, num_experts,
     stride_pr, stride_pk, stride_qr, stride_qn,
     stride_oe, stride_ok, stride_on,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_K: tl.constexpr,
-    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, Q_SCALE: tl.constexpr, TWO_Q: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_E: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     num_k = tl.cdiv(KP, BLOCK_K)
     num_n = tl.cdiv(NQ, BLOCK_N)
-    tiles_per_expert = num_k * num_n
+    per_expert = num_k * num_n
+    # Steps of this program: expert e's tiles are [e * per_expert, (e + 1) * per_expert).
+    ex = tl.arange(0, BLOCK_E)
+    ex_ok = ex < num_experts
+    ex_end = tl.load(ends_ptr + ex, mask=ex_ok, other=0)
+    ex_start = tl.load(ends_ptr + ex - 1, mask=ex_ok & (ex > 0), other=0)
+    ex_chunks = tl.maximum((ex_end - ex_start + BLOCK_R - 1) // BLOCK_R, 1)
+    mine = (_programs_tiles_below((ex + 1) * per_expert, pid, programs)
+            - _programs_tiles_below(ex * per_expert, pid, programs))
+    steps = tl.sum(tl.where(ex_ok, mine * ex_chunks, 0), axis=0)
+
     offs_r = tl.arange(0, BLOCK_R)
-    # Expert-major tile order; a non-persistent launch gives each program one tile.
-    for tile in tl.range(tl.program_id(0), tiles_per_expert * num_experts, tl.num_programs(0), flatten=FLATTEN):
-        _weight_tile(tile, tiles_per_expert, num_n, num_k, p_ptr, q_ptr, q2_ptr, out_ptr, out2_ptr, offsets_ptr,
-                     slot_ptr, weight_ptr, KP, NQ, top_k, stride_pr, stride_pk, stride_qr, stride_qn,
-                     stride_oe, stride_ok, stride_on, offs_r, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_K,
-                     P_GATHER, Q_GATHER, Q_SCALE, TWO_Q, EVEN_K, EVEN_N, DOT_PRECISION)
-
-
-@triton.jit
-def _weight_tile(tile, tiles_per_expert, num_n, num_k, p_ptr, q_ptr, q2_ptr, out_ptr, out2_ptr, offsets_ptr,
-                 slot_ptr, weight_ptr, KP, NQ, top_k, stride_pr, stride_pk, stride_qr, stride_qn,
-                 stride_oe, stride_ok, stride_on, offs_r,
-                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_K: tl.constexpr,
-                 P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, Q_SCALE: tl.constexpr, TWO_Q: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    e = tile // tiles_per_expert
-    pid = tile % tiles_per_expert
-    # Grouped ordering over the [num_k, num_n] output tiles of this expert (L2 reuse of P and Q rows).
-    width = GROUP_K * num_n
-    first_k = (pid // width) * GROUP_K
-    group_rows = tl.minimum(num_k - first_k, GROUP_K)
-    tile_k = first_k + (pid % width) % group_rows
-    tile_n = (pid % width) // group_rows
-
-    row_start = tl.where(e > 0, tl.load(offsets_ptr + tl.maximum(e - 1, 0)), 0)
-    row_end = tl.load(offsets_ptr + e)
-    ks = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    ns = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = ks < KP
-    n_ok = ns < NQ
-
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    if TWO_Q:
-        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for r0 in range(row_start, row_end, BLOCK_R):
-        rows = r0 + offs_r
-        row_ok = rows < row_end
-        if (P_GATHER or Q_GATHER) or Q_SCALE:  # chained and/or needs parentheses in older triton
-            slot = tl.load(slot_ptr + rows, mask=row_ok, other=0)
-        if P_GATHER:
-            p_rows = (slot // top_k).to(tl.int64)
-        else:
-            p_rows = rows.to(tl.int64)
-        if Q_GATHER:
-            q_rows = (slot // top_k).to(tl.int64)
-        else:
-            q_rows = rows.to(tl.int64)
-        p = _load_rows(p_ptr, p_rows * stride_pr, row_ok, ks, k_ok, stride_pk, EVEN_K)  # [BLOCK_R, BLOCK_K]
-        q = _load_rows(q_ptr, q_rows * stride_qr, row_ok, ns, n_ok, stride_qn, EVEN_N)  # [BLOCK_R, BLOCK_N]
-        if Q_SCALE:
-            w = tl.load(weight_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
-            q = (q.to(tl.float32) * w[:, None]).to(q_ptr.dtype.element_ty)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    # Loop state: the current tile, its chunk and what the loads need. The first step moves to
+    # tile pid.
+    tile = pid - programs
+    chunk = 0
+    chunks = 0
+    e = 0
+    k0 = 0
+    n0 = 0
+    row_start = 0
+    row_end = 0
+    zero = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    acc = zero
+    for _ in range(0, steps):
+        chunk += 1
+        if chunk >= chunks:  # next tile
+            tile += programs
+            chunk = 0
+            e = tile // per_expert
+            within = tile % per_expert
+            # Grouped order over the expert's [num_k, num_n] tiles (L2 reuse of P and Q columns).
+            width = GROUP_K * num_n
+            first_k = (within // width) * GROUP_K
+            group_rows = tl.minimum(num_k - first_k, GROUP_K)
+            k0 = (first_k + (within % width) % group_rows) * BLOCK_K
+            n0 = ((within % width) // group_rows) * BLOCK_N
+            row_start, row_end = _rows_of(ends_ptr, e)
+            chunks = tl.maximum((row_end - row_start + BLOCK_R - 1) // BLOCK_R, 1)
+        r0 = row_start + chunk * BLOCK_R
+        p = _load_chunk(p_ptr, p_desc, r0, row_end, k0, offs_r, offs_k, KP, stride_pr, stride_pk, TMA, EVEN_K)
+        q = _load_chunk(q_ptr, q_desc, r0, row_end, n0, offs_r, offs_n, NQ, stride_qr, stride_qn, TMA, EVEN_N)
         acc = tl.dot(p.T, q, acc, input_precision=DOT_PRECISION)
-        if TWO_Q:
-            q2 = _load_rows(q2_ptr, q_rows * stride_qr, row_ok, ns, n_ok, stride_qn, EVEN_N)
-            acc2 = tl.dot(p.T, q2, acc2, input_precision=DOT_PRECISION)
-
-    out_offsets = e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
-    mask = k_ok[:, None] & n_ok[None, :]
-    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if TWO_Q:
-        tl.store(out2_ptr + out_offsets, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
+        if chunk == chunks - 1:  # the tile's last chunk: store it, and start the next tile from zero
+            ks = k0 + offs_k
+            ns = n0 + offs_n
+            mask = (ks < KP)[:, None] & (ns < NQ)[None, :]
+            if k0 >= SPLIT:
+                base = out2_ptr
+                ks -= SPLIT
+            else:
+                base = out_ptr
+            offsets = e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
+            # An empty expert's one step read rows of the next expert: its tile is zeros.
+            tile_sum = tl.where(row_end > row_start, acc, 0.0)
+            tl.store(base + offsets, tile_sum.to(out_ptr.dtype.element_ty), mask=mask)
+            acc = zero  # a register select per step, as in the compiler's own loop fusion

@@ -1,0 +1,205 @@
+"""Shared pieces of the dist-moe benchmark: shapes, routings, timing, float64 checks, and a per-launch
+timer for dist-moe's kernels (which launch of a layer step takes how long)."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+BF16_RTOL = 1e-2  # bf16 output of a float32-accumulated GEMM vs float64, relative to the largest entry
+LAYER_RTOL = 3e-2  # three chained bf16 GEMMs
+
+
+class Setup:
+    """DeepSeek-V3 expert shapes on the GPU (or tiny float32 ones on CPU for --dry-run)."""
+
+    def __init__(self, dry_run: bool):
+        import torch
+
+        self.dry = dry_run
+        self.device = torch.device("cpu" if dry_run else "cuda")
+        self.dtype = torch.float32 if dry_run else torch.bfloat16
+        if dry_run:
+            self.rows, self.hidden, self.ffn, self.experts, self.tokens, self.top_k = 96, 32, 48, 4, 24, 4
+        else:
+            self.rows, self.hidden, self.ffn, self.experts, self.tokens, self.top_k = 32768, 7168, 2048, 32, 4096, 8
+
+    def counts(self, routing: str) -> list[int]:
+        """Rows per expert: uniform, or Zipf (p_e ~ 1/(e+1)) rounded to sum to `rows`."""
+        e, rows = self.experts, self.rows
+        if routing == "uniform":
+            return [rows // e] * e
+        weights = [1.0 / (i + 1) for i in range(e)]
+        raw = [rows * w / sum(weights) for w in weights]
+        counts = [int(r) for r in raw]
+        for i in sorted(range(e), key=lambda i: raw[i] - counts[i], reverse=True)[: rows - sum(counts)]:
+            counts[i] += 1
+        return counts
+
+    def offsets(self, counts):
+        import torch
+
+        return torch.tensor(counts, device=self.device).cumsum(0).to(torch.int32)
+
+    def sync(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def time_ms(self, fn, reps: int = 10, warmup: int = 2) -> float:
+        """Mean milliseconds per call over `reps` back-to-back calls (CUDA events)."""
+        import torch
+
+        if self.dry:  # interpreted kernels: one call shows the path works, timing means nothing
+            reps, warmup = 1, 0
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        if self.device.type != "cuda":
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return (time.perf_counter() - t) * 1e3 / reps
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    def host_us(self, fn, reps: int = 10) -> float | None:
+        """Microseconds of host time per call (launch overhead), measured without waiting for the GPU."""
+        if self.dry:
+            return None
+        self.sync()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host = (time.perf_counter() - t) * 1e6 / reps
+        self.sync()
+        return host
+
+    def graph_ms(self, fn, reps: int = 10) -> float | None:
+        """GPU milliseconds per call replayed from a CUDA graph (no host overhead), or None."""
+        import torch
+
+        if self.dry:
+            return None
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()  # warm the allocator on this stream
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            return self.time_ms(graph.replay, reps=reps)
+        except Exception as err:  # a diagnostic: never fail the run over it
+            print(f"  (CUDA graph timing unavailable: {type(err).__name__}: {str(err)[:120]})", flush=True)
+            return None
+
+
+def rel_err(got, want) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def env_info() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return info
+
+
+def has_torch_grouped_mm() -> bool:
+    import torch
+
+    return hasattr(torch, "_grouped_mm")
+
+
+@dataclass
+class LaunchTimer:
+    """Wraps dist-moe's launchers (row_gemm, weight_gemm, gather_rows) to time each launch of one
+    step with CUDA events: name, configuration, milliseconds, TFLOP/s (GEMMs). Use it on a step
+    after the first-call tuner has chosen (its own timing launches would be recorded too)."""
+
+    setup: Setup
+    records: list = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def active(self):
+        import dist_moe.kernels.launch as launch
+        from dist_moe.kernels.configs import RowConfig, WeightConfig
+
+        saved = {name: getattr(launch, name) for name in ("row_gemm", "weight_gemm", "gather_rows")}
+
+        def timed(fn, describe):
+            def call(*args, **kwargs):
+                events = self._events()
+                if events:
+                    events[0].record()
+                result = fn(*args, **kwargs)
+                if events:
+                    events[1].record()
+                name, flops = describe(*args, **kwargs)
+                config = result.name() if isinstance(result, (RowConfig, WeightConfig)) else ""
+                self.records.append((name, config, flops, events))
+                return result
+            return call
+
+        launch.row_gemm = timed(saved["row_gemm"], _row_flops)
+        launch.weight_gemm = timed(saved["weight_gemm"], lambda **kw: _weight_flops(self.setup.rows, **kw))
+        launch.gather_rows = timed(saved["gather_rows"], lambda *args, **kwargs: ("gather rows (padded copy)", 0.0))
+        try:
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(launch, name, fn)
+
+    def _events(self):
+        import torch
+
+        if self.setup.device.type != "cuda":
+            return None
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def results(self) -> list[dict]:
+        """[{name, config, ms, tflops}] in launch order (ms None on CPU)."""
+        self.setup.sync()
+        out = []
+        for name, config, flops, events in self.records:
+            ms = events[0].elapsed_time(events[1]) if events else None
+            out.append({"name": name, "config": config, "ms": ms,
+                        "tflops": flops / ms / 1e9 if flops and ms else None})
+        return out
+
+
+def _row_flops(ops, config=None):
+    from dist_moe.kernels.launch import EPILOGUE_SCATTER, EPILOGUE_SWIGLU, EPILOGUE_SWIGLU_BWD
+
+    e, k, n = ops.b.shape
+    if ops.a2 is not None:  # two K halves in one accumulator
+        return "dx = dgate @ w1 + dup @ w3", 2.0 * ops.num_rows * n * (k + ops.a2.shape[1])
+    products = 2 if ops.b2 is not None else 1  # gate and up
+    name = {EPILOGUE_SWIGLU: "gate/up + SwiGLU", EPILOGUE_SCATTER: "down + weight, scatter",
+            EPILOGUE_SWIGLU_BWD: "dOut @ w2 + SwiGLU bwd"}.get(ops.epilogue, "grouped GEMM")
+    return name, 2.0 * ops.num_rows * n * k * products
+
+
+def _weight_flops(real_rows, *, p, q, ends, outs, padded=False, config=None):
+    """FLOPs of the real rows (a padded operand's zero rows are not counted)."""
+    kp, nq = p.shape[1], q.shape[1]
+    name = f"weight grad {kp}x{nq}" + (" (2 outputs)" if len(outs) == 2 else "")
+    return name, 2.0 * min(p.shape[0], real_rows) * kp * nq
