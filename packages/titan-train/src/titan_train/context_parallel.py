@@ -228,8 +228,9 @@ def _ring_backward(q, k, v, result, lse, dout, scale: float, group: ProcessGroup
         dkv[:, pair.cols, :, :d] += bk[:, :, 0].permute(0, 2, 1, 3)
         dkv[:, pair.cols, :, d:] += bv[:, :, 0].permute(0, 2, 1, 3)
         # dK/dV follow their block one hop; after the last step the hop ends at the block's owner.
-        dkv, dkv_works = _ring_exchange(dkv, group)
-        _wait(dkv_works)
+        if cp > 1:
+            dkv, dkv_works = _ring_exchange(dkv, group)
+            _wait(dkv_works)
         if step < cp - 1:
             _wait(works)
             kv = incoming

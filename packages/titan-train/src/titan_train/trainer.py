@@ -145,6 +145,9 @@ class Trainer:
                                  stages_per_rank=self.pp_settings.stages_per_rank)
             keep_rank_part(model, layout, self.mesh.get_local_rank("pp"))
         moes = prepare_moe_layers(model, config)  # model.moe_impl: titan-models' MoE or dist-moe's
+        if layout is not None and moes and t.moe_bias_update_rate > 0:
+            raise ValueError("parallelism.pp > 1 with MoE layers: the expert-bias update does not count the "
+                             "pipeline's microbatches yet; set training.moe_bias_update_rate 0")
         self.loss_module = CausalLMLoss(model, chunk=t.loss_chunk_size)
         if config.data.document_masking and not random_data:
             self.loss_module.context_factory = lambda ids: tm.AttentionContext(document_ids=ids)
