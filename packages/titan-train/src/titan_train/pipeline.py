@@ -20,6 +20,8 @@ How a run is laid out:
   used inside a forward, as in the non-pipelined CausalLMLoss. The schedule's `loss_fn` only scales that
   sum (1 / scored tokens of the global batch, times the FSDP degree FSDP divides by), so no
   `[tokens, vocab]` logits ever cross a stage boundary or exist whole.
+- The gradient norm for clipping sums each pp rank's squared norm over the pp group; checkpoints go
+  through `checkpoint_entries` (pipeline_checkpoint.py), so every rank saves the same entries.
 """
 from __future__ import annotations
 
