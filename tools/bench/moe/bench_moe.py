@@ -67,8 +67,10 @@ def section_tests(setup: Setup, budget_s: float) -> dict:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget_s, cwd=REPO)
         tail = (proc.stdout + proc.stderr)[-3000:]
         code = proc.returncode
-    except subprocess.TimeoutExpired as err:
-        tail, code = (err.stdout or b"")[-3000:].decode(errors="replace") if isinstance(err.stdout, bytes) else "", "timeout"
+    except subprocess.TimeoutExpired as err:  # what pytest printed before it was stopped
+        output = err.stdout or ""
+        tail = (output.decode(errors="replace") if isinstance(output, bytes) else output)[-3000:]
+        code = "timeout"
     print(tail, flush=True)
     summary = next((line for line in reversed(tail.splitlines()) if " passed" in line or " failed" in line
                     or " error" in line), str(code))

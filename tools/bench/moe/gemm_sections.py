@@ -46,7 +46,7 @@ def weight_sweep(dry: bool):
         WeightConfig(block_k=256, block_n=128, block_r=64, num_warps=8, num_stages=3, persistent=True),
         WeightConfig(block_k=128, block_n=256, block_r=32, num_warps=8, num_stages=4, persistent=True),
         WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4, persistent=True),
-        WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3, persistent=True, per_sm=2),
+        WeightConfig(block_k=128, block_n=128, block_r=32, num_warps=4, num_stages=4, persistent=True, per_sm=2),
     ]
     pointer = _as_hopper(lambda: weight_candidates(torch.device("cuda"), torch.bfloat16, tma=False))
     return tma, pointer

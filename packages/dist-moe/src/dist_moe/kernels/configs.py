@@ -138,7 +138,8 @@ def row_candidates(role: str, device: torch.device, dtype: torch.dtype = torch.b
 _HOPPER_WEIGHTS_TMA = [
     WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True),
     WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3),
-    WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=4, persistent=True, per_sm=2),
+    # ~104 KiB of shared memory each (3 stages; 4 would not fit two per SM)
+    WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3, persistent=True, per_sm=2),
     WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3),
 ]
 # Pointer loads with masked tails (grouped_mm's backward on unpadded rows): the H200 sweep's best.

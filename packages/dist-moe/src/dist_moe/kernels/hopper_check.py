@@ -35,6 +35,8 @@ except ImportError:  # older triton: no AOT specialisation helper
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes per block on H100/H200 (227 KiB)
+SM_SHARED = 233472  # bytes per SM (228 KiB)
+SM_REGISTERS = 65536
 SPILL_LIMIT = 64  # bytes per thread of register spills tolerated (a warning below it)
 
 
@@ -272,7 +274,12 @@ def check(launches: list) -> int:
                 warning = f" (spills {info['spill_bytes']} B)"
         failures += bool(problems)
         status = "FAIL " + "; ".join(problems) if problems else "ok"
+        # Programs one SM can hold at once (persistent launches with several programs per SM need >= that).
+        threads = 32 * options.get("num_warps", 4)
+        per_sm = min(SM_SHARED // max(info["shared"], 1),
+                     SM_REGISTERS // (info["registers"] * threads) if info["registers"] else 99)
         print(f"{status:4s} {kernel.__name__:18s} {time.time() - start:5.1f}s smem {info['shared'] // 1024:3d}K "
+              f"({per_sm}/SM) "
               f"regs {info['registers']} cp.async {info['cp_async']:3d} tma {info['tma']:2d}"
               f"{' boxes ' + ','.join('x'.join(map(str, b)) for b in info['boxes']) if info['boxes'] else ''}  "
               f"{describe(kwargs)}{warning}",
