@@ -35,9 +35,10 @@ def test_the_trainer_help_points_to_the_rl_command(capsys):
 
 
 def test_rl_overrides_are_typed_and_applied():
-    config, actions = parse_rl_args(["--algorithm.name", "dapo", "--rollout.max_policy_lag=2", "--generator.batch_invariant",
-                                     "true", "--algorithm.clip_high", "0.3", "--algorithm.clip_low", "none",
-                                     "--env.task", "countdown", "--training.lr", "1e-4"])
+    config, actions = parse_rl_args(["--algorithm.name", "dapo", "--rollout.max_policy_lag=2",
+                                     "--generator.batch_invariant", "true", "--algorithm.clip_high", "0.3",
+                                     "--algorithm.clip_low", "none", "--env.task", "countdown",
+                                     "--training.lr", "1e-4"])
     assert not actions
     assert (config.algorithm.name, config.rollout.max_policy_lag, config.generator.batch_invariant) == ("dapo", 2, True)
     assert (config.algorithm.clip_high, config.algorithm.clip_low) == (0.3, None)
@@ -45,7 +46,8 @@ def test_rl_overrides_are_typed_and_applied():
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--training.stpes", "3"], ["unknown field --training.stpes", "did you mean training.steps", "valid: training.steps"]),
+    (["--training.stpes", "3"],
+     ["unknown field --training.stpes", "did you mean training.steps", "valid: training.steps"]),
     (["--algorithm.naem", "dapo"], ["unknown field --algorithm.naem", "did you mean algorithm.name"]),
     (["--rollouts.max_policy_lag", "1"], ["unknown section in --rollouts.max_policy_lag", "did you mean rollout"]),
     (["--algorithm.name", "ppo"], ["'ppo' is not a valid choice", "valid: grpo, dapo, gspo"]),

@@ -63,6 +63,19 @@ def test_short_rl_run_improves_reward_and_saves_the_curve(tmp_path):
     assert summary["reward_last_steps"] == pytest.approx(last) and summary["eval_reward"]["0"] == result.evals[0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU path is the test above)")
+def test_rl_job_on_gpu_batch_invariant(tmp_path):
+    """On a GPU: bf16 pretraining, then RL with titan-rl's Triton batch-invariant kernels in trainer and
+    generator, whose logprobs must agree bitwise at every (on-policy) step; the reward still improves."""
+    config = small_job(tmp_path, pretrain__steps=20, training__steps=40, training__lr=1e-3, eval__problems=64,
+                       eval__interval=0, generator__batch_invariant=True)
+    config.job.device = "cuda"
+    result = run_rl(config)
+    assert [m["logprob_mismatch_max"] for m in result.curve] == [0.0] * 40
+    rewards = [m["reward_mean"] for m in result.curve]
+    assert sum(rewards[-10:]) > sum(rewards[:10]) + 0.5, rewards  # +0.05 per step on average, as on CPU
+
+
 class InstantGenerator:
     """Answers every prompt with EOS at once (rollout bookkeeping without a model)."""
 
@@ -135,7 +148,7 @@ def test_two_rank_job_trainer_and_generators_agree_bitwise(two_ranks):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["logprob_mismatch_max"] for r in records] == [0.0, 0.0, 0.0]
     assert all(r["trained_samples"] == 16 and r["staleness"] == 0 for r in records)
-    pretrain = [json.loads(line) for line in (two_ranks / "sync" / "pretrain" / "metrics.jsonl").read_text().splitlines()]
+    pretrain = [json.loads(line) for line in (two_ranks / "sync" / "pretrain" / "metrics.jsonl").open()]
     assert pretrain[-1]["step"] == 4  # titan-train's trainer ran the supervised phase on the 2 ranks
 
 

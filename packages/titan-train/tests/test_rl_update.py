@@ -8,7 +8,8 @@
   token-mean (DAPO: uneven token counts, two minibatches of 4 and 3 samples). What differs is the order
   of float sums (the reduce-scatter of gradients, the gradient norm): measured <= 7e-7 after two AdamW
   steps of lr 1e-3, which move the weights by 2e-3 to 4e-3. Normalising each rank's slice locally
-  instead of globally moves them by ~7e-3 (checked by breaking it on purpose), three orders above.
+  instead of globally moves them by ~7e-3 (checked by breaking it on purpose), three orders above. A
+  rank with nothing to train on in a minibatch still joins the step (grpo-empty-slice).
 - With batch-invariant modules, the trainer's old logprobs under FSDP are bitwise the single process's,
   so the logprob-mismatch metric (computed against fixed behaviour logprobs) agrees exactly.
 """
@@ -34,6 +35,8 @@ CASES = {
     "dapo-uneven": (titan_rl.dapo(group_size=4), 2, 7, False),
     "gspo-kl-odd": (titan_rl.gspo(group_size=4, kl_coef=0.05), 1, 7, False),
     "grpo-invariant": (titan_rl.grpo(group_size=4), 1, 8, True),
+    # minibatches of 2 and 1 samples: rank 1's slice of the second is empty (it joins FSDP's collectives)
+    "grpo-empty-slice": (titan_rl.grpo(group_size=4), 2, 3, False),
 }
 
 
@@ -134,4 +137,5 @@ def test_two_fsdp_ranks_follow_one_process(two_rank_results, name):
         assert theirs["loss"] == pytest.approx(mine["loss"], rel=1e-5, abs=1e-7)
         assert theirs["trained_samples"] == mine["trained_samples"]
     if CASES[name][3]:  # batch-invariant: FSDP's logprobs are bitwise the single process's
-        assert [m["logprob_mismatch_max"] for m in sharded_metrics] == [m["logprob_mismatch_max"] for m in single_metrics]
+        assert ([m["logprob_mismatch_max"] for m in sharded_metrics]
+                == [m["logprob_mismatch_max"] for m in single_metrics])

@@ -9,6 +9,7 @@ from titan_train.rl.recipes import RL_RECIPES
 from titan_train.rl.update import PolicyUpdate
 
 __all__ = [
-    "EnvConfig", "EvalConfig", "GeneratorConfig", "PolicyConfig", "PolicyUpdate", "PretrainConfig", "RLAlgorithmConfig",
-    "RLJobConfig", "RLMetricsConfig", "RLResult", "RLRunConfig", "RLTrainingConfig", "RL_RECIPES", "RolloutConfig", "run_rl",
+    "EnvConfig", "EvalConfig", "GeneratorConfig", "PolicyConfig", "PolicyUpdate", "PretrainConfig",
+    "RLAlgorithmConfig", "RLJobConfig", "RLMetricsConfig", "RLResult", "RLRunConfig", "RLTrainingConfig", "RL_RECIPES",
+    "RolloutConfig", "run_rl",
 ]

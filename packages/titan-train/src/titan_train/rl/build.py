@@ -51,6 +51,7 @@ def validate(config: RLJobConfig, *, world_size: int) -> None:
         "pretrain.steps": config.pretrain.steps, "pretrain.warmup_steps": config.pretrain.warmup_steps,
         "rollout.max_policy_lag": config.rollout.max_policy_lag, "eval.problems": config.eval.problems,
         "eval.interval": config.eval.interval, "algorithm.tis_cap": config.algorithm.tis_cap,
+        "job.threads": config.job.threads,
         "training.max_grad_norm": config.training.max_grad_norm, "training.lr": config.training.lr,
     }
     for name, value in non_negative.items():

@@ -19,6 +19,9 @@ class RLRunConfig:
     """Seeds the problems (training and held-out), the pretraining examples and the sampling."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda when available, else cpu."""
+    threads: int = 1
+    """CPU threads of torch in each process (0: torch's default). One is fastest for the tiny CPU job: its
+    matmuls are too small to split, and idle threads spinning on a busy machine cost more (measured 6x)."""
 
 
 @dataclass(kw_only=True)

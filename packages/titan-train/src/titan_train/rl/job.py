@@ -80,13 +80,15 @@ class RLJob:
     def run(self) -> RLResult:
         c = self.config
         began = time.perf_counter()
+        if c.job.threads:
+            torch.set_num_threads(c.job.threads)  # for this process, as the field's doc says
         result = RLResult(folder=self.folder)
         n_params = tm.count_params(self.model_cfg).total
         self._say(f"{c.algorithm.name} on {c.env.task}, {c.policy.family} {c.policy.flavor} with "
                   f"{self.model_cfg.num_layers} layers ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
                   f"{self.world} rank(s){' (FSDP)' if self.world > 1 else ''}; pretraining {c.pretrain.steps} steps, "
-                  f"then {c.training.steps} RL steps of {c.rollout.prompts_per_step} prompts x {c.algorithm.group_size} "
-                  f"samples; output in {self.folder}")
+                  f"then {c.training.steps} RL steps of {c.rollout.prompts_per_step} prompts x "
+                  f"{c.algorithm.group_size} samples; output in {self.folder}")
 
         # 1. Pretraining: the format of the task (and some of its skill), by titan-train's trainer.
         if c.pretrain.steps:
@@ -100,19 +102,20 @@ class RLJob:
         invariant = c.generator.batch_invariant
         policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant)
         weights = export_weights(policy)
-        generator = _make_generator(c, build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant),
-                                    self.tokenizer.pad_id)
+        generator_model = build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
+        generator = _make_generator(c, generator_model, self.tokenizer.pad_id)
         reference = (build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
                      if c.algorithm.kl_coef > 0 else None)
         del full, weights
         t = c.training
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                      weight_decay=t.weight_decay)
         update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
                               max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
                               pad_id=self.tokenizer.pad_id, reference=reference)
-        rollouts = ShardedRollouts(make_env=lambda: SingleTurn(self.task), generator=generator, tokenizer=self.tokenizer,
-                                   sampling=self.sampling, group_size=self.algorithm.group_size,
-                                   groups_per_step=c.rollout.prompts_per_step,
+        rollouts = ShardedRollouts(make_env=lambda: SingleTurn(self.task), generator=generator,
+                                   tokenizer=self.tokenizer, sampling=self.sampling,
+                                   group_size=self.algorithm.group_size, groups_per_step=c.rollout.prompts_per_step,
                                    max_policy_lag=c.rollout.max_policy_lag, seed=c.job.seed)
 
         def evaluate(step: int) -> float | None:
@@ -128,7 +131,8 @@ class RLJob:
         if before is not None:
             self._say(f"greedy reward on {c.eval.problems} held-out problems before RL: {before:.3f}")
         metrics_file = MetricsFile(self.folder) if self.rank == 0 else None
-        progress = RLProgress(t.steps, enabled=self.rank == 0 and c.metrics.progress, log_interval=c.metrics.log_interval)
+        progress = RLProgress(t.steps, enabled=self.rank == 0 and c.metrics.progress,
+                              log_interval=c.metrics.log_interval)
         version, dropped_total, rl_began = generator.policy_version, 0, time.perf_counter()
         try:
             for step in range(1, t.steps + 1):
@@ -220,6 +224,6 @@ class RLJob:
         evals = sorted(result.evals.items())
         evaluated = (f"; greedy reward on {c.eval.problems} held-out problems {evals[0][1]:.3f} -> {evals[-1][1]:.3f}"
                      if len(evals) > 1 else "")
-        self._say(f"done, {len(curve)} steps in {result.seconds:.0f} s: sampled reward {first:.3f} (first {k} steps) -> "
-                  f"{last:.3f} (last {k}){evaluated}; curve in {self.folder / 'rl_curve.csv'}, every metric in "
-                  f"{self.folder / 'rl_metrics.jsonl'}")
+        self._say(f"done, {len(curve)} steps in {result.seconds:.0f} s: sampled reward {first:.3f} (first {k} "
+                  f"steps) -> {last:.3f} (last {k}){evaluated}; curve in {self.folder / 'rl_curve.csv'}, every "
+                  f"metric in {self.folder / 'rl_metrics.jsonl'}")

@@ -62,7 +62,8 @@ def export_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
 
 
-def build_copy(model_cfg, weights: dict[str, torch.Tensor], *, device: torch.device, batch_invariant: bool) -> nn.Module:
+def build_copy(model_cfg, weights: dict[str, torch.Tensor], *, device: torch.device,
+               batch_invariant: bool) -> nn.Module:
     """An unsharded, frozen model holding `weights` (a generator's model, the KL reference)."""
     model = build_on_meta(model_cfg).to_empty(device=device)
     _reset_buffers(model)

@@ -6,8 +6,7 @@ from collections.abc import Callable
 
 from ..recipes import register_recipe
 from .config import (
-    EnvConfig, GeneratorConfig, PretrainConfig, RLAlgorithmConfig, RLJobConfig, RLRunConfig, RLTrainingConfig,
-    RolloutConfig,
+    GeneratorConfig, RLAlgorithmConfig, RLJobConfig, RLRunConfig, RolloutConfig,
 )
 
 RL_RECIPES: dict[str, Callable[[], RLJobConfig]] = {}
@@ -28,15 +27,4 @@ def rl_sorting_async() -> RLJobConfig:
         algorithm=RLAlgorithmConfig(name="dapo"),
         rollout=RolloutConfig(max_policy_lag=1),
         generator=GeneratorConfig(batch_invariant=True),
-    )
-
-
-@register_recipe("rl_arithmetic", registry=RL_RECIPES)
-def rl_arithmetic() -> RLJobConfig:
-    """GRPO on two-digit addition (reward 1 for the exact sum) after a short pretraining."""
-    return RLJobConfig(
-        job=RLRunConfig(folder="runs/rl_arithmetic"),
-        env=EnvConfig(task="arithmetic", max_operand=99, ops="+"),
-        pretrain=PretrainConfig(steps=60),
-        training=RLTrainingConfig(steps=100),
     )

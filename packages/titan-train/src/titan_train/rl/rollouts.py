@@ -84,7 +84,8 @@ class ShardedRollouts:
         dropped = self.local.stats.dropped_samples + self._skipped
         parts = _all_gather((local, dropped - self._dropped_seen))
         self._dropped_seen = dropped
-        samples = sorted((s for part, _ in parts for s in part.samples), key=lambda s: s.group)  # stable: rank order within a group
+        # A group's samples all come from one rank; sorted() is stable, so they keep their order.
+        samples = sorted((s for part, _ in parts for s in part.samples), key=lambda s: s.group)
         return GlobalBatch(samples=samples, policy_version=min(part.policy_version for part, _ in parts),
                            generated_tokens=sum(part.generated_tokens for part, _ in parts),
                            generation_seconds=max(part.seconds for part, _ in parts),

@@ -65,7 +65,7 @@ class PolicyUpdate:
         start = time.perf_counter()
         token_mean = self.loss.aggregation == "token_mean"
         parts = [p for p in torch.arange(len(samples)).tensor_split(self.minibatches) if len(p)]
-        slices = []  # per minibatch: (its sequences, its tokens, this rank's TrainBatch or None, its local scale)
+        slices = []  # per minibatch: (its tokens, this rank's TrainBatch or None, this rank's loss scale)
         for part in parts:
             mine = part.tensor_split(self.world)[self.rank].tolist()
             tokens = sum(sum(samples[i].loss_mask) for i in part.tolist())
@@ -73,18 +73,18 @@ class PolicyUpdate:
                                              pad_id=self.pad_id, device=self.device) if mine else None)
             local = sum(sum(samples[i].loss_mask) for i in mine) if token_mean else len(mine)
             scale = self.world * local / (tokens if token_mean else len(part))
-            slices.append((len(part), tokens, batch, scale))
+            slices.append((tokens, batch, scale))
 
         with torch.no_grad():  # PPO's "old" policy: the batch's start (one update per batch: the current one)
-            olds = [self._logprobs(self.policy, b) if self.minibatches > 1 else None for _, _, b, _ in slices]
+            olds = [self._logprobs(self.policy, b) if self.minibatches > 1 else None for _, b, _ in slices]
             refs = [self._logprobs(self.reference, b) if self.loss.kl_coef > 0 and b is not None else None
-                    for _, _, b, _ in slices]
+                    for _, b, _ in slices]
 
         totals: dict[str, float] = {}
         mismatch_max = torch.zeros((), device=self.device)
         mismatch = torch.zeros(2, device=self.device)  # (sum |old - behavior| over tokens, tokens)
         trained_tokens = 0
-        for (sequences, tokens, batch, scale), old, ref in zip(slices, olds, refs):
+        for (tokens, batch, scale), old, ref in zip(slices, olds, refs):
             self.optimizer.zero_grad(set_to_none=True)
             logp = self._logprobs(self.policy, batch)
             # what each rank adds to this minibatch's global values: loss, token-mean metrics (x tokens)
