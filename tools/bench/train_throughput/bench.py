@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="first steps left out of the timing")
     p.add_argument("--variants", default="hf,titan,titan_compile")
     p.add_argument("--titan-args", default="", help="extra titan-train CLI overrides for the titan variants")
+    p.add_argument("--profile", default="", help="a titan variant to profile for two more steps after its run")
     p.add_argument("--loss-rtol", type=float, default=0.02, help="allowed relative loss gap to transformers")
     return p.parse_args()
 
@@ -132,7 +133,31 @@ def run_hf(folder: Path, args, device: torch.device) -> dict:
     return {"losses": losses, "seconds": seconds}
 
 
-def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool) -> dict:
+def sdpa_cudnn_first():
+    """SDPA with cuDNN's attention preferred over FlashAttention-2 (both allowed, cuDNN tried first)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # torch without set_priority: cuDNN is then one of the allowed backends
+        return sdpa_kernel(order)
+
+
+def profile_steps(trainer, device: torch.device, steps: int = 2) -> None:
+    """Where one trained step's GPU time goes: the kernels with the most total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            trainer.train_step(10_000 + i)
+        sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=28, max_name_column_width=70), flush=True)
+
+
+def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool, profile: bool = False) -> dict:
     from titan_train.cli import parse_args as parse_train_args
     from titan_train.trainer import Trainer
 
@@ -154,8 +179,22 @@ def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool)
     records = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
     for r in records:
         print(f"  titan step {r['step']}: loss {r['loss']:.4f}  {r['step_seconds'] * 1e3:.0f} ms", flush=True)
+    if profile:
+        profile_steps(trainer, device)
     del trainer
     return {"losses": [r["loss"] for r in records], "seconds": [r["step_seconds"] for r in records]}
+
+
+def run_variant(variant: str, folder: Path, args, device: torch.device) -> dict:
+    profile = variant == args.profile
+    if variant == "hf":
+        return run_hf(folder, args, device)
+    if variant in ("titan", "titan_compile"):
+        return run_titan(folder, args, device, compile_blocks=variant == "titan_compile", profile=profile)
+    if variant == "titan_compile_cudnn":
+        with sdpa_cudnn_first():
+            return run_titan(folder, args, device, compile_blocks=True, profile=profile)
+    raise ValueError(f"unknown variant {variant!r}; known: hf, titan, titan_compile, titan_compile_cudnn")
 
 
 def main() -> int:
@@ -193,12 +232,16 @@ def main() -> int:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             began = time.perf_counter()
-            if variant == "hf":
-                out = run_hf(folder, args, device)
-            elif variant in ("titan", "titan_compile"):
-                out = run_titan(folder, args, device, compile_blocks=variant == "titan_compile")
-            else:
-                raise ValueError(f"unknown variant {variant!r}")
+            try:
+                out = run_variant(variant, folder, args, device)
+            except Exception as e:  # one failing variant must not cost the others' figures
+                import traceback
+
+                traceback.print_exc()
+                print(f"== {variant} FAILED: {type(e).__name__}: {e}", flush=True)
+                gc.collect()
+                torch._dynamo.reset()
+                continue
             out["wall_s"] = time.perf_counter() - began
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             timed = out["seconds"][args.warmup:]

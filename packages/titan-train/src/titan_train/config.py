@@ -60,7 +60,7 @@ class TrainingConfig:
     """Clip the global gradient norm to this (0 disables clipping)."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16: bf16 compute, fp32 master weights and gradient reduction. auto: bf16 on cuda, fp32 on cpu."""
-    loss_chunk_size: int = 4096
+    loss_chunk_size: int = 8192
     """Tokens per chunk of the fused output-projection + cross-entropy (full logits never exist)."""
     moe_bias_update_rate: float = 1e-3
     """MoE aux-loss-free balancing: after each optimizer step, expert_bias += rate * sign(mean load - load),

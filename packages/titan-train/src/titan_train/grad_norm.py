@@ -27,15 +27,25 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 
+def scale_to_max_norm(with_grad: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of `with_grad`, whose global norm is `norm`, so that it is at most `max_norm`.
+
+    The norm is read on the host (the step reads it right after anyway): when it is within the bound,
+    torch's coefficient max_norm / (norm + 1e-6) would be clamped to 1, and skipping that multiplication
+    saves a pass over every gradient on most steps. A non-finite norm is left for the caller to refuse."""
+    if max_norm <= 0 or not float(norm) + 1e-6 > max_norm:
+        return
+    by_mesh: dict[object, list[torch.Tensor]] = {}  # DTensor refuses one foreach call across meshes
+    for p in with_grad:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+
+
 def clip_by_total_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale the gradients of `params` so their global norm is at most `max_norm` (0: leave them); returns the
     norm before clipping."""
     with_grad = [p for p in params if p.grad is not None]
     norm = total_norm([p.grad for p in with_grad])
-    if max_norm > 0:
-        by_mesh: dict[object, list[torch.Tensor]] = {}
-        for p in with_grad:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-        for group in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    scale_to_max_norm(with_grad, max_norm, norm)
     return norm

@@ -142,6 +142,14 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
         model.layers[name] = wrapped
 
 
+def keep_activations_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Make the embedding output (and so the residual stream) `dtype` under autocast, as FSDP's bf16 policy
+    does: autocast alone keeps the fp32 master embedding's output, and every norm and residual add then
+    moves twice the bytes. Matmuls see the same bf16 inputs either way."""
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.to(dtype))
+
+
 def apply_compile(model: nn.Module) -> None:
     """Compile each block in place (parameter names unchanged); blocks share one compiled graph."""
     for block in model.layers.values():

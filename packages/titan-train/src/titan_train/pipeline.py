@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .config import ParallelismConfig
-from .grad_norm import total_norm
+from .grad_norm import scale_to_max_norm, total_norm
 from .loss import _SumGradOverGroup, fused_linear_cross_entropy
 from .model_setup import _initial_state
 
@@ -332,12 +332,7 @@ class Pipeline:
         squared = total_norm([p.grad for p in with_grad]).float() ** 2
         dist.all_reduce(squared, group=self.group)
         norm = squared.sqrt()
-        if max_norm > 0:
-            by_mesh: dict[object, list[torch.Tensor]] = {}  # one foreach call per mesh, as grad_norm.py does
-            for p in with_grad:
-                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-            for group in by_mesh.values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        scale_to_max_norm(with_grad, max_norm, norm)
         return norm
 
 

@@ -27,6 +27,7 @@ from .model_setup import build_on_meta, materialize, model_config
 from .overrides import check_types
 from .parallelize import (
     apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tensor_parallel, check_tp_divisibility,
+    keep_activations_in,
 )
 from .optimizers import build_optimizer
 from .pipeline import Pipeline, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
@@ -154,6 +155,8 @@ class Trainer:
         precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.fsdp = self.degrees.dp * self.degrees.cp > 1  # cp ranks share the gradient reduction
+        if self.compute_dtype == torch.bfloat16 and not self.fsdp:  # autocast: bf16 activations as under FSDP
+            keep_activations_in(model, self.compute_dtype)
         distributed = dist.is_initialized()
         if not distributed:
             # init_weights seeds each parameter by its name: run it before wrappers rename blocks.
