@@ -34,7 +34,8 @@ def test_llama3_counts_match_published(name):
 
 def test_llama3_counts_match_exact_hf_checkpoints():
     # sums of the tensor sizes in the released safetensors (tied 1B stores the table once)
-    exact = {"1B": 1_235_814_400, "8B": 8_030_261_248, "70B": 70_553_706_496, "405B": 405_853_388_800}
+    exact = {"1B": 1_235_814_400, "3B": 3_212_749_824, "8B": 8_030_261_248, "70B": 70_553_706_496,
+             "405B": 405_853_388_800}
     for name, count in exact.items():
         assert tm.count_params(tm.flavor("llama3", name)).total == count, name
 

@@ -16,6 +16,9 @@ FLAVORS: dict[str, Llama3Config] = {
     "1B": Llama3Config(vocab_size=_VOCAB, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, ffn_dim=8192,
                        head_dim=64, tie_embeddings=True,
                        rope_scaling=Llama3RopeScaling(factor=32.0, original_max_seq_len=8192)),
+    "3B": Llama3Config(vocab_size=_VOCAB, dim=3072, num_layers=28, num_heads=24, num_kv_heads=8, ffn_dim=8192,
+                       head_dim=128, tie_embeddings=True,
+                       rope_scaling=Llama3RopeScaling(factor=32.0, original_max_seq_len=8192)),
     "8B": Llama3Config(vocab_size=_VOCAB, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
                        rope_scaling=Llama3RopeScaling(factor=8.0, original_max_seq_len=8192)),
     "70B": Llama3Config(vocab_size=_VOCAB, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
@@ -24,6 +27,6 @@ FLAVORS: dict[str, Llama3Config] = {
                          ffn_dim=53248, rope_scaling=Llama3RopeScaling(factor=8.0, original_max_seq_len=8192)),
 }
 
-# Total parameters as published on the Hugging Face model cards (meta-llama/Llama-3.2-1B,
+# Total parameters as published on the Hugging Face model cards (meta-llama/Llama-3.2-1B, -3B,
 # Llama-3.1-8B, -70B, -405B).
-PUBLISHED_PARAMS: dict[str, str] = {"1B": "1.24B", "8B": "8.03B", "70B": "70.6B", "405B": "406B"}
+PUBLISHED_PARAMS: dict[str, str] = {"1B": "1.24B", "3B": "3.21B", "8B": "8.03B", "70B": "70.6B", "405B": "406B"}
