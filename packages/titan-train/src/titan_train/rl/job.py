@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from titan_rl.envs import SingleTurn
 
+from ..data import ByteTokenizer as TrainByteTokenizer
 from ..model_setup import model_config
 from ..overrides import check_types
 from ..trainer import _process_group, _select_device
@@ -67,7 +68,10 @@ class RLJob:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.folder = Path(config.job.folder)
-        self.tokenizer = titan_rl.ByteTokenizer()  # the same ids as titan-train's byte tokenizer (pretraining)
+        self.tokenizer = titan_rl.ByteTokenizer()
+        # Pretraining reads its examples through titan-train's byte tokenizer: the ids must be the same.
+        assert (self.tokenizer.eos_id, self.tokenizer.vocab_size) == (TrainByteTokenizer.eos_id,
+                                                                     TrainByteTokenizer.vocab_size)
         self.task = make_task(config.env)
         self.algorithm = make_algorithm(config.algorithm)
         self.sampling = make_sampling(config.rollout, eos_id=self.tokenizer.eos_id)
