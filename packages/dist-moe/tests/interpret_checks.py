@@ -2,9 +2,12 @@
 
 Run by test_triton_interpret.py in a subprocess (the interpreter must be chosen before triton is
 imported); prints one JSON object {check name: {"ok", "err"}}. Shapes are tiny and cover: groups
-of uneven size, an empty group, K and N tails that are not a multiple of the tile, grid and
-persistent launches, TMA descriptors for both weight layouts, the fused expert MLP with top_k 2
-and routing weights, and with top_k 1 and no weights (the expert-parallel case).
+of uneven size, an empty group, one longer than a 64-row chunk, K and N tails that are not a
+multiple of the tile, grid and persistent launches, TMA descriptors for both weight layouts, the
+weight gradient with pointer loads and in the padded layout (one and two outputs), the padded
+layout itself (gather, zero rows, padded ends), the fused expert MLP with top_k 2 and routing
+weights, with top_k 1 and no weights (the expert-parallel case), and with the torch._grouped_mm
+weight-gradient fallback.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Compile dist-moe's Triton kernels for Hopper (sm_90) without a GPU: the layer's kernels with every
 library candidate configuration (dist_moe.kernels.hopper_check) plus, with --sweep, every
-configuration bench_moe.py sweeps. Exits 1 if any variant fails to build, to pipeline, to fit
-shared memory, or spills more than 64 bytes of registers per thread.
+configuration bench_moe.py sweeps (grouped GEMM, weight gradient, and the layer with each
+in-place backward-sweep variant). Exits 1 if any variant fails to build, to pipeline, to fit
+shared memory, or spills more than 64 bytes of registers per thread. Works with triton 3.6 and 3.8
+(the H200 has 3.6); run it with both before a GPU run.
 
     uv run --frozen --no-sync python tools/bench/moe/check_hopper_compile.py [--quick] [--sweep]
 """
