@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_models.components.norms import NormConfig
+from titan_models.components.projections import project
 from titan_models.components.rope import apply_rotary
 from titan_models.context import AttentionContext
 
@@ -195,9 +196,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Heads are inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in project(x, self.wq, self.wk, self.wv))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
