@@ -26,7 +26,10 @@ def _assert_no_host_sync(step: Callable[[], object]) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    # torch words each one "called a synchronizing CUDA operation"; the notice that the debug mode is a
+    # prototype is not a synchronisation.
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+             if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
     assert not syncs, "host-device synchronisations:\n" + "\n".join(syncs)
 
 
