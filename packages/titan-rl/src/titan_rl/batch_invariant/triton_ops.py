@@ -19,6 +19,9 @@ import triton
 import triton.language as tl
 
 from titan_rl.batch_invariant.torch_ops import sdpa_attention_grad
+from titan_rl.batch_invariant.triton_interpreter import backport_scalar_index
+
+backport_scalar_index()  # only the CPU interpreter of triton < 3.7 needs it; compiled kernels are unaffected
 
 MATMUL_TILE = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: one fixed config, never autotuned per shape
 MATMUL_GROUP_M = 8            # tile launch order (L2 reuse); does not change any element's reduction
