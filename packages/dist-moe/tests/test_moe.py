@@ -71,6 +71,30 @@ def test_forward_and_gradients_match_a_dense_reference(fields):
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_autocast_runs_the_experts_in_its_dtype_with_fp32_gradients():
+    torch.manual_seed(0)
+    moe = dist_moe.MoEConfig(**QWEN_LIKE).build()
+    x = torch.randn(2, 9, 16)
+    want = dense_reference(moe, x)
+    seen = []
+    original = dist_moe.moe.expert_mlp
+
+    def spy(routed, w1, *args, **kwargs):
+        seen.append((routed.dtype, w1.dtype))
+        return original(routed, w1, *args, **kwargs)
+
+    dist_moe.moe.expert_mlp = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(x)
+    finally:
+        dist_moe.moe.expert_mlp = original
+    out.float().sum().backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert moe.experts.w1.grad.dtype == torch.float32  # the fp32 master weights get their gradients
+    torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
+
+
 def test_tokens_per_expert_and_bias_update():
     torch.manual_seed(0)
     moe = dist_moe.MoEConfig(**QWEN_LIKE).build()

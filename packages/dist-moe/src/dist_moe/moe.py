@@ -143,7 +143,11 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.copy_(sent.tokens_per_expert)
         w1, w2, w3 = self._local_expert_weights()
-        y = expert_mlp(sent.x, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
+        routed = sent.x
+        if torch.is_autocast_enabled(x.device.type):  # expert_mlp is a kernel autocast cannot see: cast as it would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
+        y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
                        backend=cfg.backend, weight_grad=cfg.weight_grad)
         out = combine(y, sent)
         if self.shared_experts is not None:
