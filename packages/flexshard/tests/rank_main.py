@@ -1,4 +1,4 @@
-"""One rank of a multi-process test (launched by conftest.run_ranks): init gloo, run, report, exit."""
+"""One rank of a multi-process test (launched by flexshard_ranks.run_ranks): init gloo, run, report, exit."""
 import importlib.util
 import os
 import pickle

@@ -131,7 +131,7 @@ def checkpoint_worker(rank, world, path):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from conftest import run_ranks
+    from flexshard_ranks import run_ranks
 
     return run_ranks(checkpoint_worker, world=2, path=str(tmp_path_factory.mktemp("dcp")))
 

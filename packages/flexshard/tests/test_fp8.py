@@ -82,7 +82,7 @@ def fp8_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def report():
-    from conftest import run_ranks
+    from flexshard_ranks import run_ranks
 
     return run_ranks(fp8_worker, world=2)
 

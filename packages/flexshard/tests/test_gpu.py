@@ -58,7 +58,7 @@ def gpu_worker(rank, world):
 
 
 def test_nccl_training_with_all_placements():
-    from conftest import run_ranks
+    from flexshard_ranks import run_ranks
 
     world = min(torch.cuda.device_count(), 2)
     for r in run_ranks(gpu_worker, world=world, backend="nccl"):

@@ -106,7 +106,7 @@ def muon_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def report():
-    from conftest import run_ranks
+    from flexshard_ranks import run_ranks
 
     return run_ranks(muon_worker, world=2)
 

@@ -145,7 +145,7 @@ def parity_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def report():
-    from conftest import run_ranks
+    from flexshard_ranks import run_ranks
 
     return run_ranks(parity_worker, world=2)
 

@@ -1,0 +1,67 @@
+"""`run_ranks`: run a test function on N gloo ranks in fresh processes and collect what each returns.
+
+A module of its own name (not conftest): pytest runs every package's tests in one session, where
+`import conftest` would find whichever package's conftest.py came first on sys.path.
+
+Workers are plain subprocesses running rank_main.py (pytest imports test files under names a
+spawned child could not import), with OMP_NUM_THREADS=1; a failing rank's traceback is raised here.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+RANK_MAIN = Path(__file__).with_name("rank_main.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn, world: int = 2, timeout: float = 300.0, backend: str = "gloo", **kwargs) -> list:
+    """fn(rank, world, **kwargs) on `world` ranks (gloo; nccl: one GPU per rank); returns [result of rank 0, ...]."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
+        port = _free_port()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(RANK_MAIN), fn.__code__.co_filename, fn.__name__, str(rank), str(world), str(port), str(tmp), backend],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+        deadline = time.monotonic() + timeout
+        outputs = [""] * world
+        try:
+            for rank, p in enumerate(procs):
+                outputs[rank], _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{fn.__name__} on {world} ranks timed out after {timeout}s")
+        if os.environ.get("FLEXSHARD_TEST_VERBOSE"):
+            for r, text in enumerate(outputs):
+                print(f"--- rank {r} output ---\n{text}")
+        errors = [
+            f"--- rank {r} (exit {p.returncode}) ---\n{(tmp / f'{r}.err').read_text() if (tmp / f'{r}.err').exists() else outputs[r][-4000:]}"
+            for r, p in enumerate(procs)
+            if p.returncode != 0 or not (tmp / f"{r}.pkl").exists()
+        ]
+        if errors:
+            pytest.fail(f"{fn.__name__} failed on {len(errors)} of {world} ranks:\n" + "\n".join(errors), pytrace=False)
+        return [pickle.loads((tmp / f"{r}.pkl").read_bytes()) for r in range(world)]
