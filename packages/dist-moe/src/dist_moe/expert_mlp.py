@@ -135,7 +135,9 @@ class _ExpertMLP(torch.autograd.Function):
 
         x, w1, w2, w3, offsets, slot, flat_weights, gate, up, h = ctx.saved_tensors
         top_k = ctx.top_k
-        grad_out = grad_out.contiguous()
+        # The incoming gradient may be wider than the forward's output (an fp32 combine downstream):
+        # the kernels take their operands in one dtype, the forward's.
+        grad_out = grad_out.to(x.dtype).contiguous()
         rows, dim = x.shape
         num_routed, ffn = slot.shape[0], w1.shape[1]
         need_x, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:4]

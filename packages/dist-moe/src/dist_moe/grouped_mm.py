@@ -46,7 +46,7 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, w, offsets = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.to(x.dtype).contiguous()  # one operand dtype for the kernels (the forward's)
         dx = dw = None
         if ctx.backend == "torch":
             if ctx.needs_input_grad[0]:
