@@ -35,7 +35,7 @@ def test_ring_attention_on_one_gpu_matches_sdpa(tmp_path):
         results = []
         for inner, dtype in ((SDPAttention(scale=d**-0.5), torch.float32),
                              (RingAttention(scale=d**-0.5, group=dist.group.WORLD), torch.bfloat16)):
-            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]  # fresh leaves per dtype
             out = inner(*leaves, context=tm.AttentionContext(document_ids=docs))
             out.backward(dout.to(dtype))
             results.append([out.float(), *(t.grad.float() for t in leaves)])
