@@ -68,6 +68,18 @@ def help_text(config: TrainConfig, *, usage: str = USAGE, default: str = DEFAULT
     return "\n".join(lines)
 
 
+def run_actions(config, actions: set[str], *, help: str, registry: dict[str, str]) -> int:
+    """--help, --list-recipes or --print-config (in that order of precedence): print, exit code 0."""
+    if "help" in actions:
+        print(help)
+    elif "list-recipes" in actions:
+        for name, summary in registry.items():
+            print(f"{name:20s} {summary}")
+    else:
+        print(json.dumps(dataclasses.asdict(config), indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
@@ -80,16 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2
-    if "help" in actions:
-        print(help_text(config))
-        return 0
-    if "list-recipes" in actions:
-        for name, summary in recipes().items():
-            print(f"{name:20s} {summary}")
-        return 0
-    if "print-config" in actions:
-        print(json.dumps(dataclasses.asdict(config), indent=2))
-        return 0
+    if actions:
+        return run_actions(config, actions, help=help_text(config), registry=recipes())
     from .trainer import NonFiniteLossError, train
 
     code = 0

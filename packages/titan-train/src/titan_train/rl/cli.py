@@ -2,12 +2,10 @@
 the trainer's machinery (recipes, typed `--section.field value` overrides, the same errors)."""
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
 from collections.abc import Sequence
 
-from ..cli import finish, help_text, parse_args
+from ..cli import finish, help_text, parse_args, run_actions
 from ..overrides import ConfigError
 from ..recipes import recipes
 from .config import RLJobConfig
@@ -34,16 +32,9 @@ def main(argv: Sequence[str], *, from_command_line: bool = False) -> int:
     except ConfigError as e:
         print(f"titan-train rl: error: {e}", file=sys.stderr)
         return 2
-    if "help" in actions:
-        print(help_text(config, usage=USAGE, default=DEFAULT_RL_RECIPE))
-        return 0
-    if "list-recipes" in actions:
-        for name, summary in recipes(RL_RECIPES).items():
-            print(f"{name:20s} {summary}")
-        return 0
-    if "print-config" in actions:
-        print(json.dumps(dataclasses.asdict(config), indent=2))
-        return 0
+    if actions:
+        return run_actions(config, actions, help=help_text(config, usage=USAGE, default=DEFAULT_RL_RECIPE),
+                           registry=recipes(RL_RECIPES))
     from .job import run_rl
 
     code = 0
