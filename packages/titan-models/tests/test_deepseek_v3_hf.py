@@ -78,9 +78,11 @@ def test_mtp_module_round_trips_in_deepseek_layout(tmp_path, tokens):
     # mtp_logits[:, i] sees tokens up to i + 1 only: changing the last token leaves i < s - 2 unchanged
     other = tokens.clone()
     other[:, -1] = (other[:, -1] + 1) % 96
+    # (Not bitwise: the changed token moves rows between the MTP layer's experts, and a CPU GEMM's rounding
+    # can depend on how many rows it multiplies; ~1e-6 seen. A leak of the token would move them by O(1).)
     changed = model.forward_with_mtp(other)[1].detach()
-    assert torch.equal(changed[:, :-2], mtp_logits[:, :-2].detach())
-    assert not torch.equal(changed[:, -2], mtp_logits[:, -2].detach())
+    assert (changed[:, :-2] - mtp_logits[:, :-2].detach()).abs().max() < 1e-4
+    assert (changed[:, -2] - mtp_logits[:, -2].detach()).abs().max() > 0.1
     tm.to_hf(model, tmp_path)
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         names = set(f.keys())

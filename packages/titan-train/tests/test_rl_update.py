@@ -3,12 +3,14 @@
 - One process: bitwise the weights and loss of `titan_rl.RLLoop.train_on_batch` on the same samples
   (the loss scale is exactly 1 there, and the clipping and AdamW calls are the same).
 - Two ranks (FSDP2, each rank training on its slice of the global samples, loss scaled by its share):
-  the weights after two updates equal the single-process ones within max |Δ| <= 5e-6, for sequence-mean
+  the weights after two updates equal the single-process ones within max |Δ| <= 2e-5, for sequence-mean
   (GRPO; GSPO with a KL reference and an odd number of samples, so the ranks' slices differ in size) and
   token-mean (DAPO: uneven token counts, two minibatches of 4 and 3 samples). What differs is the order
   of float sums (the reduce-scatter of gradients, the gradient norm): measured <= 7e-7 after two AdamW
-  steps of lr 1e-3, which move the weights by 2e-3 to 4e-3. Normalising each rank's slice locally
-  instead of globally moves them by ~7e-3 (checked by breaking it on purpose), three orders above. A
+  steps of lr 1e-3, which move the weights by 2e-3 to 4e-3 (5.5e-6 for grpo-empty-slice's three
+  samples on an AVX-512 Xeon, where AdamW magnifies the rounding of gradients that nearly cancel).
+  Normalising each rank's slice locally instead of globally moves them by ~7e-3 (checked by breaking
+  it on purpose), over two orders above the bound. A
   rank with nothing to train on in a minibatch still joins the step (grpo-empty-slice).
 - With batch-invariant modules, the trainer's old logprobs under FSDP are bitwise the single process's,
   so the logprob-mismatch metric (computed against fixed behaviour logprobs) agrees exactly.
@@ -131,7 +133,7 @@ def test_two_fsdp_ranks_follow_one_process(two_rank_results, name):
     worst = max(float((sharded[k] - single[k]).abs().max()) for k in single)
     moved = max(float((single[k] - initial).abs().max()) for k, initial in
                 initial_weights(tiny_model_config(), seed=0).items() if k in single)
-    assert worst <= 5e-6, f"max |weight difference| {worst:.2e}"
+    assert worst <= 2e-5, f"max |weight difference| {worst:.2e}"
     assert moved > 1e-3, "the updates should move the weights (else the comparison proves nothing)"
     for mine, theirs in zip(single_metrics, sharded_metrics):
         assert theirs["loss"] == pytest.approx(mine["loss"], rel=1e-5, abs=1e-7)

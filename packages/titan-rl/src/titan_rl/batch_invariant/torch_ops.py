@@ -5,9 +5,10 @@ however many there are. Three facts about torch on CPU (checked by tests/test_ba
 the machine that runs them) shape these implementations:
 
 - GEMM (MKL/oneDNN) picks kernels and blockings by problem size: `x[:1] @ w` and `x[:9] @ w` give
-  different bits for row 0 (gemv for one row, small-M paths). With the rows padded to a multiple of
-  ROW_TILE every call takes the full-tile path, whose per-element reduction order over K depends on
-  K only. `matmul` pads rows to that tile.
+  different bits for row 0 (gemv for one row, small-M paths), and on some CPUs (AVX-512/AMX Xeons)
+  `x[:16] @ w` and `x[:64] @ w` differ too. `matmul` therefore pads the rows to a multiple of MATMUL_TILE
+  and multiplies one MATMUL_TILE-row tile per call: every call has the same shape, so every row gets the
+  same kernel and reduction order over K whatever the batch.
 - Reductions (`sum`, `mean`) choose their order from the tensor's size and layout, and may split
   a reduction across threads; `tree_sum` instead adds fixed halves elementwise (a reduction order
   fixed by the reduced length alone, independent of the other dimensions and of threading).
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 8
+MATMUL_TILE = 32  # rows per GEMM call of `matmul` (fixed: the call's shape must not depend on the batch)
 KEY_BLOCK = 64
 
 
@@ -40,11 +42,12 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N] (a Linear without bias), rows padded to ROW_TILE."""
+    """x [..., K] @ weight[N, K]^T -> [..., N] (a Linear without bias), one MATMUL_TILE-row GEMM per tile."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    padded, rows = _pad_rows(flat, ROW_TILE)
-    return F.linear(padded, weight)[:rows].reshape(*lead, weight.shape[0])
+    padded, rows = _pad_rows(flat, MATMUL_TILE)
+    tiles = [F.linear(tile, weight) for tile in padded.split(MATMUL_TILE)]
+    return torch.cat(tiles)[:rows].reshape(*lead, weight.shape[0])
 
 
 def tree_sum(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
