@@ -18,9 +18,18 @@ def _fusable(linears: tuple[nn.Module, ...]) -> bool:
                for m in linears)
 
 
+def project_fused(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | None:
+    """[linears[0](x) | linears[1](x) | ...] as one matmul's output [..., sum(out)], or None when the
+    modules are not plain fusable Linears (then call them as themselves)."""
+    if not _fusable(linears):
+        return None
+    weight = torch.cat([m.weight for m in linears])  # [sum(out), in]
+    return F.linear(x, weight)
+
+
 def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """(linears[0](x), linears[1](x), ...) computed by one matmul when the modules allow it."""
-    if not _fusable(linears):
+    fused = project_fused(x, *linears)
+    if fused is None:
         return tuple(m(x) for m in linears)
-    weight = torch.cat([m.weight for m in linears])  # [sum(out), in]
-    return F.linear(x, weight).split([m.out_features for m in linears], dim=-1)
+    return fused.split([m.out_features for m in linears], dim=-1)

@@ -70,7 +70,8 @@ class Transformer(nn.Module):
         if positions is None:
             batch, seq = h.shape[:2]
             positions = torch.arange(seq, device=h.device).expand(batch, seq)
-        rope = self.rope(positions)
+        # apply_rotary casts cos/sin to the activations' dtype: cast once here, not in every block.
+        rope = tuple(t.to(h.dtype) for t in self.rope(positions))
         for block in self.layers.values():
             h = block(h, rope, context=context)
         return (self.norm(h) if self.norm is not None else h), rope
