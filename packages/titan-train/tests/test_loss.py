@@ -38,8 +38,8 @@ def test_fusable_chunk_formulation_equals_the_in_place_one():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(9, 50, generator=g)
     target, valid = torch.randint(0, 50, (9,), generator=g), torch.rand(9, generator=g) > 0.3
-    loss, grad = _chunk_loss_and_grad(logits.clone(), target, valid, torch.float32)  # overwrites its input
-    loss2, grad2 = _chunk_loss_and_grad_fusable(logits, target, valid, torch.float32)
+    loss, grad = _chunk_loss_and_grad(logits.clone(), target, valid, acc=torch.float32)  # overwrites its input
+    loss2, grad2 = _chunk_loss_and_grad_fusable(logits, target, valid, acc=torch.float32)
     torch.testing.assert_close(loss2, loss)
     torch.testing.assert_close(grad2, grad)
 

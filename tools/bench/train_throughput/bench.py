@@ -8,10 +8,14 @@ FFN 8192, vocabulary 128,256, untied embeddings, RoPE theta 500k). transformers 
 attention and saves it; titan-train starts from that folder (`--model.hf_path`), so both runs begin
 from the same weights, and both read the same uniform random tokens (titan-train's `random` source,
 reproduced here for transformers). Both train in bf16 with AdamW (lr 3e-4, betas 0.9/0.95, weight
-decay 0.1 on matrices, clip 1.0):
+decay 0.1 on matrices, clip 1.0); transformers keeps bf16 weights and moments, titan-train fp32 ones:
   hf             transformers LlamaForCausalLM, bf16 weights, its own loss, fused AdamW (the anchor);
-  titan          titan-train's Trainer: fp32 master weights, bf16 autocast, fused chunked loss, fused AdamW;
-  titan_compile  the same with every block compiled (--compile.enabled).
+  titan_compile  titan-train's Trainer: every block compiled, bf16 parameters with fp32 master weights and
+                 moments in the optimizer (--training.mixed_precision bf16_params), the Triton kernels
+                 (SwiGLU backward, loss chunk, AdamW), the fused chunked loss;
+  titan          the same without compile;
+  titan_compile_autocast       compiled, fp32 parameters under bf16 autocast (--training.mixed_precision bf16);
+  titan_compile_torch_kernels  compiled, bf16_params, without the Triton SwiGLU/loss kernels.
 The matmul rate and copy bandwidth are measured in the same run. MFU uses FLOPs/token =
 6 N + 6 L d s (N: parameters a token multiplies with, output projection included, input embedding
 excluded; attention counted causal), the convention of the issue's 40% figure for transformers.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import math
 import os
@@ -46,9 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny model and batch: checks the script on CPU")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=14, help="steps per variant, warm-up included")
+    p.add_argument("--steps", type=int, default=30, help="steps per variant, warm-up included")
     p.add_argument("--warmup", type=int, default=4, help="first steps left out of the timing")
-    p.add_argument("--variants", default="hf,titan,titan_compile")
+    p.add_argument("--variants", default="hf,titan_compile,titan_compile_autocast")
     p.add_argument("--titan-args", default="", help="extra titan-train CLI overrides for the titan variants")
     p.add_argument("--profile", default="", help="a titan variant to profile for two more steps after its run")
     p.add_argument("--loss-rtol", type=float, default=0.02, help="allowed relative loss gap to transformers")
@@ -149,15 +154,26 @@ def profile_steps(trainer, device: torch.device, steps: int = 2) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for i in range(steps):
             trainer.train_step(10_000 + i)
         sync(device)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=28, max_name_column_width=70), flush=True)
+    out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="titan_trace_")
+    trace = Path(out_dir, "trace.json")
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:  # 16 MiB per file comes back
+        dst.write(src.read())
+    trace.unlink()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_gaps import report
+
+    print(report(Path(f"{trace}.gz")), flush=True)
 
 
-def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool, profile: bool = False) -> dict:
+def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool, profile: bool = False,
+              extra: tuple[str, ...] = ()) -> dict:
     from titan_train.cli import parse_args as parse_train_args
     from titan_train.trainer import Trainer
 
@@ -166,12 +182,12 @@ def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool,
         "--model.hf_path", str(folder), "--data.source", "random", "--job.device", device.type,
         "--job.folder", str(job), "--training.steps", str(args.steps), "--training.batch_size", str(args.batch),
         "--training.seq_len", str(args.seq), "--training.max_grad_norm", str(CLIP),
-        "--training.mixed_precision", "bf16", "--optimizer.lr", str(LR), "--optimizer.beta1", str(BETAS[0]),
+        "--optimizer.lr", str(LR), "--optimizer.beta1", str(BETAS[0]),
         "--optimizer.beta2", str(BETAS[1]), "--optimizer.weight_decay", str(WEIGHT_DECAY),
         "--optimizer.eps", str(EPS), "--lr_schedule.kind", "constant", "--lr_schedule.warmup_steps", "0",
         "--checkpoint.interval", "0", "--checkpoint.resume", "false", "--metrics.tensorboard", "false",
         "--metrics.progress", "false", "--compile.enabled", "true" if compile_blocks else "false",
-        *args.titan_args.split(),
+        *args.titan_args.split(), *extra,
     ]
     config, _ = parse_train_args(cli)
     trainer = Trainer(config, device)
@@ -185,16 +201,28 @@ def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool,
     return {"losses": [r["loss"] for r in records], "seconds": [r["step_seconds"] for r in records]}
 
 
+# name: (compile the blocks, extra titan-train flags); the first is titan-train as the README recommends.
+TITAN_VARIANTS = {
+    "titan_compile": (True, ("--training.mixed_precision", "bf16_params")),
+    "titan": (False, ("--training.mixed_precision", "bf16_params")),
+    "titan_compile_autocast": (True, ("--training.mixed_precision", "bf16")),
+    "titan_compile_torch_kernels": (True, ("--training.mixed_precision", "bf16_params",
+                                           "--training.fused_kernels", "false")),
+}
+
+
 def run_variant(variant: str, folder: Path, args, device: torch.device) -> dict:
     profile = variant == args.profile
     if variant == "hf":
         return run_hf(folder, args, device)
-    if variant in ("titan", "titan_compile"):
-        return run_titan(folder, args, device, compile_blocks=variant == "titan_compile", profile=profile)
     if variant == "titan_compile_cudnn":
         with sdpa_cudnn_first():
-            return run_titan(folder, args, device, compile_blocks=True, profile=profile)
-    raise ValueError(f"unknown variant {variant!r}; known: hf, titan, titan_compile, titan_compile_cudnn")
+            return run_titan(folder, args, device, compile_blocks=True, profile=profile,
+                             extra=TITAN_VARIANTS["titan_compile"][1])
+    if variant not in TITAN_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: hf, {', '.join(TITAN_VARIANTS)}, titan_compile_cudnn")
+    compile_blocks, extra = TITAN_VARIANTS[variant]
+    return run_titan(folder, args, device, compile_blocks=compile_blocks, profile=profile, extra=extra)
 
 
 def main() -> int:

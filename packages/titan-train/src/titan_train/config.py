@@ -58,10 +58,19 @@ class TrainingConfig:
     """Microbatches per optimizer step on each data-parallel rank."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
-    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16: bf16 compute, fp32 master weights and gradient reduction. auto: bf16 on cuda, fp32 on cpu."""
+    mixed_precision: Literal["auto", "bf16", "bf16_params", "fp32"] = "auto"
+    """bf16: bf16 compute (autocast, or FSDP's policy), fp32 master weights and gradient reduction.
+    bf16_params (one device, AdamW, no gradient accumulation): bf16 parameters and gradients in the model,
+    fp32 master weights and moments in the optimizer; the same arithmetic as FSDP's bf16 policy, without
+    autocast's per-step weight and gradient casts. auto: bf16 on cuda, fp32 on cpu."""
     loss_chunk_size: int = 8192
     """Tokens per chunk of the fused output-projection + cross-entropy (full logits never exist)."""
+    gc_interval: int = 50
+    """Run Python's garbage collector (young generations) every this many steps instead of automatically,
+    so a collection never stalls the GPU queue mid-step (0: leave it automatic)."""
+    fused_kernels: bool = True
+    """On CUDA, titan-train's Triton kernels for the loss's softmax gradient and the SwiGLU backward
+    (false: torch ops, fused by torch.compile where compile.enabled)."""
     moe_bias_update_rate: float = 1e-3
     """MoE aux-loss-free balancing: after each optimizer step, expert_bias += rate * sign(mean load - load),
     with the loads counted over the step's whole global batch (0 disables)."""

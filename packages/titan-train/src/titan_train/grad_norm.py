@@ -17,7 +17,11 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     norms = []
-    for group in by_mesh.values():
+    for mesh, group in by_mesh.items():
+        if mesh is None and any(g.dtype in (torch.bfloat16, torch.float16) for g in group):
+            # bf16 gradients (mixed_precision=bf16_params): each tensor's norm accumulated and returned in fp32
+            norms.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))))
+            continue
         norm = torch.nn.utils.get_total_norm(group, foreach=True)
         if isinstance(norm, DTensor):  # sharded gradients: a partial norm to reduce over the mesh
             norm = norm.full_tensor()

@@ -7,6 +7,8 @@ plus their saved softmax (at 16k tokens and a 128k vocabulary that is 1 GiB inst
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -15,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from .data import IGNORE_INDEX
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, acc: torch.dtype
+def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, *, acc: torch.dtype
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [C, V] -> (summed loss over valid rows in `acc`, d loss / d logits [C, V] in logits.dtype).
 
@@ -31,8 +33,8 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torc
     return loss, grad.to(logits.dtype)
 
 
-def _chunk_loss_and_grad_fusable(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, acc: torch.dtype
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_loss_and_grad_fusable(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, *,
+                                 acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The same as _chunk_loss_and_grad, written without in-place updates so torch.compile fuses it into
     two passes over the logits (a row reduction, then the gradient)."""
     work = logits.to(acc)
@@ -55,17 +57,22 @@ def _compiled_chunk_loss_and_grad():
     return _compiled_chunk
 
 
-_addmm_out_dtype = True  # torch builds without the mixed-dtype addmm fall back once, then stay there
+_out_dtype_products = True  # torch builds without mixed-dtype mm/addmm fall back once, then stay there
 
 
-def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a @ b with low-precision a, b and an fp32 acc: on CUDA the GEMM accumulates into fp32 itself."""
-    global _addmm_out_dtype
-    if a.is_cuda and _addmm_out_dtype:
+def _accumulate_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """acc + a @ b in `dtype` (just a @ b when acc is None, so no zero-filled buffer is needed). With
+    low-precision a, b and an fp32 `dtype`, a CUDA GEMM accumulates into fp32 itself."""
+    global _out_dtype_products
+    if a.dtype == dtype:
+        return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
+    if a.is_cuda and _out_dtype_products:
         try:
-            return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+            return torch.mm(a, b, out_dtype=dtype) if acc is None else torch.addmm(acc, a, b, out_dtype=dtype)
         except (RuntimeError, TypeError):
-            _addmm_out_dtype = False
+            _out_dtype_products = False
+    if acc is None:
+        return (a @ b).to(dtype)
     acc += a @ b
     return acc
 
@@ -81,39 +88,45 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                compiled: bool) -> torch.Tensor:
+                compiled: bool, triton: bool) -> torch.Tensor:
         # hidden [N, d], weight [V, d], labels [N] -> summed loss over non-ignored labels (fp32 scalar)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums: fp32 (fp64 for fp64 inputs)
         compute = _compute_dtype(hidden)
         # Products run explicitly in the compute dtype: an fp32 accumulation GEMM would be ~15x slower on GPUs.
         h_all, w = hidden.to(compute), weight.to(compute)
-        chunk_fn = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
+        if triton and hidden.is_cuda and acc == torch.float32:
+            from .kernels.cross_entropy import cross_entropy_chunk_triton as chunk_fn
+        else:
+            chunk_fn = partial(_compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad, acc=acc)
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
+        grad_weight = None  # fp32 [V, d], summed over chunks
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 h = h_all[start:start + chunk]                           # [C, d]
                 y = labels[start:start + chunk]                          # [C]
                 valid = y != IGNORE_INDEX
-                chunk_loss, grad = chunk_fn(h @ w.t(), torch.where(valid, y, 0), valid, acc)  # grad [C, V]
+                chunk_loss, grad = chunk_fn(h @ w.t(), torch.where(valid, y, 0), valid)  # grad [C, V]
                 loss += chunk_loss
                 if need_grad:
                     grad_hidden[start:start + chunk] = grad @ w
-                    if compute == acc:
-                        grad_weight.addmm_(grad.t(), h)
-                    else:
-                        grad_weight = _accumulate_product(grad_weight, grad.t(), h)
+                    grad_weight = _accumulate_product(grad_weight, grad.t(), h, acc)
+        if grad_weight is None and need_grad:  # no tokens at all
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        # Not in place: zero-bubble pipeline schedules run this backward twice (input, then weight gradients).
         grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_loss.to(grad_hidden.dtype), (grad_weight * grad_loss).to(ctx.weight_dtype),
-                None, None, None)
+        grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        # scaled and cast to the weight's dtype (bf16 under mixed_precision=bf16_params) in one pass
+        grad_weight = torch.mul(grad_weight, grad_loss,
+                                out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device))
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -133,16 +146,18 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                               chunk: int = 4096, compiled: bool = False) -> torch.Tensor:
+                               chunk: int = 4096, compiled: bool = False, triton: bool = False) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight.T, labels), ignoring IGNORE_INDEX labels.
 
     hidden [..., d], weight [V, d], labels [...] (same leading shape as hidden). compiled: fuse each
     chunk's softmax and gradient with torch.compile (two passes over the logits instead of about six).
+    triton: on CUDA, kernels/cross_entropy.py's kernel instead (one online log-sum-exp pass and one
+    gradient pass, the gradient written over the logits).
     """
     if chunk < 1:
         raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk}")
     return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk,
-                                          compiled)
+                                          compiled, triton)
 
 
 class CausalLMLoss(nn.Module):
@@ -162,6 +177,7 @@ class CausalLMLoss(nn.Module):
         self.context_factory = context_factory
         self.tp_group = None  # set by the tensor-parallel plan
         self.compiled = False  # fuse each loss chunk with torch.compile (set with compile.enabled)
+        self.triton = False  # on CUDA, the Triton loss kernel instead (set with training.fused_kernels)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):
@@ -178,4 +194,5 @@ class CausalLMLoss(nn.Module):
             labels = labels.chunk(size, dim=1)[rank]
         if isinstance(weight, DTensor):
             weight = _SumGradOverGroup.apply(weight.to_local(), self.tp_group)
-        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled)
+        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled,
+                                          triton=self.triton)

@@ -21,7 +21,10 @@ from .config import OptimizerConfig
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def build_optimizer(config: OptimizerConfig, model: nn.Module, *, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(config: OptimizerConfig, model: nn.Module, *, device: torch.device,
+                    param_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
+    """param_dtype (AdamW only): keep the fp32 parameters as master weights in the optimizer and give the
+    model `param_dtype` parameters (MasterWeightAdamW; training.mixed_precision=bf16_params)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     matrices = [(n, p) for n, p in named if p.ndim >= 2]
     vectors = [p for _, p in named if p.ndim < 2]
@@ -36,9 +39,17 @@ def build_optimizer(config: OptimizerConfig, model: nn.Module, *, device: torch.
                   {"params": vectors, "weight_decay": 0.0}]
         if routers:
             groups.append({"params": routers, "weight_decay": config.weight_decay})
+        if param_dtype is not None:
+            from .master_adamw import MasterWeightAdamW
+
+            return MasterWeightAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                     param_dtype=param_dtype)
         return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **kernels)
     if config.name != "muon":
         raise ValueError(f"optimizer.name must be adamw or muon, got {config.name!r}")
+    if param_dtype is not None:
+        raise ValueError("training.mixed_precision=bf16_params keeps its master weights in AdamW; "
+                         "use optimizer.name=adamw, or mixed_precision=bf16 with muon")
     if config.muon_ns_steps < 1:
         raise ValueError(f"optimizer.muon_ns_steps must be >= 1, got {config.muon_ns_steps}")
     from flexshard.optim import Muon

@@ -195,7 +195,7 @@ class PipelineStageModule(nn.Module):
 
     def __init__(self, model: nn.Module, layer_names: tuple[str, ...], *, first: bool, last: bool, chunk: int,
                  tp_group=None, context_factory: Callable | None = None, compiled_loss: bool = False,
-                 autocast_dtype: torch.dtype | None = None):
+                 triton_loss: bool = False, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.tok_embeddings = model.tok_embeddings if first else None
         self.rope = model.rope
@@ -203,7 +203,7 @@ class PipelineStageModule(nn.Module):
         self.norm = model.norm if last else None
         self.output = model.output if last else None
         self.chunk, self.tp_group, self.context_factory = chunk, tp_group, context_factory
-        self.compiled_loss, self.autocast_dtype = compiled_loss, autocast_dtype
+        self.compiled_loss, self.triton_loss, self.autocast_dtype = compiled_loss, triton_loss, autocast_dtype
 
     def forward(self, x: torch.Tensor, *, labels: torch.Tensor, positions: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,7 +212,7 @@ class PipelineStageModule(nn.Module):
         with autocast:
             context = self.context_factory(document_ids) if self.context_factory is not None else None
             h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-            rope = self.rope(positions)
+            rope = tuple(t.to(h.dtype) for t in self.rope(positions))  # as titan-models casts them once
             for block in self.layers.values():
                 h = block(h, rope, context=context)
             if self.output is None:
@@ -228,7 +228,8 @@ class PipelineStageModule(nn.Module):
             labels = labels.chunk(dist.get_world_size(self.tp_group), dim=1)[dist.get_rank(self.tp_group)]
         if isinstance(weight, DTensor):
             weight = _SumGradOverGroup.apply(weight.to_local(), self.tp_group)
-        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled_loss)
+        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled_loss,
+                                          triton=self.triton_loss)
 
 
 class Pipeline:
@@ -236,7 +237,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, *, schedule: str, microbatches: int,
                  mesh: DeviceMesh, device: torch.device, chunk: int, tp_group=None,
-                 context_factory: Callable | None = None, compiled_loss: bool = False,
+                 context_factory: Callable | None = None, compiled_loss: bool = False, triton_loss: bool = False,
                  autocast_dtype: torch.dtype | None = None):
         import torch.distributed.pipelining as pipelining
 
@@ -254,7 +255,8 @@ class Pipeline:
         self.stage_indices = layout.stages_of(self.pp_rank)
         self.modules = [PipelineStageModule(model, layout.stages[s], first=s == 0, last=s == num_stages - 1,
                                             chunk=chunk, tp_group=tp_group, context_factory=context_factory,
-                                            compiled_loss=compiled_loss, autocast_dtype=autocast_dtype)
+                                            compiled_loss=compiled_loss, triton_loss=triton_loss,
+                                            autocast_dtype=autocast_dtype)
                         for s in self.stage_indices]
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.has_first, self.has_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices

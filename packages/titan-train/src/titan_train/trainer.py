@@ -3,6 +3,7 @@ metrics, progress, checkpoint/resume and a stop on a non-finite loss."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -102,6 +103,8 @@ class Trainer:
         validate_schedule(config.lr_schedule)
         if c.interval < 0 or c.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if t.gc_interval < 0:
+            raise ValueError(f"training.gc_interval must be >= 0 (0: automatic collection), got {t.gc_interval}")
         if config.metrics.log_interval < 1:
             raise ValueError(f"metrics.log_interval must be >= 1, got {config.metrics.log_interval}")
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -114,6 +117,8 @@ class Trainer:
             raise ValueError(f"training.batch_size={t.batch_size} must be divisible by the data-parallel degree "
                              f"({self.degrees.dp}) x training.grad_accum_steps ({t.grad_accum_steps})")
         check_sharding_choices(config, dp_replicate=self.degrees.dp_replicate, tp=self.degrees.tp, ep=self.degrees.ep)
+        if t.mixed_precision == "bf16_params":
+            self._check_bf16_params(world)
         resolve_moe_impl(config)
         self.pp_settings = None
         if self.degrees.pp > 1:
@@ -150,12 +155,19 @@ class Trainer:
             raise ValueError("parallelism.pp > 1 with MoE layers: the expert-bias update does not count the "
                              "pipeline's microbatches yet; set training.moe_bias_update_rate 0")
         self.loss_module = CausalLMLoss(model, chunk=t.loss_chunk_size)
+        if t.fused_kernels and device.type == "cuda":  # before any wrapper, on titan-models' own FeedForwards
+            from .kernels.swiglu import use_fused_swiglu
+
+            use_fused_swiglu(model)
+            self.loss_module.triton = True
         if config.data.document_masking and not random_data:
             self.loss_module.context_factory = lambda ids: tm.AttentionContext(document_ids=ids)
         precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.compute_dtype = torch.bfloat16 if precision in ("bf16", "bf16_params") else torch.float32
         self.fsdp = self.degrees.dp * self.degrees.cp > 1  # cp ranks share the gradient reduction
-        if self.compute_dtype == torch.bfloat16 and not self.fsdp:  # autocast: bf16 activations as under FSDP
+        # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
+        self.autocast = precision == "bf16" and not self.fsdp  # FSDP casts through its policy
+        if self.autocast:  # bf16 activations as under FSDP
             keep_activations_in(model, self.compute_dtype)
         distributed = dist.is_initialized()
         if not distributed:
@@ -178,7 +190,8 @@ class Trainer:
                 model, layout, schedule=self.pp_settings.schedule, microbatches=self.pp_settings.microbatches,
                 mesh=self.mesh, device=device, chunk=t.loss_chunk_size, tp_group=self.loss_module.tp_group,
                 context_factory=self.loss_module.context_factory, compiled_loss=self.loss_module.compiled,
-                autocast_dtype=torch.bfloat16 if precision == "bf16" and not self.fsdp else None)
+                triton_loss=self.loss_module.triton,
+                autocast_dtype=torch.bfloat16 if self.autocast else None)
         if self.fsdp:
             dp_mesh = fsdp_mesh(self.mesh, self.degrees)
             param_dtype = self.compute_dtype if precision == "bf16" else None
@@ -206,7 +219,8 @@ class Trainer:
         self.model = model
 
         # Optimizer and schedule.
-        self.optimizer = build_optimizer(config.optimizer, model, device=device)
+        self.optimizer = build_optimizer(config.optimizer, model, device=device,
+                                         param_dtype=torch.bfloat16 if precision == "bf16_params" else None)
         self.expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=data_parallel_groups(self.mesh))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.steps, config.lr_schedule))
@@ -221,9 +235,21 @@ class Trainer:
         self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
         self.peak = peak_flops(device)
 
+    def _check_bf16_params(self, world: int) -> None:
+        t, c = self.config.training, self.config
+        if world > 1:
+            raise ValueError("training.mixed_precision=bf16_params is for one device; with several ranks use "
+                             "bf16 (FSDP's bf16 policy gives the same arithmetic)")
+        if t.grad_accum_steps > 1:
+            raise ValueError("training.mixed_precision=bf16_params would sum microbatch gradients in bf16; use "
+                             "grad_accum_steps=1 or mixed_precision=bf16")
+        if c.optimizer.name != "adamw":
+            raise ValueError("training.mixed_precision=bf16_params keeps its master weights in AdamW; use "
+                             "optimizer.name=adamw, or mixed_precision=bf16 with muon")
+
     # --- one optimizer step -------------------------------------------------------------------------
     def _autocast(self):
-        if self.compute_dtype == torch.bfloat16 and not self.fsdp:  # FSDP casts through its policy
+        if self.autocast:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -295,11 +321,16 @@ class Trainer:
             self._announce(start)
         tokens_per_step = t.batch_size * t.seq_len
         timed_tokens, timed_seconds = 0, 0.0
+        collect_automatically = gc.isenabled()
+        if t.gc_interval:
+            gc.disable()
         try:
             for step in range(start + 1, t.steps + 1):
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
                 loss, grad_norm = self.train_step(step)
+                if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
+                    gc.collect(1)
                 seconds = time.perf_counter() - began
                 result.losses[step] = loss
                 if step > start + 1:
@@ -317,6 +348,8 @@ class Trainer:
                     self.checkpoints.save(step, self.checkpoints.state(
                         self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
         finally:
+            if collect_automatically:
+                gc.enable()
             bar.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()

@@ -1,0 +1,103 @@
+"""SwiGLU over the fused gate/up projection, with a one-pass Triton backward on CUDA.
+
+    h = silu(gate) * up,   gate_up [..., 2F] = [gate | up] (the output of one GEMM over [w1; w3])
+
+Backward, per element (s = sigmoid(gate)):
+    dup   = dh * gate * s
+    dgate = dh * up * s * (1 + gate * (1 - s))
+written side by side as d gate_up [..., 2F], the layout the GEMMs of the fused projection consume.
+The forward stays in torch ops, so torch.compile fuses it with its neighbours.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from titan_models.components.ffn import FeedForward
+from titan_models.components.projections import project_fused
+from torch import Tensor, nn
+
+_BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 8
+
+
+def swiglu_backward_reference(gate_up: Tensor, grad_h: Tensor) -> Tensor:
+    """The backward in torch ops (CPU, and the check of the kernel): d gate_up in gate_up's dtype, computed in
+    at least fp32."""
+    acc = torch.promote_types(gate_up.dtype, torch.float32)
+    gate, up = gate_up.to(acc).chunk(2, dim=-1)
+    dh = grad_h.to(acc)
+    s = torch.sigmoid(gate)
+    return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(gate_up.dtype)
+
+
+def _swiglu_backward_triton(gate_up: Tensor, grad_h: Tensor) -> Tensor:
+    import triton
+
+    from titan_train.kernels.swiglu_triton import swiglu_backward_kernel
+
+    width = grad_h.shape[-1]
+    gu = gate_up.reshape(-1, 2 * width)
+    dh = grad_h.reshape(-1, width)
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    if dh.stride(-1) != 1:
+        dh = dh.contiguous()
+    out = torch.empty(gu.shape, dtype=gate_up.dtype, device=gate_up.device)
+    rows = gu.shape[0]
+    grid = (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(width, _BLOCK_COLS))
+    swiglu_backward_kernel[grid](gu, dh, out, rows, width, gu.stride(0), dh.stride(0), out.stride(0),
+                                 BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, num_warps=_WARPS)
+    return out.view(gate_up.shape)
+
+
+def swiglu_backward(gate_up: Tensor, grad_h: Tensor, *, use_triton: bool | None = None) -> Tensor:
+    """d gate_up for h = silu(gate) * up; the Triton kernel on CUDA tensors (use_triton=None), or as told."""
+    if use_triton is None:
+        use_triton = gate_up.is_cuda
+    return _swiglu_backward_triton(gate_up, grad_h) if use_triton else swiglu_backward_reference(gate_up, grad_h)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor) -> Tensor:
+        (gate_up,) = ctx.saved_tensors
+        return swiglu_backward(gate_up, grad_h)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """gate_up [..., 2F] -> silu(gate) * up [..., F], with the one-pass backward."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu needs an even last dimension ([gate | up]), got {tuple(gate_up.shape)}")
+    return _SwiGLU.apply(gate_up)
+
+
+class FusedSwiGLUFeedForward(FeedForward):
+    """titan-models' FeedForward (same parameters) whose activation runs through `swiglu` when the gate and
+    up projections are one GEMM; otherwise (sharded or replaced projections) exactly FeedForward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = project_fused(x, self.w1, self.w3)
+        if gate_up is None:
+            return super().forward(x)
+        return self.w2(swiglu(gate_up))
+
+
+def use_fused_swiglu(model: nn.Module) -> list[str]:
+    """Give every titan-models FeedForward of `model` the fused SwiGLU (in place); returns their names."""
+    import titan_models as tm
+
+    names = [name for name, module in model.named_modules() if type(module) is FeedForward]
+    for name in names:
+        tm.override(model, name, _as_fused)
+    return names
+
+
+def _as_fused(name: str, old: FeedForward) -> FusedSwiGLUFeedForward:
+    new = FusedSwiGLUFeedForward.__new__(FusedSwiGLUFeedForward)
+    new.__dict__ = dict(old.__dict__)  # the same submodules and parameters: no tensor is copied
+    return new
