@@ -90,7 +90,10 @@ def grouped_mm_checks() -> None:
     x_padded, dy_padded = gather_rows(x, identity, 1, maps), gather_rows(dy, identity, 1, maps)
     for name, config in {"16": WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_stages=1),
                          "32": WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_stages=1,
-                                            persistent=True)}.items():
+                                            persistent=True),
+                         # K 40 = 5 tiles of 8 rows, so the outputs take TMA stores (N 36 clipped at 16-wide tiles)
+                         "tma_store": WeightConfig(block_k=8, block_n=16, block_r=16, group_k=2, num_stages=1,
+                                                   persistent=True, store_tma=True)}.items():
         dw = torch.full_like(linear_w, float("nan"))  # [E, N, K]; the kernel writes [E, K, N] views
         weight_gemm(p=x, q=dy, ends=offsets, outs=(dw.transpose(1, 2),), config=config)
         check(f"weight_gemm_pointer_{name}", dw.transpose(1, 2), want_dw)
@@ -142,7 +145,7 @@ def expert_mlp_reference(x, w1, w2, w3, expert_ids, weights):
 
 
 def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: int = 24, ffn: int = 40,
-                    weight_grad: str = "triton") -> None:
+                    weight_grad: str = "triton", frozen_weights: bool = False) -> None:
     gen = torch.Generator().manual_seed(1)
     num_experts = 5
     ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(rows)])
@@ -159,7 +162,7 @@ def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: i
     if with_weights:
         params["weights"] = torch.rand(rows, top_k, generator=gen)
     grad = torch.randn(rows, dim, generator=gen)
-    mine = {k: v.clone().requires_grad_() for k, v in params.items()}
+    mine = {k: v.clone().requires_grad_(not (frozen_weights and k == "weights")) for k, v in params.items()}
     out = dist_moe.expert_mlp(mine["x"], mine["w1"], mine["w2"], mine["w3"], offsets, row_slot, top_k=top_k,
                               weights=mine.get("weights"), backend="triton", weight_grad=weight_grad)
     out.backward(grad)
@@ -168,19 +171,22 @@ def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: i
     want.backward(grad.double())
     check(f"{name}_forward", out, want.detach())
     for key in params:
-        check(f"{name}_grad_{key}", mine[key].grad, ref[key].grad)
+        if mine[key].requires_grad:
+            check(f"{name}_grad_{key}", mine[key].grad, ref[key].grad)
 
 
 def main() -> None:
     grouped_mm_checks()
     expert_mlp_case("expert_mlp_top2_weighted", rows=11, top_k=2, with_weights=True)
     expert_mlp_case("expert_mlp_top1_unweighted", rows=9, top_k=1, with_weights=False)
+    # Routing weights that need no gradient still scale the expert gradients.
+    expert_mlp_case("expert_mlp_top2_frozen_weights", rows=11, top_k=2, with_weights=True, frozen_weights=True)
     # The fallback option: weight gradients by torch._grouped_mm on the same padded operands.
     expert_mlp_case("expert_mlp_top2_torch_weight_grad", rows=11, top_k=2, with_weights=True,
                     weight_grad="torch_grouped_mm")
     # The fused kernels again with TMA weight descriptors and persistent launches.
-    def tma_persistent(role, device, dtype=None):  # the SwiGLU backward's tiles hold whole 64-row chunks
-        return [RowConfig(block_m=64 if role == "swiglu_bwd" else 16, block_n=16, block_k=16, group_m=2,
+    def tma_persistent(role, device, dtype=None):
+        return [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2,
                           num_warps=4, num_stages=1, persistent=True, tma=True)]
 
     configs.row_candidates = tma_persistent

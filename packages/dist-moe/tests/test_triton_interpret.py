@@ -18,13 +18,15 @@ pytest.importorskip("triton")
 EXPECTED = [
     *(f"row_gemm_{layout}_weights_{launch}" for layout in ("k_contiguous", "n_contiguous")
       for launch in ("grid", "persistent", "tma")),
-    *(f"weight_gemm_{how}_{size}" for how in ("pointer", "padded_tma", "padded_split") for size in ("16", "32")),
+    *(f"weight_gemm_{how}_{size}" for how in ("pointer", "padded_tma", "padded_split")
+      for size in ("16", "32", "tma_store")),
     "gather_rows_padded_layout", "padded_ends",
     "grouped_mm_forward", "grouped_mm_grad_x", "grouped_mm_grad_w",
     *(f"{case}_{what}" for case in ("expert_mlp_top2_weighted", "expert_mlp_top2_tma_persistent",
                                     "expert_mlp_top2_torch_weight_grad")
       for what in ("forward", "grad_x", "grad_w1", "grad_w2", "grad_w3", "grad_weights")),
-    *(f"expert_mlp_top1_unweighted_{what}" for what in ("forward", "grad_x", "grad_w1", "grad_w2", "grad_w3")),
+    *(f"{case}_{what}" for case in ("expert_mlp_top1_unweighted", "expert_mlp_top2_frozen_weights")
+      for what in ("forward", "grad_x", "grad_w1", "grad_w2", "grad_w3")),
 ]
 
 

@@ -70,6 +70,29 @@ class Setup:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps
 
+    def interleaved_ms(self, fns: dict, rounds: int, per_block: int) -> dict:
+        """{name: median ms per call}: the functions take turns, `per_block` back-to-back calls each
+        per round, so clock and thermal drift fall on all of them alike. Before each block the GPU is
+        held back ~25 ms, so the host has queued the block when it starts (no launch latency in it)."""
+        import statistics
+
+        import torch
+
+        if self.dry or self.device.type != "cuda":
+            return {name: self.time_ms(fn, reps=1, warmup=0) for name, fn in fns.items()}
+        times = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(50_000_000)
+                start.record()
+                for _ in range(per_block):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / per_block)
+        return {name: statistics.median(v) for name, v in times.items()}
+
     def host_us(self, fn, reps: int = 10) -> float | None:
         """Microseconds of host time per call (launch overhead), measured without waiting for the GPU."""
         if self.dry:
@@ -143,7 +166,8 @@ class LaunchTimer:
         import dist_moe.kernels.launch as launch
         from dist_moe.kernels.configs import RowConfig, WeightConfig
 
-        saved = {name: getattr(launch, name) for name in ("row_gemm", "weight_gemm", "gather_rows")}
+        saved = {name: getattr(launch, name) for name in ("row_gemm", "weight_gemm", "gather_rows",
+                                                          "swiglu_backward")}
 
         def timed(fn, describe):
             def call(*args, **kwargs):
@@ -162,6 +186,7 @@ class LaunchTimer:
         launch.row_gemm = timed(saved["row_gemm"], _row_flops)
         launch.weight_gemm = timed(saved["weight_gemm"], lambda **kw: _weight_flops(self.setup.rows, **kw))
         launch.gather_rows = timed(saved["gather_rows"], lambda *args, **kwargs: ("gather rows (padded copy)", 0.0))
+        launch.swiglu_backward = timed(saved["swiglu_backward"], lambda *args, **kwargs: ("SwiGLU backward pass", 0.0))
         try:
             yield self
         finally:
@@ -187,14 +212,16 @@ class LaunchTimer:
 
 
 def _row_flops(ops, config=None):
-    from dist_moe.kernels.launch import EPILOGUE_SCATTER, EPILOGUE_SWIGLU, EPILOGUE_SWIGLU_BWD
+    from dist_moe.kernels.launch import EPILOGUE_SCATTER, EPILOGUE_STORE, EPILOGUE_SWIGLU
 
     e, k, n = ops.b.shape
     if ops.a2 is not None:  # two K halves in one accumulator
         return "dx = dgate @ w1 + dup @ w3", 2.0 * ops.num_rows * n * (k + ops.a2.shape[1])
     products = 2 if ops.b2 is not None else 1  # gate and up
-    name = {EPILOGUE_SWIGLU: "gate/up + SwiGLU", EPILOGUE_SCATTER: "down + weight, scatter",
-            EPILOGUE_SWIGLU_BWD: "dOut @ w2 + SwiGLU bwd"}.get(ops.epilogue, "grouped GEMM")
+    name = {EPILOGUE_SWIGLU: "gate/up + SwiGLU", EPILOGUE_SCATTER: "down + weight, scatter"}.get(
+        ops.epilogue, "grouped GEMM")
+    if ops.epilogue == EPILOGUE_STORE and ops.padded_a:
+        name = "dh = dOut @ w2"
     return name, 2.0 * ops.num_rows * n * k * products
 
 

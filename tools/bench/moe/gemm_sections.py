@@ -41,9 +41,14 @@ def weight_sweep(dry: bool):
 
     tma = _as_hopper(lambda: weight_candidates(torch.device("cuda"), torch.bfloat16, tma=True))
     tma += [
+        WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True),
+        WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3, persistent=True, per_sm=2),
         WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True, group_k=1),
         WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True, group_k=32),
         WeightConfig(block_k=256, block_n=128, block_r=64, num_warps=8, num_stages=3, persistent=True),
+        WeightConfig(block_k=256, block_n=128, block_r=64, num_warps=8, num_stages=3, persistent=True,
+                     store_tma=True),
+        WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, store_tma=True),
         WeightConfig(block_k=128, block_n=256, block_r=32, num_warps=8, num_stages=4, persistent=True),
         WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4, persistent=True),
         WeightConfig(block_k=128, block_n=128, block_r=32, num_warps=4, num_stages=4, persistent=True, per_sm=2),

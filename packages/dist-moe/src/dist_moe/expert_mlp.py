@@ -14,14 +14,14 @@ backward); (2) down GEMM whose epilogue multiplies by the routing weight and sto
 slot -> [rows, top_k, dim], summed over top_k (a contiguous reduction, deterministic).
 
 Backward, in the padded row layout (each expert's rows start at a multiple of 64 rows, zero rows
-fill its last chunk; kernels/row_tiles.py), so every GEMM operand that is not a weight goes
-through TMA and the weight gradients sum whole chunks without masks: (3) D = dOut[slot // top_k]
-(a gather copy: Hopper TMA cannot gather); (4) D @ w2 with the routing-weight gradient
-(sum of acc * h), the weight scaling and the SwiGLU backward in the epilogue, writing
-[dgate | dup | w * h] side by side; (5) w2's gradient D^T (w * h); (6) dgate @ w1 + dup @ w3 in
-one accumulator, stored at the slots and summed; (7) X = x[slot // top_k] (gather copy) and the
-w1 and w3 gradients [dgate | dup]^T X as one GEMM writing both. No launch reads device data on
-the host.
+fill its last chunk; kernels/row_tiles.py), so every GEMM operand that is not a weight goes through
+TMA and the weight gradients sum whole chunks without masks: (3) D = dOut[slot // top_k] (a gather
+copy: Hopper TMA cannot gather); (4) dh = D @ w2 (a plain persistent GEMM), then one memory-bound
+pass for the routing-weight gradient <dh, h>, the weight scaling and the SwiGLU backward, writing
+[dgate | dup | w * h] side by side (kernels/swiglu_backward.py); (5) w2's gradient D^T (w * h); (6)
+dgate @ w1 + dup @ w3 in one accumulator, stored at the slots and summed; (7) X = x[slot // top_k]
+(gather copy) and the w1 and w3 gradients [dgate | dup]^T X as one GEMM writing both. No launch
+reads device data on the host.
 """
 from __future__ import annotations
 
@@ -125,11 +125,11 @@ class _ExpertMLP(torch.autograd.Function):
     def backward(ctx, grad_out):
         from dist_moe.kernels.launch import (
             EPILOGUE_SCATTER,
-            EPILOGUE_SWIGLU_BWD,
             RowOperands,
             TileMaps,
             gather_rows,
             row_gemm,
+            swiglu_backward,
             weight_gemm,
         )
 
@@ -146,19 +146,17 @@ class _ExpertMLP(torch.autograd.Function):
 
         dx = dw1 = dw2 = dw3 = dweights = None
         d_out = gather_rows(grad_out, slot, top_k, maps)  # [padded rows, dim]
-        # [padded rows, 3 * ffn]: dgate | dup | w * h, written by the SwiGLU-backward epilogue.
+        # [padded rows, 3 * ffn]: dgate | dup | w * h, written by the SwiGLU-backward pass.
         grads = x.new_empty(maps.padded_rows, 3 * ffn)
         dgate, dup, hw = grads[:, :ffn], grads[:, ffn:2 * ffn], grads[:, 2 * ffn:]
-        # Partial sums of the routing-weight gradient, one row per N tile; zeroed by the launcher,
-        # sized for the narrowest tile any configuration uses (16 columns).
-        partial = (torch.empty(_cdiv(ffn, 16), num_routed, device=x.device, dtype=torch.float32)
-                   if need_weights else None)
-        row_gemm(RowOperands(a=d_out, b=w2, offsets=offsets, out=dgate, out2=dup, out3=hw, aux=(gate, up, h),
-                             num_rows=num_routed, slot=slot, top_k=top_k, padded_a=True,
-                             epilogue=EPILOGUE_SWIGLU_BWD, weight=flat_weights, partial=partial, maps=maps))
+        dh = x.new_empty(num_routed, ffn)  # dOut[token] @ W2^T, in expert order
+        row_gemm(RowOperands(a=d_out, b=w2, offsets=offsets, out=dh, num_rows=num_routed, padded_a=True, maps=maps))
+        flat_dweights = torch.empty(num_routed, device=x.device, dtype=torch.float32) if need_weights else None
+        swiglu_backward(dh, (gate, up, h), (dgate, dup, hw), slot, maps, flat_weights, flat_dweights)
+        del dh
         if need_weights:
             shape, dtype = ctx.weights_shape
-            dweights = partial.sum(dim=0).view(shape).to(dtype)
+            dweights = flat_dweights.view(shape).to(dtype)
         if need_w2:  # [E, dim, ffn] = D^T (w h)
             dw2 = _weight_grads(d_out, hw, maps.padded_ends(), [w2.shape[1]], ctx.weight_grad, weight_gemm)[0]
         del d_out
@@ -194,6 +192,3 @@ def _weight_grads(p: Tensor, q: Tensor, padded_ends: Tensor, widths: list[int], 
     weight_gemm(p=p, q=q, ends=padded_ends, outs=tuple(outs), padded=True)
     return outs
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

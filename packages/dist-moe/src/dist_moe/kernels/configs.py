@@ -3,9 +3,9 @@
 Candidates are ordered best first (the H200 sweep of tools/bench/moe). On Hopper, tl.dot of bf16
 with a float32 accumulator becomes wgmma; 128x256x64 tiles with 8 warps and 3-4 stages fill the
 227 KiB of shared memory. With autotuning on (the default on CUDA; DIST_MOE_AUTOTUNE=0 turns it
-off) the first call for a (kernel, shape, dtype) key times each of its 2-4 candidates once and
-keeps the fastest; a candidate that fails to compile is skipped. float32 on GPU (a correctness
-path) has one small tile and is never tuned.
+off) the first call for a (kernel, shape, dtype) key times each of its 2-3 candidates (median of
+~40 ms of calls) and keeps the fastest; a candidate that fails to compile is skipped. float32 on
+GPU (a correctness path) has one small tile and is never tuned.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from dist_moe.kernels.row_tiles import ROW_ALIGN
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,9 +51,11 @@ class WeightConfig:
     num_stages: int = 3
     persistent: bool = False
     per_sm: int = 1
+    store_tma: bool = False  # contiguous outputs whose rows are whole tiles: TMA stores
 
     def name(self) -> str:
         style = f"persistent x{self.per_sm}" if self.persistent else "grid"
+        style += " +tma store" if self.store_tma else ""
         return (f"{self.block_k}x{self.block_n}x{self.block_r} g{self.group_k} w{self.num_warps} "
                 f"s{self.num_stages} {style}")
 
@@ -74,9 +75,9 @@ def _wgmma_dtype(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-# Row-tiled kernel roles: "plain" (grouped_mm, the down projection), "dual" (gate and up in one
-# tile: two accumulators, so half the N width), "swiglu_bwd" (dOut @ W2 with the SwiGLU backward
-# in a heavier epilogue), "concat" (the input gradient, two A/B pairs in one accumulator).
+# Row-tiled kernel roles: "plain" (grouped_mm, the down projection, dOut @ W2), "dual" (gate and
+# up in one tile: two accumulators, so half the N width), "concat" (the input gradient, two A/B
+# pairs in one accumulator).
 # Hopper, 16-bit: the H200 sweep's best configurations first (tools/bench/moe, float64-checked):
 # grouped GEMM 128x256x64, 8 warps, 3 stages, persistent with the tile loop flattened into the K
 # loop and TMA operands (756/697/739/629 TFLOP/s against torch._grouped_mm's 681/644/671/617).
@@ -90,27 +91,24 @@ _HOPPER_ROWS = {
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, tma=True),
     ],
     # The gathered A comes through pointer loads (TMA cannot gather on Hopper); two float32
-    # accumulators: 128x128 each is the register budget.
+    # accumulators: 128x128 each is the register budget. Persistent without flattening (H200,
+    # gathered, two runs: 2.81-3.00 ms at 3 stages, 2.88 at 4, against 2.98-2.99 for a tile per
+    # program with pointer weights and 3.18 with TMA weights; flattened 6.04: the next tile's
+    # gathered loads then serialise with this tile's epilogue). 128x128x128 (3.83) and 128x128x32
+    # at 6 stages (3.23) are slower.
     "dual": [
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True, tma=True),
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent=True, tma=True),
         RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
-        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True),
-        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True, flatten=True,
-                  tma=True),
     ],
-    # The epilogue reads three tiles and writes three next to the accumulator: N at most 128, and
-    # 64 when flattened (the next tile's prefetch holds registers too; 128 spills).
-    "swiglu_bwd": [
-        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True),
-        RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, persistent=True, flatten=True,
-                  tma=True),
-        RowConfig(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, tma=True),
-    ],
-    # Two K loops in one tile (loop fusion cannot flatten those into the tile loop); 4 stages of
-    # 128x256 spill registers (triton 3.6).
+    # Two K loops in one tile; 4 stages of 128x256 spill registers (triton 3.6). Persistent with
+    # flatten requested first: in the layer 2.92 / 3.12 ms (uniform / skewed) against 3.02 / 3.31 for
+    # a tile per program (H200).
     "concat": [
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, flatten=True,
+                  tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, tma=True),
-        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True),
     ],
 }
 ROLES = tuple(_HOPPER_ROWS)
@@ -118,9 +116,8 @@ ROLES = tuple(_HOPPER_ROWS)
 
 def row_candidates(role: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[RowConfig]:
     assert role in ROLES, role
-    if interpreting():  # tiny tiles; the SwiGLU backward's row tiles must hold whole padded chunks
-        block_m = ROW_ALIGN if role == "swiglu_bwd" else 16
-        return [RowConfig(block_m=block_m, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)]
+    if interpreting():  # tiny tiles
+        return [RowConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)]
     if not _wgmma_dtype(dtype):  # float32 on GPU is a correctness path: one small tile, no tuning
         return [RowConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)]
     if _capability(device) >= (9, 0):
@@ -133,14 +130,15 @@ def row_candidates(role: str, device: torch.device, dtype: torch.dtype = torch.b
 
 # Weight gradient, Hopper, 16-bit, operands in the padded layout through TMA (the expert MLP's
 # backward): a persistent 128x256 tile whose flattened loop prefetches the next tile during the
-# store (short row loops: 1024 rows per expert are 16 steps), a tile per program, and 128x128
-# with 4 warps at two programs per SM (one's store hides behind the other's loads).
+# store (short row loops: 1024 rows per expert are 16 steps), its result written by a TMA store,
+# L2 groups of 32 or 8 K tiles. H200, on the layer's operands (w2 / w1+w3, uniform routing):
+# 698 / 714 and 700 / 696 TFLOP/s, against 612 / 658 with pointer stores and 623 / 589 for 128x128
+# tiles at two programs per SM (no longer shipped: the first-call tuner picked it by noise, 0.3 ms
+# slower in the layer).
 _HOPPER_WEIGHTS_TMA = [
-    WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True),
-    WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3),
-    # ~104 KiB of shared memory each (3 stages; 4 would not fit two per SM)
-    WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3, persistent=True, per_sm=2),
-    WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=4, num_stages=3),
+    WeightConfig(block_k=128, block_n=256, block_r=64, group_k=32, num_warps=8, num_stages=3, persistent=True,
+                 store_tma=True),
+    WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True, store_tma=True),
 ]
 # Pointer loads with masked tails (grouped_mm's backward on unpadded rows): the H200 sweep's best.
 _HOPPER_WEIGHTS_POINTER = [
@@ -183,7 +181,7 @@ def choose(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], 
     best, best_ms, errors = None, float("inf"), []
     for config in candidates:
         try:
-            ms = do_bench(lambda: launch(config), warmup=5, rep=20)
+            ms = do_bench(lambda: launch(config), warmup=10, rep=40, return_mode="median")
         except Exception as err:  # a config may not compile or fit (shared memory): try the next
             errors.append(f"{config.name()}: {type(err).__name__}: {err}")
             continue

@@ -37,6 +37,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes per block on H100/H200 (227 KiB)
 SM_SHARED = 233472  # bytes per SM (228 KiB)
 SM_REGISTERS = 65536
+MEMORY_BOUND = ("tile_map_kernel", "gather_rows_kernel", "swiglu_backward_kernel")  # no GEMM: no wgmma expected
 SPILL_LIMIT = 64  # bytes per thread of register spills tolerated (a warning below it)
 
 
@@ -105,7 +106,7 @@ def capture_launches(launch_module):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
 
-    names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel", "gather_rows_kernel")
+    names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel", "gather_rows_kernel", "swiglu_backward_kernel")
     saved = {n: getattr(launch_module, n) for n in names}
     for n in names:
         setattr(launch_module, n, Recorder(saved[n]))
@@ -220,7 +221,7 @@ def _pretend_triton_on_cpu():
 
 def describe(kwargs: dict) -> str:
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "EPILOGUE", "A_GATHER", "A_PADDED", "TWO_B", "CONCAT_K",
-            "A_TMA", "B_TMA", "B_K_CONTIG", "TMA", "FLATTEN", "num_warps", "num_stages")
+            "A_TMA", "B_TMA", "B_K_CONTIG", "TMA", "OUT_TMA", "FLATTEN", "num_warps", "num_stages")
     return " ".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
 
 
@@ -239,7 +240,7 @@ def check(launches: list) -> int:
     seen, failures = set(), 0
     print(f"triton {triton.__version__}, target sm_90; {len(launches)} launches captured")
     for kernel, call_args, kwargs in launches:
-        if kernel.__name__ in ("tile_map_kernel", "gather_rows_kernel") and kernel.__name__ in seen:
+        if kernel.__name__ in MEMORY_BOUND and kernel.__name__ in seen:
             continue
         signature, constexprs, attrs, options = specialise(kernel, call_args, kwargs)
         key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted((k, str(v)) for k, v in constexprs.items())),
@@ -247,7 +248,7 @@ def check(launches: list) -> int:
         if key in seen:
             continue
         seen.add(key)
-        if kernel.__name__ in ("tile_map_kernel", "gather_rows_kernel"):
+        if kernel.__name__ in MEMORY_BOUND:
             seen.add(kernel.__name__)
         start = time.time()
         try:
@@ -259,7 +260,7 @@ def check(launches: list) -> int:
             continue
         info = inspect_compiled(compiled)
         problems = []
-        if kernel.__name__ not in ("tile_map_kernel", "gather_rows_kernel"):
+        if kernel.__name__ not in MEMORY_BOUND:
             if not info["wgmma"]:
                 problems.append("no wgmma")
             if not (info["cp_async"] or info["tma"]):

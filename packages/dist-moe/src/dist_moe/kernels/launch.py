@@ -24,10 +24,10 @@ from dist_moe.kernels.row_gemm import (
     EPILOGUE_SCATTER,
     EPILOGUE_STORE,
     EPILOGUE_SWIGLU,
-    EPILOGUE_SWIGLU_BWD,
     row_gemm_kernel,
 )
 from dist_moe.kernels.row_tiles import ROW_ALIGN, TILE_FIELDS, gather_rows_kernel, padded_rows, tile_map_kernel
+from dist_moe.kernels.swiglu_backward import swiglu_backward_kernel
 from dist_moe.kernels.weight_gemm import weight_gemm_kernel
 
 try:  # host-built TMA descriptors (triton >= 3.4); without them every load uses pointers
@@ -35,8 +35,8 @@ try:  # host-built TMA descriptors (triton >= 3.4); without them every load uses
 except ImportError:  # pragma: no cover - depends on the installed triton
     TensorDescriptor = None
 
-__all__ = ["EPILOGUE_SCATTER", "EPILOGUE_STORE", "EPILOGUE_SWIGLU", "EPILOGUE_SWIGLU_BWD", "RowOperands",
-           "TileMaps", "gather_rows", "row_gemm", "weight_gemm"]
+__all__ = ["EPILOGUE_SCATTER", "EPILOGUE_STORE", "EPILOGUE_SWIGLU", "RowOperands",
+           "TileMaps", "gather_rows", "row_gemm", "swiglu_backward", "weight_gemm"]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -83,6 +83,15 @@ def _b_descriptor(b: Tensor, config: RowConfig):
     if b.stride(2) == 1 and b.stride(0) == k * b.stride(1) and k % config.block_k == 0:
         return _descriptor(b, [e * k, n], b.stride(1), [config.block_k, config.block_n])
     return None
+
+
+def _output_descriptor(out: Tensor, block_rows: int, block_cols: int):
+    """TMA descriptor over a contiguous [E, rows, N] output seen as [E * rows, N], or None: rows must
+    be whole tiles (a tile past an expert's last row would land in the next expert's)."""
+    e, rows, n = out.shape
+    if out.stride() != (rows * n, n, 1) or rows % block_rows:
+        return None
+    return _descriptor(out, [e * rows, n], n, [block_rows, block_cols])
 
 
 @dataclass
@@ -148,6 +157,46 @@ def gather_rows(src: Tensor, slot: Tensor, top_k: int, maps: TileMaps) -> Tensor
     return out
 
 
+# Memory-bound: 64-row tiles, 128 columns per step at 8 warps moved 3.2 TB/s on the H200
+# (0.294 ms for the layer's 940 MB; 64/8 0.305, 64/4 0.344, 32/4 0.395: tools/bench/moe/probe_variants.py).
+_SWIGLU_BLOCK_C, _SWIGLU_WARPS = 128, 8
+
+
+def swiglu_backward(dh: Tensor, saved: tuple[Tensor, Tensor, Tensor], outs: tuple[Tensor, Tensor, Tensor],
+                    slot: Tensor, maps: TileMaps, weight: Tensor | None = None,
+                    dweight: Tensor | None = None, *, block_c: int = _SWIGLU_BLOCK_C,
+                    num_warps: int = _SWIGLU_WARPS) -> None:
+    """SwiGLU backward of routed rows (see swiglu_backward.py).
+
+    dh [rows, N] and saved = (gate, up, h) [rows, N] in expert order; outs = (dgate, dup, hw)
+    [padded rows, N] in the padded layout (zeros in the padding). With `weight` (float32 [slots],
+    indexed by slot) the gradients are scaled by it, and dweight [slots] float32 (when given)
+    receives <dh, h>, the routing weight's gradient.
+    """
+    gate, up, h = saved
+    dgate, dup, hw = outs
+    assert dweight is None or weight is not None
+    assert gate.stride() == up.stride() == h.stride() and dgate.stride() == dup.stride() == hw.stride()
+    assert all(t.stride(1) == 1 for t in (dh, gate, dgate)), "columns must be contiguous"
+    assert ROW_ALIGN * max(dh.stride(0), gate.stride(0), dgate.stride(0)) < 2**31, "tile offsets must fit int32"
+    cols = dh.shape[1]
+    if maps.num_rows == 0 or cols == 0:
+        for out in outs:
+            out.zero_()
+        return
+    _prepare()
+    block_m = ROW_ALIGN  # the zero rows of an expert's last chunk lie in its last tile
+    table = maps.table(block_m)
+    max_tiles = maps.max_tiles(block_m)
+    dummy = dh
+    swiglu_backward_kernel[(max_tiles,)](
+        dh, gate, up, h, dgate, dup, hw,
+        weight if weight is not None else dummy, dweight if dweight is not None else dummy,
+        table, slot, max_tiles, cols, dh.stride(0), gate.stride(0), dgate.stride(0),
+        HAS_WEIGHT=weight is not None, WANT_DWEIGHT=dweight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=num_warps)
+
+
 @dataclass
 class RowOperands:
     """What one row-tiled launch reads and writes (see row_gemm.py for the variants)."""
@@ -166,15 +215,11 @@ class RowOperands:
     epilogue: int = EPILOGUE_STORE
     out2: Tensor | None = None
     out3: Tensor | None = None
-    aux: tuple[Tensor, Tensor, Tensor] | None = None  # SWIGLU_BWD: gate, up, h [rows, N], strides of out
     weight: Tensor | None = None  # float32 [slots] routing weight, indexed by slot
-    partial: Tensor | None = None  # SWIGLU_BWD with weight: float32 [cdiv(N, BLOCK_N), slots]
     save_preact: bool = False
     maps: TileMaps | None = None  # row-tile tables to reuse (made from offsets when None)
 
     def role(self) -> str:
-        if self.epilogue == EPILOGUE_SWIGLU_BWD:
-            return "swiglu_bwd"
         if self.a2 is not None:
             return "concat"
         return "dual" if self.b2 is not None else "plain"
@@ -202,12 +247,6 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
     num_experts, k, n = ops.b.shape
     k2 = ops.a2.shape[1] if ops.a2 is not None else k
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    if ops.epilogue == EPILOGUE_SWIGLU_BWD:
-        assert bm % ROW_ALIGN == 0, "the padded outputs' zero rows must lie in the expert's last row tile"
-        assert bm * ops.out.stride(0) + n * ops.out.stride(1) < 2**31, "tile offsets must fit int32"
-    if ops.partial is not None:
-        assert ops.partial.shape[0] >= triton.cdiv(n, bn), "partial needs a row per N tile"
-        ops.partial.zero_()  # rows past this config's N tiles must not keep another config's sums
     maps = ops.maps or TileMaps(ops.offsets, ops.num_rows)
     tile_info = maps.table(bm)
     max_row_tiles = maps.max_tiles(bm)
@@ -233,8 +272,6 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
         assert ops.a2.stride() == ops.a.stride(), "the two A operands must share strides"
     for t in (ops.out2, ops.out3):
         assert t is None or t.stride() == ops.out.stride(), "the outputs must share strides"
-    if ops.aux is not None:
-        assert all(t.stride() == ops.out.stride() for t in ops.aux), "saved activations and outputs share strides"
 
     dummy = ops.out
     slot = ops.slot if ops.slot is not None else ops.offsets
@@ -244,11 +281,9 @@ def _launch_rows(ops: RowOperands, config: RowConfig) -> None:
         ops.b, b_desc if b_desc is not None else ops.b,
         ops.b2 if ops.b2 is not None else ops.b, b2_desc if b2_desc is not None else ops.b,
         ops.out, ops.out2 if ops.out2 is not None else dummy, ops.out3 if ops.out3 is not None else dummy,
-        *(ops.aux if ops.aux is not None else (dummy, dummy, dummy)),
         tile_info, slot,
         ops.weight if ops.weight is not None else dummy,
-        ops.partial if ops.partial is not None else dummy,
-        n, k, k2, max_row_tiles, ops.partial.shape[1] if ops.partial is not None else 0, ops.top_k,
+        n, k, k2, max_row_tiles, ops.top_k,
         ops.a.stride(0), ops.a.stride(1),
         ops.b.stride(0), ops.b.stride(1), ops.b.stride(2),
         ops.out.stride(0), ops.out.stride(1),
@@ -308,15 +343,22 @@ def _launch_weight(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...],
             q_desc = _descriptor(q, [q.shape[0], nq], q.stride(0), [br, bn])
             if p_desc is None or q_desc is None:
                 p_desc = q_desc = None
+    out_desc = out2_desc = None
+    if config.store_tma:
+        out_desc, out2_desc = (_output_descriptor(t, bk, bn) for t in (out, out2))
+        if out_desc is None or out2_desc is None:
+            out_desc = out2_desc = None
     tiles = triton.cdiv(kp, bk) * triton.cdiv(nq, bn) * num_experts
     grid = (min(tiles, config.per_sm * _num_sms(p.device)) if config.persistent else tiles,)
     weight_gemm_kernel[grid](
-        p, p_desc if p_desc is not None else p, q, q_desc if q_desc is not None else q, out, out2, ends,
+        p, p_desc if p_desc is not None else p, q, q_desc if q_desc is not None else q, out, out2,
+        out_desc if out_desc is not None else out, out2_desc if out2_desc is not None else out, ends,
         kp, nq, split, num_experts,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, GROUP_K=config.group_k,
         BLOCK_E=triton.next_power_of_2(max(num_experts, 16)), TMA=p_desc is not None,
-        EVEN_K=(kp % bk == 0), EVEN_N=(nq % bn == 0), DOT_PRECISION=_dot_precision(p.dtype),
+        OUT_TMA=out_desc is not None, EVEN_K=(kp % bk == 0), EVEN_N=(nq % bn == 0),
+        DOT_PRECISION=_dot_precision(p.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

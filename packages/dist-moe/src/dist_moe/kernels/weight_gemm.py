@@ -20,6 +20,9 @@ rows in L2.
 
 SPLIT: out rows k >= SPLIT go to out2[e, k - SPLIT] (the gate and up weight gradients from one P
 holding both gradients side by side); SPLIT = KP with one output. Outputs take any strides.
+OUT_TMA: contiguous outputs are written by TMA stores (descriptors over [E * rows, NQ], rows a
+multiple of BLOCK_K so no tile crosses experts): the warps hand the tile to the copy engine and go
+on to the next tile's products instead of issuing the 64 KiB of stores themselves.
 """
 from __future__ import annotations
 
@@ -59,13 +62,13 @@ def _load_chunk(ptr, desc, r0, row_end, c0, offs_r, offs_c, C, stride_r, stride_
 
 @triton.jit
 def weight_gemm_kernel(
-    p_ptr, p_desc, q_ptr, q_desc, out_ptr, out2_ptr, ends_ptr,
+    p_ptr, p_desc, q_ptr, q_desc, out_ptr, out2_ptr, out_desc, out2_desc, ends_ptr,
     KP, NQ, SPLIT, num_experts,
     stride_pr, stride_pk, stride_qr, stride_qn,
     stride_oe, stride_ok, stride_on,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, TMA: tl.constexpr, OUT_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -117,16 +120,22 @@ def weight_gemm_kernel(
         q = _load_chunk(q_ptr, q_desc, r0, row_end, n0, offs_r, offs_n, NQ, stride_qr, stride_qn, TMA, EVEN_N)
         acc = tl.dot(p.T, q, acc, input_precision=DOT_PRECISION)
         if chunk == chunks - 1:  # the tile's last chunk: store it, and start the next tile from zero
-            ks = k0 + offs_k
-            ns = n0 + offs_n
-            mask = (ks < KP)[:, None] & (ns < NQ)[None, :]
-            if k0 >= SPLIT:
-                base = out2_ptr
-                ks -= SPLIT
-            else:
-                base = out_ptr
-            offsets = e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
             # An empty expert's one step read rows of the next expert: its tile is zeros.
-            tile_sum = tl.where(row_end > row_start, acc, 0.0)
-            tl.store(base + offsets, tile_sum.to(out_ptr.dtype.element_ty), mask=mask)
+            tile_sum = tl.where(row_end > row_start, acc, 0.0).to(out_ptr.dtype.element_ty)
+            if OUT_TMA:
+                if k0 >= SPLIT:
+                    out2_desc.store([e * (KP - SPLIT) + k0 - SPLIT, n0], tile_sum)
+                else:
+                    out_desc.store([e * SPLIT + k0, n0], tile_sum)
+            else:
+                ks = k0 + offs_k
+                ns = n0 + offs_n
+                mask = (ks < KP)[:, None] & (ns < NQ)[None, :]
+                if k0 >= SPLIT:
+                    base = out2_ptr
+                    ks -= SPLIT
+                else:
+                    base = out_ptr
+                offsets = e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
+                tl.store(base + offsets, tile_sum, mask=mask)
             acc = zero  # a register select per step, as in the compiler's own loop fusion
