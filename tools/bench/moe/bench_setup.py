@@ -73,7 +73,8 @@ class Setup:
     def interleaved_ms(self, fns: dict, rounds: int, per_block: int) -> dict:
         """{name: median ms per call}: the functions take turns, `per_block` back-to-back calls each
         per round, so clock and thermal drift fall on all of them alike. Before each block the GPU is
-        held back ~25 ms, so the host has queued the block when it starts (no launch latency in it)."""
+        held back ~25 ms, so the host has queued the block when it starts (no launch latency in it).
+        Off CUDA (--dry-run) each function runs once: a check of the path, not a timing."""
         import statistics
 
         import torch

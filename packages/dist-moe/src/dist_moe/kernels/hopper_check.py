@@ -106,7 +106,8 @@ def capture_launches(launch_module):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
 
-    names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel", "gather_rows_kernel", "swiglu_backward_kernel")
+    names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel", "gather_rows_kernel",
+             "swiglu_backward_kernel")
     saved = {n: getattr(launch_module, n) for n in names}
     for n in names:
         setattr(launch_module, n, Recorder(saved[n]))

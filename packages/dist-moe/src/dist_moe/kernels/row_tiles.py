@@ -70,17 +70,20 @@ def tile_map_kernel(offsets_ptr, info_ptr, padded_ends_ptr, num_experts, max_til
 
 
 @triton.jit
+def tile_rows(tile_info_ptr, tile):
+    """(first row, end row, shift, fill end) of row tile `tile` of the table (TILE_FIELDS)."""
+    info = tile_info_ptr + tile * 5
+    return tl.load(info + 1), tl.load(info + 2), tl.load(info + 3), tl.load(info + 4)
+
+
+@triton.jit
 def gather_rows_kernel(src_ptr, out_ptr, tile_info_ptr, slot_ptr, max_tiles, num_cols, top_k,
                        stride_src, stride_out,
                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (row tile, column block): the tile's rows into the padded layout, zeros in its padding."""
     tile = tl.program_id(0)
     if tile < tl.load(tile_info_ptr + max_tiles * 5):
-        base = tile_info_ptr + tile * 5
-        m0 = tl.load(base + 1)
-        row_end = tl.load(base + 2)
-        shift = tl.load(base + 3)
-        fill_end = tl.load(base + 4)
+        m0, row_end, shift, fill_end = tile_rows(tile_info_ptr, tile)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dist_moe.kernels.row_tiles import tile_rows
+
 
 @triton.jit
 def swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, h_ptr, dgate_ptr, dup_ptr, hw_ptr,
@@ -29,11 +31,7 @@ def swiglu_backward_kernel(dh_ptr, gate_ptr, up_ptr, h_ptr, dgate_ptr, dup_ptr, 
                            BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     tile = tl.program_id(0)
     if tile < tl.load(tile_info_ptr + max_tiles * 5):
-        info = tile_info_ptr + tile * 5
-        m0 = tl.load(info + 1)
-        row_end = tl.load(info + 2)
-        shift = tl.load(info + 3)
-        fill_end = tl.load(info + 4)
+        m0, row_end, shift, fill_end = tile_rows(tile_info_ptr, tile)
         offs_m = tl.arange(0, BLOCK_M)
         rows = m0 + offs_m
         row_ok = rows < row_end
