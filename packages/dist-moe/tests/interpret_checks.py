@@ -5,7 +5,8 @@ imported); prints one JSON object {check name: {"ok", "err"}}. Shapes are tiny a
 of uneven size, an empty group, one longer than a 64-row chunk, K and N tails that are not a
 multiple of the tile, grid and persistent launches, TMA descriptors for both weight layouts, the
 weight gradient with pointer loads and in the padded layout (one and two outputs), the padded
-layout itself (gather, zero rows, padded ends), the fused expert MLP with top_k 2 and routing
+layout itself (gather, zero rows, padded ends), the weighted top-k sum over gathered rows
+(slot_sum, with column and row tails), the fused expert MLP with top_k 2 and routing
 weights, with top_k 1 and no weights (the expert-parallel case), and with the torch._grouped_mm
 weight-gradient fallback.
 """
@@ -23,7 +24,15 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 import dist_moe  # noqa: E402
 from dist_moe.kernels import configs  # noqa: E402
 from dist_moe.kernels.configs import RowConfig, WeightConfig  # noqa: E402
-from dist_moe.kernels.launch import RowOperands, TileMaps, gather_rows, row_gemm, weight_gemm  # noqa: E402
+from dist_moe.kernels.launch import (  # noqa: E402
+    RowOperands,
+    TileMaps,
+    gather_rows,
+    invert_slots,
+    row_gemm,
+    slot_sum,
+    weight_gemm,
+)
 from dist_moe.kernels.row_tiles import ROW_ALIGN  # noqa: E402
 
 # Integer-overflow checks of every interpreted op cost time and test nothing here.
@@ -131,6 +140,23 @@ def grouped_mm_checks() -> None:
     check("grouped_mm_grad_w", wg.grad, wr.grad)
 
 
+def slot_sum_checks() -> None:
+    """out[t] = sum_j w[t, j] * y[pos[t, j]] with pos the inverse of a random expert order."""
+    gen = torch.Generator().manual_seed(2)
+    rows, top_k, cols = 13, 3, 300  # row tail against 4-row blocks, column tail against 128
+    slot = torch.randperm(rows * top_k, generator=gen).to(torch.int32)  # routed row r holds slot[r]
+    y = torch.randn(rows * top_k, cols, generator=gen)
+    weight = torch.rand(rows * top_k, generator=gen)
+    pos = invert_slots(slot)
+    check("invert_slots", pos[slot.long()], torch.arange(rows * top_k).double())
+    by_slot = torch.empty_like(y, dtype=torch.float64)
+    by_slot[slot.long()] = y.double()  # row of slot s
+    want = (by_slot * weight.double()[:, None]).view(rows, top_k, cols).sum(dim=1)
+    check("slot_sum_weighted", slot_sum(y, pos, top_k, weight, block_t=4, block_c=128), want)
+    check("slot_sum_unweighted", slot_sum(y, pos, top_k, block_t=4, block_c=128),
+          by_slot.view(rows, top_k, cols).sum(dim=1))
+
+
 def expert_mlp_reference(x, w1, w2, w3, expert_ids, weights):
     """Per token, per choice, straight from the definition (float64)."""
     outs = []
@@ -177,6 +203,7 @@ def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: i
 
 def main() -> None:
     grouped_mm_checks()
+    slot_sum_checks()
     expert_mlp_case("expert_mlp_top2_weighted", rows=11, top_k=2, with_weights=True)
     expert_mlp_case("expert_mlp_top1_unweighted", rows=9, top_k=1, with_weights=False)
     # Routing weights that need no gradient still scale the expert gradients.

@@ -20,7 +20,7 @@ EXPECTED = [
       for launch in ("grid", "persistent", "tma")),
     *(f"weight_gemm_{how}_{size}" for how in ("pointer", "padded_tma", "padded_split")
       for size in ("16", "32", "tma_store")),
-    "gather_rows_padded_layout", "padded_ends",
+    "gather_rows_padded_layout", "padded_ends", "invert_slots", "slot_sum_weighted", "slot_sum_unweighted",
     "grouped_mm_forward", "grouped_mm_grad_x", "grouped_mm_grad_w",
     *(f"{case}_{what}" for case in ("expert_mlp_top2_weighted", "expert_mlp_top2_tma_persistent",
                                     "expert_mlp_top2_torch_weight_grad")

@@ -16,7 +16,9 @@ Triton cache on disk is shared), in this order, each within its share of the tim
   bwd_sweep  the fused layer with one kernel role's configuration forced at a time: backward
              kernels (and the forward gate/up) compared in place, each checked against float64
   wgrad      the weight-gradient kernel alone on the layer's operands, against torch._grouped_mm
-Everything is checked against float64 before it is timed. Prints progress and a final table;
+Everything is checked against float64 before it is timed; what a section compares takes turns
+being timed (blocks after a short pause of the GPU, medians over rounds), since the H200 is
+power-limited and its clocks drift with how long it has been busy. Prints progress and a final table;
 writes the results as JSON to $OUT/moe_bench.json when OUT is set. --dry-run runs the same code
 on CPU through TRITON_INTERPRET=1 with tiny float32 shapes (a check of the script, not a measurement).
 """
@@ -163,7 +165,7 @@ def _layer_lines(layer: dict) -> list[str]:
         if launches:
             total = sum(x["ms"] or 0 for x in launches)
             lines.append(f"  {routing}: dist-moe launches of one fused step (sum {total:.2f} ms; the rest is torch "
-                         f"ops: routing sort, slot sums, partial sums)")
+                         f"ops: routing sort, dtype casts)")
             from layer_sections import _launch_line
 
             lines += [f"    {_launch_line(x)}" for x in launches]

@@ -155,9 +155,9 @@ def has_torch_grouped_mm() -> bool:
 
 @dataclass
 class LaunchTimer:
-    """Wraps dist-moe's launchers (row_gemm, weight_gemm, gather_rows) to time each launch of one
-    step with CUDA events: name, configuration, milliseconds, TFLOP/s (GEMMs). Use it on a step
-    after the first-call tuner has chosen (its own timing launches would be recorded too)."""
+    """Wraps dist-moe's launchers (row_gemm, weight_gemm, gather_rows, swiglu_backward, slot_sum) to
+    time each launch of one step with CUDA events: name, configuration, milliseconds, TFLOP/s
+    (GEMMs). Use it on a step after the first-call tuner has chosen (its own timing launches would be recorded too)."""
 
     setup: Setup
     records: list = field(default_factory=list)
@@ -168,7 +168,7 @@ class LaunchTimer:
         from dist_moe.kernels.configs import RowConfig, WeightConfig
 
         saved = {name: getattr(launch, name) for name in ("row_gemm", "weight_gemm", "gather_rows",
-                                                          "swiglu_backward")}
+                                                          "swiglu_backward", "slot_sum")}
 
         def timed(fn, describe):
             def call(*args, **kwargs):
@@ -188,6 +188,7 @@ class LaunchTimer:
         launch.weight_gemm = timed(saved["weight_gemm"], lambda **kw: _weight_flops(self.setup.rows, **kw))
         launch.gather_rows = timed(saved["gather_rows"], lambda *args, **kwargs: ("gather rows (padded copy)", 0.0))
         launch.swiglu_backward = timed(saved["swiglu_backward"], lambda *args, **kwargs: ("SwiGLU backward pass", 0.0))
+        launch.slot_sum = timed(saved["slot_sum"], lambda *args, **kwargs: ("slot_sum (top-k sum)", 0.0))
         try:
             yield self
         finally:
@@ -223,6 +224,8 @@ def _row_flops(ops, config=None):
         ops.epilogue, "grouped GEMM")
     if ops.epilogue == EPILOGUE_STORE and ops.padded_a:
         name = "dh = dOut @ w2"
+    elif ops.epilogue == EPILOGUE_STORE and ops.slot is not None:
+        name = "down (expert order)"
     return name, 2.0 * ops.num_rows * n * k * products
 
 

@@ -1,12 +1,14 @@
 """Benchmark sections on single kernels: the grouped GEMM forward (dist_moe.grouped_mm as shipped,
 torch._grouped_mm, a per-expert loop, and a short sweep of tile configurations) and the weight-
 gradient kernel on the layer's padded operands (a sweep against torch._grouped_mm). Every measured
-result is checked against float64 first."""
+result is checked against float64 first; what is compared on one case takes turns being timed."""
 from __future__ import annotations
 
 import time
 
 from bench_setup import BF16_RTOL, Setup, has_torch_grouped_mm, rel_err
+
+GEMM_ROUNDS, GEMM_BLOCK = 7, 10  # the forward comparison: rounds of turns, calls per block
 
 
 def row_sweep(dry: bool):
@@ -21,7 +23,6 @@ def row_sweep(dry: bool):
 
     shipped = _as_hopper(lambda: row_candidates("plain", torch.device("cuda"), torch.bfloat16))
     return shipped + [
-        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),  # pointer loads
     ]
@@ -108,55 +109,62 @@ def section_gemm(setup: Setup, budget_s: float) -> dict:
                 torch.mm(c["x"][bounds[e]:bounds[e + 1]], c["w"][e], out=out[bounds[e]:bounds[e + 1]])
             return out
 
-        anchors = {}
+        anchors, timed = {}, {}
         runners = {"dist_moe.grouped_mm": shipped, "per-expert loop": loop}
         if has_torch_grouped_mm():
             runners["torch._grouped_mm"] = torch_gmm
         for name, fn in runners.items():
             try:
-                out = fn()
+                out = fn()  # dist_moe's first call per shape tunes over the shipped candidates
                 entry = {"err": rel_err(out, c["want"])}
                 del out
                 entry["ok"] = entry["err"] <= BF16_RTOL
-                ms = setup.time_ms(fn, reps=20)
-                entry.update(ms=ms, tflops=c["flops"] / ms / 1e9)
                 if name != "per-expert loop":
                     entry["host_us"] = setup.host_us(fn)
                     graph = setup.graph_ms(fn)
                     entry["graph_tflops"] = c["flops"] / graph / 1e9 if graph else None
-                anchors[name] = entry
+                anchors[name], timed[name] = entry, fn
             except Exception as err:
                 anchors[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        # The runners take turns (blocks of 10 calls, 7 rounds, medians): clock drift on this
+        # power-limited GPU then falls on all of them alike.
+        for name, ms in setup.interleaved_ms(timed, rounds=GEMM_ROUNDS, per_block=GEMM_BLOCK).items():
+            anchors[name].update(ms=ms, tflops=c["flops"] / ms / 1e9)
         result["anchors"][key] = anchors
         print(f"[gemm] {key}: " + "  ".join(
             f"{n} {v['tflops']:.0f}{'' if v['ok'] else ' WRONG'}" if "tflops" in v else f"{n} {v['error']}"
             for n, v in anchors.items()), flush=True)
     result["tuned"] = {str(k): v.name() for k, v in chosen_configs().items()}
 
-    for config in row_sweep(setup.dry):
+    # The sweep: per case every configuration is checked, then they take turns being timed.
+    configs = row_sweep(setup.dry)
+    rows = {config.name(): {"config": config.name(), "results": {}} for config in configs}
+    for key, c in cases.items():
         if time.time() - t0 > budget_s:
             result["budget_reached"] = True
-            print(f"[gemm] time budget reached; {config.name()} and later configs skipped", flush=True)
+            print(f"[gemm] time budget reached; the sweep of {key} and later cases skipped", flush=True)
             break
-        row = {"config": config.name(), "results": {}}
-        try:
-            for key, c in cases.items():
+        fns = {}
+        for config in configs:
+            row = rows[config.name()]
+            try:
                 out = torch.empty_like(c["want"], dtype=setup.dtype)
                 ops = RowOperands(a=c["x"], b=c["w"], offsets=c["offsets"], out=out, num_rows=setup.rows)
                 row_gemm(ops, config)
                 err = rel_err(out, c["want"])
-                entry = {"err": err, "ok": err <= BF16_RTOL}
-                if entry["ok"]:
-                    ms = setup.time_ms(lambda: row_gemm(ops, config))
-                    entry.update(ms=ms, tflops=c["flops"] / ms / 1e9)
-                row["results"][key] = entry
-        except Exception as err:  # compile failure, shared memory, descriptor limits: record and go on
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                row["results"][key] = {"err": err, "ok": err <= BF16_RTOL}
+                if err <= BF16_RTOL:
+                    fns[config.name()] = lambda ops=ops, config=config: row_gemm(ops, config)
+            except Exception as err:  # compile failure, shared memory, descriptor limits: record and go on
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        for name, ms in setup.interleaved_ms(fns, rounds=GEMM_ROUNDS, per_block=GEMM_BLOCK).items():
+            rows[name]["results"][key].update(ms=ms, tflops=c["flops"] / ms / 1e9)
+    for row in rows.values():
         result["sweep"].append(row)
         summary = row.get("error") or "  ".join(
-            f"{key} {v['tflops']:.0f}" if v["ok"] else f"{key} WRONG(err {v['err']:.1e})"
-            for key, v in row["results"].items())
-        print(f"[gemm] {config.name():42s} {summary}", flush=True)
+            (f"{key} {v['tflops']:.0f}" if "tflops" in v else f"{key} -") if v["ok"]
+            else f"{key} WRONG(err {v['err']:.1e})" for key, v in row["results"].items())
+        print(f"[gemm] {row['config']:42s} {summary}", flush=True)
     return result
 
 
@@ -202,9 +210,18 @@ def section_wgrad(setup: Setup, budget_s: float) -> dict:
         return tuple(torch.empty(e, w, c["q"].shape[1], device=setup.device, dtype=setup.dtype) for w in c["widths"])
 
     result = {"sweep": [], "anchors": {}, "budget_reached": False}
-    if has_torch_grouped_mm():
-        for key, c in cases.items():
-            anchors = {}
+    tma_configs, pointer_configs = weight_sweep(setup.dry)
+    variants = [("padded tma", c) for c in tma_configs] + [("pointer", c) for c in pointer_configs]
+    rows = {f"{how} {config.name()}": {"config": f"{how} {config.name()}", "results": {}} for how, config in variants}
+    # Per case: the anchors and every variant are checked, then all of them take turns being timed
+    # (blocks of 10 calls, 7 rounds, medians), so clock drift falls on all alike.
+    for key, c in cases.items():
+        if time.time() - t0 > budget_s:
+            result["budget_reached"] = True
+            print(f"[wgrad] time budget reached; {key} and later cases skipped", flush=True)
+            break
+        anchors, fns, flops = {}, {}, c["flops"]
+        if has_torch_grouped_mm():
             for name, (p, q, offs) in {"torch._grouped_mm padded": (c["p_padded"], c["q_padded"], c["padded_ends"]),
                                        "torch._grouped_mm": (c["p"], c["q"], c["offsets"])}.items():
                 def run(p=p, q=q, offs=offs, c=c):
@@ -215,25 +232,13 @@ def section_wgrad(setup: Setup, budget_s: float) -> dict:
                     return torch.cat(outs, dim=1)
                 try:
                     err = rel_err(run(), c["want"])
-                    ms = setup.time_ms(run, reps=10)
-                    anchors[name] = {"err": err, "ok": err <= BF16_RTOL, "ms": ms, "tflops": c["flops"] / ms / 1e9}
+                    anchors[name] = {"err": err, "ok": err <= BF16_RTOL}
+                    fns[("anchor", name)] = run
                 except Exception as err:
                     anchors[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
-            result["anchors"][key] = anchors
-            print(f"[wgrad] anchors {key}: " + "  ".join(
-                f"{n} {v['tflops']:.0f}" if "tflops" in v else f"{n} {v['error'][:80]}" for n, v in anchors.items()),
-                flush=True)
-
-    tma_configs, pointer_configs = weight_sweep(setup.dry)
-    variants = [("padded tma", c) for c in tma_configs] + [("pointer", c) for c in pointer_configs]
-    for how, config in variants:
-        if time.time() - t0 > budget_s:
-            result["budget_reached"] = True
-            print(f"[wgrad] time budget reached; {how} {config.name()} and later skipped", flush=True)
-            break
-        row = {"config": f"{how} {config.name()}", "results": {}}
-        try:
-            for key, c in cases.items():
+        for how, config in variants:
+            row = rows[f"{how} {config.name()}"]
+            try:
                 outs = outs_for(c)
                 if how == "padded tma":
                     kwargs = dict(p=c["p_padded"], q=c["q_padded"], ends=c["padded_ends"], outs=outs, padded=True)
@@ -241,16 +246,23 @@ def section_wgrad(setup: Setup, budget_s: float) -> dict:
                     kwargs = dict(p=c["p"], q=c["q"], ends=c["offsets"], outs=outs)
                 weight_gemm(**kwargs, config=config)
                 err = rel_err(torch.cat(outs, dim=1), c["want"])
-                entry = {"err": err, "ok": err <= BF16_RTOL}
-                if entry["ok"]:
-                    ms = setup.time_ms(lambda: weight_gemm(**kwargs, config=config))
-                    entry.update(ms=ms, tflops=c["flops"] / ms / 1e9)
-                row["results"][key] = entry
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                row["results"][key] = {"err": err, "ok": err <= BF16_RTOL}
+                if err <= BF16_RTOL:
+                    fns[("variant", row["config"])] = lambda kwargs=kwargs, config=config: weight_gemm(**kwargs,
+                                                                                                      config=config)
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        for (kind, name), ms in setup.interleaved_ms(fns, rounds=GEMM_ROUNDS, per_block=GEMM_BLOCK).items():
+            target = anchors[name] if kind == "anchor" else rows[name]["results"][key]
+            target.update(ms=ms, tflops=flops / ms / 1e9)
+        result["anchors"][key] = anchors
+        print(f"[wgrad] anchors {key}: " + "  ".join(
+            f"{n} {v['tflops']:.0f}" if "tflops" in v else f"{n} {v.get('error', '-')[:80]}"
+            for n, v in anchors.items()), flush=True)
+    for row in rows.values():
         result["sweep"].append(row)
         summary = row.get("error") or "  ".join(
-            f"{key} {v['tflops']:.0f}" if v["ok"] else f"{key} WRONG(err {v['err']:.1e})"
-            for key, v in row["results"].items())
+            (f"{key} {v['tflops']:.0f}" if "tflops" in v else f"{key} -") if v["ok"]
+            else f"{key} WRONG(err {v['err']:.1e})" for key, v in row["results"].items())
         print(f"[wgrad] {row['config']:48s} {summary}", flush=True)
     return result

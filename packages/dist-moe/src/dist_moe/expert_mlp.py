@@ -10,8 +10,9 @@ the tokens received from other ranks, top_k is 1 and the routing weights are app
 
 Triton path, forward: (1) gate/up GEMM reading x[slot // top_k] inside the kernel, two
 accumulators sharing each A tile, SwiGLU in the epilogue -> h [R, ffn] (gate and up kept for the
-backward); (2) down GEMM whose epilogue multiplies by the routing weight and stores row r at its
-slot -> [rows, top_k, dim], summed over top_k (a contiguous reduction, deterministic).
+backward); (2) down GEMM storing in expert order, then one memory-bound pass that sums each input
+row's top_k results weighted, in float32 and a fixed order (deterministic; kernels/slot_sum.py);
+with top_k 1 the GEMM's epilogue weights each row and stores it at its slot instead.
 
 Backward, in the padded row layout (each expert's rows start at a multiple of 64 rows, zero rows
 fill its last chunk; kernels/row_tiles.py), so every GEMM operand that is not a weight goes through
@@ -19,9 +20,9 @@ TMA and the weight gradients sum whole chunks without masks: (3) D = dOut[slot /
 copy: Hopper TMA cannot gather); (4) dh = D @ w2 (a plain persistent GEMM), then one memory-bound
 pass for the routing-weight gradient <dh, h>, the weight scaling and the SwiGLU backward, writing
 [dgate | dup | w * h] side by side (kernels/swiglu_backward.py); (5) w2's gradient D^T (w * h); (6)
-dgate @ w1 + dup @ w3 in one accumulator, stored at the slots and summed; (7) X = x[slot // top_k]
-(gather copy) and the w1 and w3 gradients [dgate | dup]^T X as one GEMM writing both. No launch
-reads device data on the host.
+dgate @ w1 + dup @ w3 in one accumulator, stored in expert order and summed as in (2); (7) X =
+x[slot // top_k] (gather copy) and the w1 and w3 gradients [dgate | dup]^T X as one GEMM writing
+both. No launch reads device data on the host.
 """
 from __future__ import annotations
 
@@ -89,18 +90,33 @@ def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights) -> Tenso
     return slots.view(rows, top_k, dim).sum(dim=1)
 
 
-def _sum_slots(slots: Tensor, rows: int, top_k: int) -> Tensor:
-    """[rows * top_k, dim] -> [rows, dim]; torch sums 16-bit inputs in float32."""
-    return slots if top_k == 1 else slots.view(rows, top_k, -1).sum(dim=1)
+def _combine(ops, pos: Tensor | None, top_k: int, flat_weights: Tensor | None = None) -> Tensor:
+    """A GEMM over the routed rows whose result goes back to the input rows, weighted and summed.
+
+    top_k 1: the GEMM's epilogue scales each row and stores it at its slot (the rows come back in
+    input order). Otherwise the GEMM stores in expert order and one memory-bound pass sums each
+    input row's top_k results in float32, weighted (slot_sum.py): on the H200 the scattered stores
+    cost the down GEMM 0.23 ms of 1.47, more than the pass (0.13 ms, 4.1 TB/s).
+    `ops.out` [R, dim] is the GEMM's output buffer.
+    """
+    from dist_moe.kernels.launch import EPILOGUE_SCATTER, row_gemm, slot_sum
+
+    if top_k == 1:
+        ops.epilogue, ops.weight = EPILOGUE_SCATTER, flat_weights
+        row_gemm(ops)
+        return ops.out
+    row_gemm(ops)
+    return slot_sum(ops.out, pos, top_k, flat_weights)
 
 
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, w3, offsets, slot, weights, top_k, weight_grad):
-        from dist_moe.kernels.launch import EPILOGUE_SCATTER, EPILOGUE_SWIGLU, RowOperands, row_gemm
+        from dist_moe.kernels.launch import EPILOGUE_SWIGLU, RowOperands, TileMaps, invert_slots, row_gemm
 
-        rows, dim = x.shape
+        dim = x.shape[1]
         num_routed, ffn = slot.shape[0], w1.shape[1]
+        maps = TileMaps(offsets, num_routed)  # row-tile tables shared by the two GEMMs
         save = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 6))
         flat_weights = weights.reshape(-1).float().contiguous() if weights is not None else None
         if save:  # [R, 3 * ffn]: gate | up | h, the backward's [dgate | dup | w h] layout
@@ -111,20 +127,19 @@ class _ExpertMLP(torch.autograd.Function):
             h = x.new_empty(num_routed, ffn)
         row_gemm(RowOperands(a=x, b=w1.transpose(1, 2), b2=w3.transpose(1, 2), offsets=offsets, out=h, out2=gate,
                              out3=up, num_rows=num_routed, slot=slot, top_k=top_k, gather_a=True,
-                             epilogue=EPILOGUE_SWIGLU, save_preact=save))
-        slots = x.new_empty(num_routed, dim)
-        row_gemm(RowOperands(a=h, b=w2.transpose(1, 2), offsets=offsets, out=slots, num_rows=num_routed,
-                             slot=slot, epilogue=EPILOGUE_SCATTER, weight=flat_weights))
+                             epilogue=EPILOGUE_SWIGLU, save_preact=save, maps=maps))
+        pos = invert_slots(slot) if top_k > 1 else None
+        out = _combine(RowOperands(a=h, b=w2.transpose(1, 2), offsets=offsets, out=x.new_empty(num_routed, dim),
+                                   num_rows=num_routed, slot=slot, maps=maps), pos, top_k, flat_weights)
         ctx.top_k, ctx.weight_grad = top_k, weight_grad
         ctx.weights_shape = None if weights is None else (weights.shape, weights.dtype)
         if save:
-            ctx.save_for_backward(x, w1, w2, w3, offsets, slot, flat_weights, gate, up, h)
-        return _sum_slots(slots, rows, top_k)
+            ctx.save_for_backward(x, w1, w2, w3, offsets, slot, pos, flat_weights, gate, up, h)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         from dist_moe.kernels.launch import (
-            EPILOGUE_SCATTER,
             RowOperands,
             TileMaps,
             gather_rows,
@@ -133,12 +148,12 @@ class _ExpertMLP(torch.autograd.Function):
             weight_gemm,
         )
 
-        x, w1, w2, w3, offsets, slot, flat_weights, gate, up, h = ctx.saved_tensors
+        x, w1, w2, w3, offsets, slot, pos, flat_weights, gate, up, h = ctx.saved_tensors
         top_k = ctx.top_k
         # The incoming gradient may be wider than the forward's output (an fp32 combine downstream):
         # the kernels take their operands in one dtype, the forward's.
         grad_out = grad_out.to(x.dtype).contiguous()
-        rows, dim = x.shape
+        dim = x.shape[1]
         num_routed, ffn = slot.shape[0], w1.shape[1]
         need_x, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:4]
         need_weights = ctx.needs_input_grad[6]
@@ -161,10 +176,8 @@ class _ExpertMLP(torch.autograd.Function):
             dw2 = _weight_grads(d_out, hw, maps.padded_ends(), [w2.shape[1]], ctx.weight_grad, weight_gemm)[0]
         del d_out
         if need_x:
-            dx_slots = x.new_empty(num_routed, dim)
-            row_gemm(RowOperands(a=dgate, a2=dup, b=w1, b2=w3, offsets=offsets, out=dx_slots, num_rows=num_routed,
-                                 slot=slot, padded_a=True, epilogue=EPILOGUE_SCATTER, maps=maps))
-            dx = _sum_slots(dx_slots, rows, top_k)
+            dx = _combine(RowOperands(a=dgate, a2=dup, b=w1, b2=w3, offsets=offsets, out=x.new_empty(num_routed, dim),
+                                      num_rows=num_routed, slot=slot, padded_a=True, maps=maps), pos, top_k)
         if need_w1 or need_w3:
             routed_x = gather_rows(x, slot, top_k, maps)  # [padded rows, dim]
             # [E, ffn, dim] each: dgate^T X and dup^T X, one GEMM over [dgate | dup]

@@ -3,8 +3,8 @@
 Candidates are ordered best first (the H200 sweep of tools/bench/moe). On Hopper, tl.dot of bf16
 with a float32 accumulator becomes wgmma; 128x256x64 tiles with 8 warps and 3-4 stages fill the
 227 KiB of shared memory. With autotuning on (the default on CUDA; DIST_MOE_AUTOTUNE=0 turns it
-off) the first call for a (kernel, shape, dtype) key times each of its 2-3 candidates (median of
-~40 ms of calls) and keeps the fastest; a candidate that fails to compile is skipped. float32 on
+off) the first call for a (kernel, shape, dtype) key times its 2-4 candidates taking turns (see
+`choose`) and keeps the fastest; a candidate that fails to compile is skipped. float32 on
 GPU (a correctness path) has one small tile and is never tuned.
 """
 from __future__ import annotations
@@ -80,13 +80,16 @@ def _wgmma_dtype(dtype: torch.dtype) -> bool:
 # pairs in one accumulator).
 # Hopper, 16-bit: the H200 sweep's best configurations first (tools/bench/moe, float64-checked):
 # grouped GEMM 128x256x64, 8 warps, 3 stages, persistent with the tile loop flattened into the K
-# loop and TMA operands (756/697/739/629 TFLOP/s against torch._grouped_mm's 681/644/671/617).
+# loop and TMA operands (756/697/739/629 TFLOP/s against torch._grouped_mm's 681/644/671/617; in
+# the layer's down projection 776 against 740-754 for the others, tools/bench/moe/probe_combine.py);
+# a tile per program at 3 stages is the runner-up on the gate/up shape (754 / 689 in one sweep).
 # tools/bench/moe/check_hopper_compile.py compiles every candidate for sm_90 and checks
 # pipelining, shared memory and register spills.
 _HOPPER_ROWS = {
     "plain": [
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, flatten=True,
                   tma=True),
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, persistent=True, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, tma=True),
     ],
@@ -166,6 +169,14 @@ def autotune_enabled() -> bool:
     return os.environ.get("DIST_MOE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
+# Tuning: each candidate runs once (compiles, warms), then the candidates take turns in
+# TUNE_ROUNDS rounds of about TUNE_BLOCK_MS of back-to-back calls each; the median block wins.
+# Taking turns matters on a power-limited GPU: timed one after the other, the later candidates
+# run on a hotter, slower-clocked chip and lose by a few percent they do not deserve.
+TUNE_ROUNDS = 7
+TUNE_BLOCK_MS = 6.0
+
+
 def choose(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], None]) -> Config:
     """The fastest candidate for `key` (timed once per process), or the first when tuning is off.
 
@@ -176,21 +187,40 @@ def choose(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], 
     if len(candidates) == 1 or not autotune_enabled():
         _chosen[key] = candidates[0]
         return candidates[0]
-    from triton.testing import do_bench
-
-    best, best_ms, errors = None, float("inf"), []
+    runnable, errors = [], []
     for config in candidates:
         try:
-            ms = do_bench(lambda: launch(config), warmup=10, rep=40, return_mode="median")
+            launch(config)
+            runnable.append(config)
         except Exception as err:  # a config may not compile or fit (shared memory): try the next
             errors.append(f"{config.name()}: {type(err).__name__}: {err}")
-            continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    if best is None:
+    if not runnable:
         raise RuntimeError("no kernel configuration ran:\n" + "\n".join(errors))
-    _chosen[key] = best
-    return best
+    times = _alternating_ms(runnable, launch)
+    best = min(range(len(runnable)), key=lambda i: times[i])
+    _chosen[key] = runnable[best]
+    return runnable[best]
+
+
+def _alternating_ms(configs: Sequence[Config], launch: Callable[[Config], None]) -> list[float]:
+    """Median milliseconds per call of each config, the configs taking turns in blocks."""
+    import statistics
+
+    def block_ms(config, calls: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            launch(config)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    calls = [max(1, min(50, int(TUNE_BLOCK_MS / max(block_ms(c, 1), 1e-3)))) for c in configs]
+    samples: list[list[float]] = [[] for _ in configs]
+    for _ in range(TUNE_ROUNDS):
+        for i, config in enumerate(configs):
+            samples[i].append(block_ms(config, calls[i]))
+    return [statistics.median(s) for s in samples]
 
 
 def chosen_configs() -> dict[tuple, object]:

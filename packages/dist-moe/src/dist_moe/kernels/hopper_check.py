@@ -37,7 +37,8 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes per block on H100/H200 (227 KiB)
 SM_SHARED = 233472  # bytes per SM (228 KiB)
 SM_REGISTERS = 65536
-MEMORY_BOUND = ("tile_map_kernel", "gather_rows_kernel", "swiglu_backward_kernel")  # no GEMM: no wgmma expected
+MEMORY_BOUND = ("tile_map_kernel", "gather_rows_kernel", "swiglu_backward_kernel", "invert_slots_kernel",
+                "slot_sum_kernel")  # no GEMM: no wgmma expected
 SPILL_LIMIT = 64  # bytes per thread of register spills tolerated (a warning below it)
 
 
@@ -107,7 +108,7 @@ def capture_launches(launch_module):
             return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
 
     names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel", "gather_rows_kernel",
-             "swiglu_backward_kernel")
+             "swiglu_backward_kernel", "invert_slots_kernel", "slot_sum_kernel")
     saved = {n: getattr(launch_module, n) for n in names}
     for n in names:
         setattr(launch_module, n, Recorder(saved[n]))
