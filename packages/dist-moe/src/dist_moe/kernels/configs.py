@@ -94,15 +94,16 @@ _HOPPER_ROWS = {
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, tma=True),
     ],
     # The gathered A comes through pointer loads (TMA cannot gather on Hopper); two float32
-    # accumulators: 128x128 each is the register budget. Persistent without flattening (H200,
-    # gathered, two runs: 2.81-3.00 ms at 3 stages, 2.88 at 4, against 2.98-2.99 for a tile per
-    # program with pointer weights and 3.18 with TMA weights; flattened 6.04: the next tile's
-    # gathered loads then serialise with this tile's epilogue). 128x128x128 (3.83) and 128x128x32
-    # at 6 stages (3.23) are slower.
+    # accumulators: 128x128 each is the register budget. A tile per program at 4 stages with
+    # pointer weights first: the tuner chose it in every bench run of this session, and in the layer
+    # (one role forced, H200) it ran 2.82 / 3.04 ms uniform / skewed against 2.93 / 3.20 persistent
+    # at 3 stages and 2.84 / 3.45 at 4 (TMA weights). Earlier sweeps: flattened 6.04 ms (the next
+    # tile's gathered loads then serialise with this tile's epilogue); 128x128x128 (3.83) and
+    # 128x128x32 at 6 stages (3.23) are slower.
     "dual": [
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
         RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True, tma=True),
         RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent=True, tma=True),
-        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
     ],
     # Two K loops in one tile; 4 stages of 128x256 spill registers (triton 3.6). Persistent with
     # flatten requested first: in the layer 2.92 / 3.12 ms (uniform / skewed) against 3.02 / 3.31 for
