@@ -23,6 +23,7 @@ def row_sweep(dry: bool):
 
     shipped = _as_hopper(lambda: row_candidates("plain", torch.device("cuda"), torch.bfloat16))
     return shipped + [
+        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),  # pointer loads
     ]

@@ -3,7 +3,7 @@
 Candidates are ordered best first (the H200 sweep of tools/bench/moe). On Hopper, tl.dot of bf16
 with a float32 accumulator becomes wgmma; 128x256x64 tiles with 8 warps and 3-4 stages fill the
 227 KiB of shared memory. With autotuning on (the default on CUDA; DIST_MOE_AUTOTUNE=0 turns it
-off) the first call for a (kernel, shape, dtype) key times its 2-4 candidates taking turns (see
+off) the first call for a (kernel, shape, dtype) key times its 2-3 candidates taking turns (see
 `choose`) and keeps the fastest; a candidate that fails to compile is skipped. float32 on
 GPU (a correctness path) has one small tile and is never tuned.
 """
@@ -80,16 +80,16 @@ def _wgmma_dtype(dtype: torch.dtype) -> bool:
 # pairs in one accumulator).
 # Hopper, 16-bit: the H200 sweep's best configurations first (tools/bench/moe, float64-checked):
 # grouped GEMM 128x256x64, 8 warps, 3 stages, persistent with the tile loop flattened into the K
-# loop and TMA operands (756/697/739/629 TFLOP/s against torch._grouped_mm's 681/644/671/617; in
-# the layer's down projection 776 against 740-754 for the others, tools/bench/moe/probe_combine.py);
-# a tile per program at 3 stages is the runner-up on the gate/up shape (754 / 689 in one sweep).
+# loop and TMA operands: the best of the sweep on every shape in three runs, timed taking turns
+# (gate/up uniform / skewed, down uniform / skewed: 784-794 / 721-736 / 762-774 / 687-700 TFLOP/s
+# against 769-784 / 706-724 / 726-742 / 659-674 for a tile per program; in the layer's down
+# projection 1.24-1.26 ms against 1.28-1.33, tools/bench/moe/probe_combine.py).
 # tools/bench/moe/check_hopper_compile.py compiles every candidate for sm_90 and checks
 # pipelining, shared memory and register spills.
 _HOPPER_ROWS = {
     "plain": [
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True, flatten=True,
                   tma=True),
-        RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, persistent=True, tma=True),
         RowConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, tma=True),
     ],
