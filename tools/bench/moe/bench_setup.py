@@ -127,6 +127,56 @@ class Setup:
             return None
 
 
+@dataclass
+class ProbeLayer:
+    """The probes' operands (probe_variants.py, probe_combine.py): DeepSeek-V3 expert shapes on the
+    GPU, bf16, routing with every expert receiving the same number of rows, in dispatch's order."""
+
+    tokens: int
+    top_k: int
+    experts: int
+    dim: int
+    ffn: int
+    x: object  # [tokens, dim]
+    w1: object  # [E, ffn, dim]
+    w3: object  # [E, ffn, dim]
+    w2: object  # [E, dim, ffn]
+    ids: object  # [tokens, top_k] expert of each slot
+    weights: object  # [tokens, top_k] routing weights (float32)
+    offsets: object  # [E] int32 cumulative row ends
+    slot: object  # [rows] int32 row_slot
+    flat_weights: object  # [rows] float32, indexed by slot
+    maps: object  # TileMaps of offsets
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    @classmethod
+    def make(cls, tokens: int = 4096, top_k: int = 8, experts: int = 32, dim: int = 7168,
+             ffn: int = 2048) -> "ProbeLayer":
+        import torch
+
+        import dist_moe
+        from dist_moe.kernels.launch import TileMaps
+
+        torch.manual_seed(0)
+        dev, dt = torch.device("cuda"), torch.bfloat16
+        x = torch.randn(tokens, dim, device=dev, dtype=dt)
+        w1 = (torch.randn(experts, ffn, dim, device=dev) * dim**-0.5).to(dt)
+        w3 = (torch.randn(experts, ffn, dim, device=dev) * dim**-0.5).to(dt)
+        w2 = (torch.randn(experts, dim, ffn, device=dev) * ffn**-0.5).to(dt)
+        ids = (torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)[None, :]) % experts
+        ids = ids[torch.randperm(tokens)].to(dev)
+        weights = torch.rand(tokens, top_k, device=dev)
+        sent = dist_moe.dispatch(x, ids, weights, num_experts=experts)
+        offsets, slot = sent.offsets.to(torch.int32), sent.row_slot.to(torch.int32)
+        return cls(tokens=tokens, top_k=top_k, experts=experts, dim=dim, ffn=ffn, x=x, w1=w1, w3=w3, w2=w2,
+                   ids=ids, weights=weights, offsets=offsets, slot=slot,
+                   flat_weights=weights.reshape(-1).float().contiguous(),
+                   maps=TileMaps(offsets, tokens * top_k))
+
+
 def rel_err(got, want) -> float:
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 

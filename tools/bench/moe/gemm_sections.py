@@ -59,6 +59,16 @@ def weight_sweep(dry: bool):
     return tma, pointer
 
 
+def _record_sweep(result: dict, rows: dict, tag: str, width: int) -> None:
+    """Append the sweep's rows to the result and print one line per configuration."""
+    for row in rows.values():
+        result["sweep"].append(row)
+        summary = row.get("error") or "  ".join(
+            (f"{key} {v['tflops']:.0f}" if "tflops" in v else f"{key} -") if v["ok"]
+            else f"{key} WRONG(err {v['err']:.1e})" for key, v in row["results"].items())
+        print(f"[{tag}] {row['config']:{width}s} {summary}", flush=True)
+
+
 def _as_hopper(make):
     """Candidates as an sm_90 GPU sees them (also when called on a CPU by check_hopper_compile)."""
     from dist_moe.kernels.hopper_check import _capability
@@ -160,12 +170,7 @@ def section_gemm(setup: Setup, budget_s: float) -> dict:
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
         for name, ms in setup.interleaved_ms(fns, rounds=GEMM_ROUNDS, per_block=GEMM_BLOCK).items():
             rows[name]["results"][key].update(ms=ms, tflops=c["flops"] / ms / 1e9)
-    for row in rows.values():
-        result["sweep"].append(row)
-        summary = row.get("error") or "  ".join(
-            (f"{key} {v['tflops']:.0f}" if "tflops" in v else f"{key} -") if v["ok"]
-            else f"{key} WRONG(err {v['err']:.1e})" for key, v in row["results"].items())
-        print(f"[gemm] {row['config']:42s} {summary}", flush=True)
+    _record_sweep(result, rows, "gemm", 42)
     return result
 
 
@@ -260,10 +265,5 @@ def section_wgrad(setup: Setup, budget_s: float) -> dict:
         print(f"[wgrad] anchors {key}: " + "  ".join(
             f"{n} {v['tflops']:.0f}" if "tflops" in v else f"{n} {v.get('error', '-')[:80]}"
             for n, v in anchors.items()), flush=True)
-    for row in rows.values():
-        result["sweep"].append(row)
-        summary = row.get("error") or "  ".join(
-            (f"{key} {v['tflops']:.0f}" if "tflops" in v else f"{key} -") if v["ok"]
-            else f"{key} WRONG(err {v['err']:.1e})" for key, v in row["results"].items())
-        print(f"[wgrad] {row['config']:48s} {summary}", flush=True)
+    _record_sweep(result, rows, "wgrad", 48)
     return result

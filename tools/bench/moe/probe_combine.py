@@ -5,14 +5,14 @@
 The GEMMs whose rows go back to the tokens (the forward's down projection, the backward's input
 gradient) either scatter each row to its slot from the epilogue and leave the top-k sum to torch,
 or store in expert order and let slot_sum gather and sum (slot_sum's block shapes too). Also dh =
-dOut @ w2 (plain, padded A) in the launch styles. The variants take turns (medians of 7 rounds), so
-clock drift falls on all alike; outputs are compared with the first variant's.
+dOut @ w2 (plain, padded A) in the launch styles. The variants take turns (bench_setup's
+interleaved_ms, medians of 7 rounds), so clock drift falls on all alike; outputs are compared
+with the first variant's.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,66 +25,40 @@ def main() -> None:
 
     import torch
 
-    import dist_moe
+    from bench_setup import ProbeLayer, Setup, rel_err
     from dist_moe.kernels.configs import RowConfig
     from dist_moe.kernels.launch import (
         EPILOGUE_SCATTER,
         RowOperands,
-        TileMaps,
         gather_rows,
         invert_slots,
         row_gemm,
         slot_sum,
     )
 
-    torch.manual_seed(0)
+    layer = ProbeLayer.make()
     dev, dt = torch.device("cuda"), torch.bfloat16
-    tokens, top_k, experts, dim, ffn = 4096, 8, 32, 7168, 2048
-    rows = tokens * top_k
-    x = torch.randn(tokens, dim, device=dev, dtype=dt)
-    w1 = (torch.randn(experts, ffn, dim, device=dev) * dim**-0.5).to(dt)
-    w2 = (torch.randn(experts, dim, ffn, device=dev) * ffn**-0.5).to(dt)
-    ids = ((torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)[None, :]) % experts)
-    ids = ids[torch.randperm(tokens)].to(dev)
-    weights = torch.rand(tokens, top_k, device=dev)
-    sent = dist_moe.dispatch(x, ids, weights, num_experts=experts)
-    offsets, slot = sent.offsets.to(torch.int32), sent.row_slot.to(torch.int32)
-    flat_w = weights.reshape(-1).float().contiguous()
-    maps = TileMaps(offsets, rows)
+    tokens, top_k, dim, ffn, rows = layer.tokens, layer.top_k, layer.dim, layer.ffn, layer.rows
+    x, w1, w2 = layer.x, layer.w1, layer.w2
+    offsets, slot, flat_w, maps = layer.offsets, layer.slot, layer.flat_weights, layer.maps
     pos = invert_slots(slot)
-
-    def rel(a, b) -> float:
-        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-
-    def block_ms(fn, calls: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
+    setup = Setup(dry_run=False)
 
     def compare(title: str, variants: dict, flops: float = 0.0, moved: float = 0.0) -> None:
-        """variants: name -> (fn returning the output). Runs each once, then in turns."""
+        """variants: name -> fn returning the output. Each runs once (checked against the first),
+        then they take turns in blocks of 5 calls (medians over the rounds)."""
         print(f"-- {title}", flush=True)
-        ref, ok = None, {}
+        ref, ok, diffs = None, {}, {}
         for name, fn in variants.items():
             try:
                 out = fn()
                 ref = out.clone() if ref is None else ref
-                ok[name] = (fn, rel(out, ref))
+                ok[name], diffs[name] = fn, rel_err(out, ref)
             except Exception as err:
                 print(f"  {name:58s} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
-        samples = {name: [] for name in ok}
-        for _ in range(args.rounds):
-            for name, (fn, _) in ok.items():
-                samples[name].append(block_ms(fn, 5))
-        for name, (fn, diff) in ok.items():
-            ms = statistics.median(samples[name])
+        for name, ms in setup.interleaved_ms(ok, rounds=args.rounds, per_block=5).items():
             rate = f"{flops / ms / 1e9:6.0f} TFLOP/s" if flops else f"{moved / ms / 1e6:6.0f} GB/s"
-            print(f"  {name:58s} {ms:7.3f} ms {rate}  diff {diff:.1e}", flush=True)
+            print(f"  {name:58s} {ms:7.3f} ms {rate}  diff {diffs[name]:.1e}", flush=True)
 
     base = dict(block_m=128, block_n=256, block_k=64, num_warps=8, tma=True)
     flat = RowConfig(**base, num_stages=3, persistent=True, flatten=True)
@@ -96,34 +70,25 @@ def main() -> None:
     h = torch.randn(rows, ffn, device=dev, dtype=dt)
     y = x.new_empty(rows, dim)
 
-    def down(config, scatter: bool):
+    def down(config, scatter: bool, combine: bool = True):
+        """The down GEMM (its output scattered to the slots, or in expert order), then the sum if `combine`."""
         ops = RowOperands(a=h, b=w2.transpose(1, 2), offsets=offsets, out=y, num_rows=rows, slot=slot, maps=maps)
         if scatter:
             ops.epilogue, ops.weight = EPILOGUE_SCATTER, flat_w
+        if not combine:
+            return lambda: (row_gemm(ops, config), y)[1]
+        if scatter:
             return lambda: (row_gemm(ops, config), y.view(tokens, top_k, dim).sum(dim=1))[1]
         return lambda: (row_gemm(ops, config), slot_sum(y, pos, top_k, flat_w))[1]
 
     down_flops = 2.0 * rows * dim * ffn
     compare("forward down + combine (GEMM and sum)", {
         "scatter epilogue + torch sum, " + flat.name(): down(flat, True),
-        "expert order + slot_sum, " + flat.name(): down(flat, False),
-        "expert order + slot_sum, " + persistent.name(): down(persistent, False),
-        "expert order + slot_sum, " + grid.name(): down(grid, False),
-        "expert order + slot_sum, " + grid4.name(): down(grid4, False),
+        **{"expert order + slot_sum, " + c.name(): down(c, False) for c in (flat, persistent, grid, grid4)},
     }, flops=down_flops)
-
-    def gemm_only(config, scatter: bool):
-        ops = RowOperands(a=h, b=w2.transpose(1, 2), offsets=offsets, out=y, num_rows=rows, slot=slot, maps=maps)
-        if scatter:
-            ops.epilogue, ops.weight = EPILOGUE_SCATTER, flat_w
-        return lambda: (row_gemm(ops, config), y)[1]
-
     compare("forward down GEMM alone", {
-        "scatter epilogue, " + flat.name(): gemm_only(flat, True),
-        "store, " + flat.name(): gemm_only(flat, False),
-        "store, " + persistent.name(): gemm_only(persistent, False),
-        "store, " + grid.name(): gemm_only(grid, False),
-        "store, " + grid4.name(): gemm_only(grid4, False),
+        "scatter epilogue, " + flat.name(): down(flat, True, combine=False),
+        **{"store, " + c.name(): down(c, False, combine=False) for c in (flat, persistent, grid, grid4)},
     }, flops=down_flops)
 
     moved = (rows + tokens) * dim * 2

@@ -30,33 +30,23 @@ def main() -> None:
     import torch
     from triton.testing import do_bench
 
-    import dist_moe
+    from bench_setup import ProbeLayer, rel_err
     from dist_moe.kernels.configs import RowConfig, row_candidates
     from dist_moe.kernels.launch import (
         EPILOGUE_SWIGLU,
         RowOperands,
-        TileMaps,
         gather_rows,
         row_gemm,
         swiglu_backward,
     )
 
     t0 = time.time()
-    torch.manual_seed(0)
+    layer = ProbeLayer.make()
     dev, dt = torch.device("cuda"), torch.bfloat16
-    tokens, top_k, experts, dim, ffn = 4096, 8, 32, 7168, 2048
-    rows = tokens * top_k
-    x = torch.randn(tokens, dim, device=dev, dtype=dt)
-    w1 = (torch.randn(experts, ffn, dim, device=dev) * dim**-0.5).to(dt)
-    w3 = (torch.randn(experts, ffn, dim, device=dev) * dim**-0.5).to(dt)
-    w2 = (torch.randn(experts, dim, ffn, device=dev) * ffn**-0.5).to(dt)
-    ids = ((torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)[None, :]) % experts)
-    ids = ids[torch.randperm(tokens)].to(dev)
-    weights = torch.rand(tokens, top_k, device=dev)
-    sent = dist_moe.dispatch(x, ids, weights, num_experts=experts)
-    offsets, slot = sent.offsets.to(torch.int32), sent.row_slot.to(torch.int32)
-    flat_w = weights.reshape(-1).float().contiguous()
-    maps = TileMaps(offsets, rows)
+    tokens, top_k, experts, dim, ffn, rows = (layer.tokens, layer.top_k, layer.experts, layer.dim, layer.ffn,
+                                              layer.rows)
+    x, w1, w3, w2, ids, weights = layer.x, layer.w1, layer.w3, layer.w2, layer.ids, layer.weights
+    offsets, slot, flat_w, maps = layer.offsets, layer.slot, layer.flat_weights, layer.maps
     gpu = torch.device("cuda")
 
     def out_of_time() -> bool:
@@ -65,9 +55,6 @@ def main() -> None:
     def report(name: str, ms: float, flops: float, diff: float | None = None) -> None:
         extra = f"  diff {diff:.1e}" if diff is not None else ""
         print(f"{name:70s} {ms:7.3f} ms {flops / ms / 1e9 if flops else 0:6.0f} TFLOP/s{extra}", flush=True)
-
-    def rel(a, b) -> float:
-        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
     def bench(fn) -> float:
         return do_bench(fn, warmup=10, rep=50)
@@ -96,7 +83,7 @@ def main() -> None:
             row_gemm(ops, config)
             ref = acts.clone() if ref is None else ref
             report(f"fwd gate/up+SwiGLU gather  {config.name()}", bench(lambda: row_gemm(ops, config)),
-                   gate_up_flops, rel(acts, ref))
+                   gate_up_flops, rel_err(acts, ref))
         except Exception as err:
             print(f"fwd gate/up gather {config.name()}: {type(err).__name__}: {str(err)[:200]}", flush=True)
     x_padded = gather_rows(x, slot, top_k, maps)
@@ -115,7 +102,7 @@ def main() -> None:
         try:
             row_gemm(ops, config)
             report(f"fwd gate/up+SwiGLU pre-gathered TMA  {config.name()}", bench(lambda: row_gemm(ops, config)),
-                   gate_up_flops, rel(acts, ref))
+                   gate_up_flops, rel_err(acts, ref))
         except Exception as err:
             print(f"fwd gate/up padded {config.name()}: {type(err).__name__}: {str(err)[:200]}", flush=True)
     half = x.new_empty(rows, ffn)
@@ -130,7 +117,7 @@ def main() -> None:
             try:
                 row_gemm(ops, config)
                 report(f"fwd gate only, plain, {'gather' if gathered else 'padded TMA'}  {config.name()}",
-                       bench(lambda: row_gemm(ops, config)), gate_up_flops / 2, rel(half, ref[:, :ffn]))
+                       bench(lambda: row_gemm(ops, config)), gate_up_flops / 2, rel_err(half, ref[:, :ffn]))
             except Exception as err:
                 print(f"fwd gate only {config.name()}: {type(err).__name__}: {str(err)[:200]}", flush=True)
 
@@ -166,7 +153,7 @@ def main() -> None:
         run()
         if reference is None:
             reference = (grads[:used].clone(), dweight.clone())
-        diff = max(rel(grads[:used], reference[0]), rel(dweight, reference[1]))
+        diff = max(rel_err(grads[:used], reference[0]), rel_err(dweight, reference[1]))
         ms = bench(run)
         moved = (4 * rows + 3 * used) * ffn * 2
         print(f"{'bwd swiglu_backward pass  block_c %d warps %d' % (block_c, warps):70s} {ms:7.3f} ms "
