@@ -6,8 +6,9 @@ The GEMMs whose rows go back to the tokens (the forward's down projection, the b
 gradient) either scatter each row to its slot from the epilogue and leave the top-k sum to torch,
 or store in expert order and let slot_sum gather and sum (slot_sum's block shapes too). Also dh =
 dOut @ w2 (plain, padded A) in the launch styles. The variants take turns (bench_setup's
-interleaved_ms, medians of 7 rounds), so clock drift falls on all alike; outputs are compared
-with the first variant's.
+interleaved_ms, medians of 7 rounds), so clock drift falls on all alike; each prints its speed
+against the first variant (the anchor: the shipped or the old way) and its output's difference
+from the first variant's.
 """
 from __future__ import annotations
 
@@ -56,9 +57,12 @@ def main() -> None:
                 ok[name], diffs[name] = fn, rel_err(out, ref)
             except Exception as err:
                 print(f"  {name:58s} failed: {type(err).__name__}: {str(err)[:160]}", flush=True)
-        for name, ms in setup.interleaved_ms(ok, rounds=args.rounds, per_block=5).items():
+        times = setup.interleaved_ms(ok, rounds=args.rounds, per_block=5)
+        anchor = next(iter(times.values()), None)  # the first variant, timed in the same turns
+        for name, ms in times.items():
             rate = f"{flops / ms / 1e9:6.0f} TFLOP/s" if flops else f"{moved / ms / 1e6:6.0f} GB/s"
-            print(f"  {name:58s} {ms:7.3f} ms {rate}  diff {diffs[name]:.1e}", flush=True)
+            print(f"  {name:58s} {ms:7.3f} ms {rate}  x{anchor / ms:.3f} vs first  diff {diffs[name]:.1e}",
+                  flush=True)
 
     base = dict(block_m=128, block_n=256, block_k=64, num_warps=8, tma=True)
     flat = RowConfig(**base, num_stages=3, persistent=True, flatten=True)
