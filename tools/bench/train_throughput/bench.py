@@ -9,7 +9,7 @@ attention and saves it; titan-train starts from that folder (`--model.hf_path`),
 from the same weights, and both read the same tokens: `--data stdlib` (default) packs Python's standard library sources with
 titan-train's byte tokenizer and loader (no document masking on either side), so the loss gap is
 checked on real text; `--data random` uses uniform random tokens (where every model sits at ln V). Both train in bf16 with AdamW (lr 3e-4, betas 0.9/0.95, weight
-decay 0.1 on matrices, clip 1.0); transformers keeps bf16 weights and moments, titan-train fp32 ones:
+decay 0.1 on matrices, clip 1.0, 10 warm-up steps then constant); transformers keeps bf16 weights and moments, titan-train fp32 ones:
   hf             transformers LlamaForCausalLM, bf16 weights, its own loss, fused AdamW;
   hf_compile     the same with torch.compile(model);
   hf_liger       the same after liger-kernel's apply_liger_kernel_to_llama (RoPE, RMSNorm, SwiGLU, fused
@@ -47,6 +47,14 @@ SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, vocab)
     "tiny": (128, 2, 4, 2, 256, 1024),
 }
 LR, BETAS, WEIGHT_DECAY, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
+# Linear warm-up to LR, then constant, on both sides: without it the first steps on real text spike
+# (loss 8.7 -> 15 at step 3) and any rounding difference sends the runs apart, hiding real mismatches.
+WARMUP = 10
+
+
+def warmup_factor(step: int) -> float:
+    """titan-train's lr_factor for kind=constant with WARMUP warm-up steps (step is 0-based)."""
+    return (step + 1) / (WARMUP + 1) if step < WARMUP else 1.0
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
 
 
@@ -154,6 +162,7 @@ def run_hf(folder: Path, args, device: torch.device, variant: str = "hf") -> dic
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **fused)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor)
     vocab = SIZES["tiny" if args.tiny else "1.5B"][5]
     losses, seconds = [], []
     for tokens, labels in batches(vocab, args.seq, args.batch, args.steps, args.data):
@@ -164,6 +173,7 @@ def run_hf(folder: Path, args, device: torch.device, variant: str = "hf") -> dic
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         seconds.append(time.perf_counter() - began)
@@ -218,7 +228,7 @@ def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool,
         "--training.seq_len", str(args.seq), "--training.max_grad_norm", str(CLIP),
         "--optimizer.lr", str(LR), "--optimizer.beta1", str(BETAS[0]),
         "--optimizer.beta2", str(BETAS[1]), "--optimizer.weight_decay", str(WEIGHT_DECAY),
-        "--optimizer.eps", str(EPS), "--lr_schedule.kind", "constant", "--lr_schedule.warmup_steps", "0",
+        "--optimizer.eps", str(EPS), "--lr_schedule.kind", "constant", "--lr_schedule.warmup_steps", str(WARMUP),
         "--checkpoint.interval", "0", "--checkpoint.resume", "false", "--metrics.tensorboard", "false",
         "--metrics.progress", "false", "--compile.enabled", "true" if compile_blocks else "false",
         *args.titan_args.split(), *extra,
