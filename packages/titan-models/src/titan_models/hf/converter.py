@@ -2,12 +2,33 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 from torch import nn
 
 from titan_models.components.norms import RMSNormConfig
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Some rows of a Hugging Face tensor: the titan tensor is `hf_name[list(rows)]` (dim 0), for layouts
+    that fuse several titan tensors into one (the parts of a fused tensor partition its rows)."""
+
+    hf_name: str
+    rows: tuple[int, ...]
+
+    @staticmethod
+    def span(hf_name: str, start: int, stop: int) -> "Rows":
+        return Rows(hf_name, tuple(range(start, stop)))
+
+
+HFSource = Union[str, Rows]  # what `hf_names` lists: a whole tensor, or rows of one
+
+
+def source_name(source: HFSource) -> str:
+    return source.hf_name if isinstance(source, Rows) else source
 
 
 class Converter:
@@ -20,9 +41,20 @@ class Converter:
     def config_to_hf(self, config: Any) -> dict[str, Any]:
         raise NotImplementedError
 
-    def hf_names(self, config: Any, name: str) -> list[str]:
-        """HF tensors holding titan tensor `name` (several = stacked experts; none = not stored, zero)."""
+    def hf_names(self, config: Any, name: str) -> list[HFSource]:
+        """HF tensors holding titan tensor `name` (several = stacked experts; none = not stored, zero;
+        a `Rows` = part of a fused HF tensor)."""
         raise NotImplementedError
+
+    def text_prefix(self, tensor_names: set[str]) -> str:
+        """Where the decoder's `model.*` tensors live in this checkpoint: "model." for a causal-LM
+        folder; composite (multimodal) checkpoints override this (e.g. "model.language_model.")."""
+        return "model."
+
+    def reported(self, config: Any, hf_name: str) -> bool:
+        """HF tensors present but not part of the titan model (another tower, an MTP head): loaded
+        into nothing and listed in a warning by from_hf, rather than refused as unexpected."""
+        return False
 
     def ignorable(self, config: Any, hf_name: str) -> bool:
         """HF tensors that may be present without being loaded (derived or duplicated data)."""
