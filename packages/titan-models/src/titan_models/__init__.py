@@ -6,7 +6,7 @@ from titan_models import transforms
 from titan_models.accounting import ParamCount, count_params, flops_per_token
 from titan_models.context import AttentionContext
 from titan_models.hf import from_hf, to_hf
-from titan_models.models import deepseek_v3, llama3, qwen3, qwen3_5
+from titan_models.models import deepseek_v3, llama3, qwen3, qwen3_5, qwen3_next
 from titan_models.models.transformer import Transformer
 from titan_models.override import override
 from titan_models.parallel_plan import ParallelPlan
@@ -15,5 +15,5 @@ from titan_models.registry import Family, PublishedSize, families, family, famil
 __all__ = [
     "AttentionContext", "Family", "ParallelPlan", "ParamCount", "PublishedSize", "Transformer", "__version__",
     "count_params", "deepseek_v3", "families", "family", "family_of", "flavor", "flavors", "flops_per_token", "from_hf",
-    "llama3", "override", "qwen3", "qwen3_5", "register", "to_hf", "transforms",
+    "llama3", "override", "qwen3", "qwen3_5", "qwen3_next", "register", "to_hf", "transforms",
 ]

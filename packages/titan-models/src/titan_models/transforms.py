@@ -46,6 +46,10 @@ def num_layers(n: int) -> Transform:
         changes: dict[str, Any] = {"num_layers": n}
         if hasattr(config, "first_k_dense"):  # keep the dense prefix inside the model
             changes["first_k_dense"] = min(config.first_k_dense, n)
+        if getattr(config, "layer_types", None) is not None:  # a per-layer schedule keeps its first n entries
+            if n > len(config.layer_types):
+                raise ValueError(f"num_layers({n}) exceeds the {len(config.layer_types)} entries of layer_types")
+            changes["layer_types"] = tuple(config.layer_types[:n])
         return _replace(config, **changes)
 
     return transform

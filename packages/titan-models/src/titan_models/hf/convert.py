@@ -154,12 +154,13 @@ def _check_shapes(folder: Path, config: Any, name: str, want: tuple[int, ...], s
     for source in sources:
         got = files.shape(source_name(source))
         if isinstance(source, Rows):  # rows of a fused tensor: same trailing dims, enough rows
-            ok = got[1:] == want[1:] and len(source.rows) == want[0] and max(source.rows) < got[0]
-        else:
-            ok = got == per_tensor
-        if not ok:
-            raise ValueError(f"{folder}: tensor {source_name(source)!r} has shape {list(got)}, which cannot "
-                             f"hold {name} {list(want)} of {type(config).__name__}")
+            if got[1:] != want[1:] or len(source.rows) != want[0] or max(source.rows) >= got[0]:
+                raise ValueError(f"{folder}: tensor {source.hf_name!r} has shape {list(got)}, expected "
+                                 f"[{max(source.rows) + 1}+, {', '.join(map(str, want[1:]))}] with rows for "
+                                 f"{name} {list(want)} of {type(config).__name__}")
+        elif got != per_tensor:
+            raise ValueError(f"{folder}: tensor {source!r} has shape {list(got)}, expected "
+                             f"{list(per_tensor)} (for {name} of {type(config).__name__})")
 
 
 def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
