@@ -64,6 +64,7 @@ def _gather_sequence_hook(tp_mesh: DeviceMesh):
 
 def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
     config = model.config
+    model.parallel_plan.check_tensor_parallel(tp)  # the head counts the family declares (linear attention too)
     for name in ("num_heads", "num_kv_heads", "ffn_dim"):
         value = getattr(config, name, None)
         if value is not None and value % tp:
