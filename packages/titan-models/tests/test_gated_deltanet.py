@@ -141,3 +141,19 @@ def test_layer_packed_documents_and_decode_state():
 def test_bad_head_counts_raise():
     with pytest.raises(ValueError, match="num_value_heads"):
         GatedDeltaNetConfig(num_key_heads=3, num_value_heads=4, key_head_dim=8, value_head_dim=8).build(16)
+
+
+def test_right_padding_leaves_the_state_at_the_last_valid_token():
+    layer = _layer(seed=2)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 75, 32, generator=gen)
+    lengths = torch.tensor([75, 2])
+    valid = torch.arange(75)[None] < lengths[:, None]
+    with torch.no_grad():
+        states: dict = {}
+        layer(x, context=AttentionContext(recurrent_states=states, valid_tokens=valid))
+        step = torch.randn(2, 1, 32, generator=gen)
+        after = layer(step, context=AttentionContext(recurrent_states=states))
+        for row, n in enumerate(lengths.tolist()):
+            whole = layer(torch.cat([x[row:row + 1, :n], step[row:row + 1]], dim=1))
+            assert rel_err(after[row], whole[0, -1:]) < 1e-5, row

@@ -22,6 +22,9 @@ class AttentionContext:
 
     document_ids: torch.Tensor | None = None
     recurrent_states: dict[Any, Any] | None = None
+    # [b, s] bool, False at right padding after a row's tokens: recurrent layers carry their state over
+    # those positions unchanged (attention needs nothing: causality keeps real tokens from seeing them).
+    valid_tokens: torch.Tensor | None = None
     # Masks derived from document_ids are the same for every layer, so the first layer builds
     # them and the others reuse them (a fresh context per forward keeps this cache correct).
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

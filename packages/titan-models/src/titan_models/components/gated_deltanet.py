@@ -22,7 +22,8 @@ recurrent state restarts from zero at each one, so a document gives what it give
 
 Decode state: set `context.recurrent_states` to a dict (kept across calls) and each layer reads its
 `GatedDeltaNetState` from `recurrent_states[layer]` (absent: zeros) and writes its final state back.
-The state after a call is the state after the row's last token (of its last document).
+The state after a call is the state after the row's last token (of its last document);
+`context.valid_tokens` [b, s] (False = right padding) makes it the state after the last valid token.
 """
 from __future__ import annotations
 
@@ -118,10 +119,11 @@ def document_segments(context: AttentionContext | None) -> torch.Tensor | None:
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None,
-                segments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                segments: torch.Tensor | None, lengths: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU. x [b, s, c], weight [c, 1, K], history [b, K-1, c] (the inputs
     before x, or None for zeros). Taps never cross a segment boundary. Returns (out [b, s, c], the
-    new history [b, K-1, c])."""
+    new history [b, K-1, c]: the inputs before token `lengths[b]` of each row, the end by default)."""
     batch, seq, channels = x.shape
     kernel = weight.shape[-1]
     if history is None:
@@ -137,9 +139,16 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | N
         if segments is not None and back:
             term = term * (seg[:, start:start + seq] == segments)[..., None].to(x.dtype)
         out = out + term
-    new_history = padded[:, seq:]
-    if segments is not None and kernel > 1:  # keep only the last segment's inputs
-        new_history = new_history * (seg[:, seq:] == segments[:, -1:])[..., None].to(x.dtype)
+    if lengths is None:
+        new_history = padded[:, seq:]
+        last_seg = None if segments is None else seg[:, seq:]
+    else:  # right padding: the K-1 inputs before each row's first padded token
+        index = lengths[:, None] + torch.arange(kernel - 1, device=x.device)  # [b, K-1] in padded coordinates
+        new_history = padded.gather(1, index[..., None].expand(-1, -1, channels))
+        last_seg = None if segments is None else seg.gather(1, index)
+    if segments is not None and kernel > 1:  # keep only the inputs of the segment that goes on
+        current = segments[:, -1:] if lengths is None else segments.gather(1, (lengths[:, None] - 1).clamp(min=0))
+        new_history = new_history * (last_seg == current)[..., None].to(x.dtype)
     return F.silu(out), new_history
 
 
@@ -262,21 +271,25 @@ class GatedDeltaNet(nn.Module):
                 context: AttentionContext | None = None) -> torch.Tensor:
         states = None if context is None else context.recurrent_states
         state = None if states is None else states.get(self)
-        out, new_state = self.mix(x, state=state, segments=document_segments(context))
+        valid = None if context is None else context.valid_tokens
+        out, new_state = self.mix(x, state=state, segments=document_segments(context), valid=valid)
         if states is not None:
             states[self] = new_state
         return out
 
-    def mix(self, x: torch.Tensor, *, state: GatedDeltaNetState | None = None,
-            segments: torch.Tensor | None = None) -> tuple[torch.Tensor, GatedDeltaNetState]:
-        """The layer on x [b, s, dim] from `state` (None: a fresh start); returns (out, the state after)."""
+    def mix(self, x: torch.Tensor, *, state: GatedDeltaNetState | None = None, segments: torch.Tensor | None = None,
+            valid: torch.Tensor | None = None) -> tuple[torch.Tensor, GatedDeltaNetState]:
+        """The layer on x [b, s, dim] from `state` (None: a fresh start); returns (out, the state after
+        each row's last token). `valid` [b, s] bool marks right padding (False): padded tokens neither
+        decay nor update the state, and the conv history ends at the last valid token."""
         cfg = self.config
         batch, seq, _ = x.shape
         q, k, v, z, b, a = project(x, self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)
         widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
         weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
+        lengths = None if valid is None else valid.sum(dim=1)
         mixed, history = causal_conv(torch.cat([q, k, v], dim=-1), weight,
-                                     None if state is None else state.conv, segments)
+                                     None if state is None else state.conv, segments, lengths)
         q, k, v = mixed.split(widths, dim=-1)
         q = l2_normalize(q.reshape(batch, seq, -1, cfg.key_head_dim)) * cfg.key_head_dim**-0.5
         k = l2_normalize(k.reshape(batch, seq, -1, cfg.key_head_dim))
@@ -284,6 +297,8 @@ class GatedDeltaNet(nn.Module):
         if self.heads_per_key > 1:  # value heads h*r .. h*r + r-1 read key head h
             q, k = (t.repeat_interleave(self.heads_per_key, dim=2) for t in (q, k))
         g, beta = self.decay(a), b.float().sigmoid()  # [b, s, Hv]
+        if valid is not None:  # padding: no decay (g = 0) and no update (beta = 0)
+            g, beta = g * valid[..., None], beta * valid[..., None]
         initial = None if state is None else state.recurrent
         if seq == 1:
             out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
