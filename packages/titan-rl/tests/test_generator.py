@@ -178,3 +178,11 @@ def test_linear_attention_state_through_prefill_and_decode_matches_a_full_forwar
             full = torch.log_softmax(model(seq)[0].float(), dim=-1)
             expected = full[len(prompt) - 1:-1].gather(1, torch.tensor(comp.tokens)[:, None])[:, 0]
             assert (expected - comp.logprobs).abs().max() < 1e-4, (prompt[:3], expected, comp.logprobs)
+
+
+def test_linear_attention_models_are_refused_in_batch_invariant_mode():
+    import titan_models as tm
+    with torch.device("meta"):
+        model = tm.flavor("qwen3_5", "debug").build()
+    with pytest.raises(ValueError, match="linear-attention"):
+        batch_invariant(model)
