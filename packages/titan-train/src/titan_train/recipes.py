@@ -95,6 +95,24 @@ def llama3_1b() -> TrainConfig:
     )
 
 
+@register_recipe("qwen3_5_debug")
+def qwen3_5_debug() -> TrainConfig:
+    """The main job on the debug Qwen3.5 (Gated DeltaNet and gated-attention layers alternating), on a CPU."""
+    config = llama3_debug()
+    config.job.folder = "runs/qwen3_5_debug"
+    config.model = ModelConfig(family="qwen3_5", flavor="debug", vocab_size=384)
+    return config
+
+
+@register_recipe("qwen3_next_debug")
+def qwen3_next_debug() -> TrainConfig:
+    """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8-expert MoE with a gated shared expert)."""
+    config = llama3_debug()
+    config.job.folder = "runs/qwen3_next_debug"
+    config.model = ModelConfig(family="qwen3_next", flavor="debug", vocab_size=384)
+    return config
+
+
 def _debug_moe_ep(family: str, flavor: str, folder: str) -> TrainConfig:
     config = llama3_debug()
     config.job.folder = folder
