@@ -56,3 +56,15 @@ def test_torchrun_runs_the_command_on_gloo_ranks(tmp_path, cli, jobs):
     assert sorted(curve) == [1, 2, 3]
     for step, loss in expected.items():
         assert curve[step] == pytest.approx(loss, rel=1e-4)
+
+
+def test_fsdp_follows_single_process_for_a_linear_attention_model(tmp_path, jobs):
+    # Qwen3.5 debug cut to 2 layers: one Gated DeltaNet layer (its conv / decay parameters read
+    # directly in the forward) and one gated-attention layer, at 80 tokens (past the 64-token chunk).
+    job = {"model.family": "qwen3_5", "model.flavor": "debug", "model.vocab_size": "384", "training.seq_len": "80",
+           "training.steps": "6"}
+    expected = train(jobs.tiny(tmp_path / "single", **job)).losses
+    curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **job, **{"parallelism.dp_shard": "2"}), 2)
+    assert sorted(curve) == sorted(expected) and expected[6] < expected[1]
+    for step, loss in expected.items():
+        assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
