@@ -101,3 +101,8 @@ def test_linear_attention_debug_recipes_train_on_cpu(tmp_path, recipe):
         apply_override(config, name, value)
     losses = train(config).losses
     assert all(loss == loss for loss in losses.values()) and losses[6] < losses[1]
+    # op-level selective recomputation repeats the same fp32 ops (the chunked delta rule included)
+    for name, value in {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective": "ops",
+                        "job.folder": str(tmp_path / "ac")}.items():
+        apply_override(config, name, value)
+    assert train(config).losses == losses
