@@ -1,8 +1,11 @@
-"""Qwen3.5 flavors: tiny debug models (dense and MoE) and the published Qwen3.5-35B-A3B.
+"""Qwen3.5 flavors: tiny debug models (dense and MoE) and the published Qwen3.5-35B-A3B and -397B-A17B.
 
 The 35B-A3B values are transformers 5.20's `Qwen3_5MoeTextConfig` defaults, which its docstring
 names the Qwen3.5-35B-A3B configuration (hidden 2048, 40 layers, 3 Gated DeltaNet : 1 gated
-attention, 256 experts top-8 of width 512 plus a 512-wide gated shared expert).
+attention, 256 experts top-8 of width 512 plus a 512-wide gated shared expert). The 397B-A17B values
+are its model card's architecture table (hidden 4096, 60 layers, 32 q / 2 kv heads of 256, linear
+attention 16 qk / 64 v heads of 128, 512 experts top-10 of width 1024 plus a shared expert).
+Published sizes count the whole vision-language checkpoint; the text model is ~0.5B below them.
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ FLAVORS: dict[str, Qwen3_5Config] = {
     "debug_moe": Qwen3_5Config(moe=qwen3_5_moe(experts=8, top_k=2, expert_dim=128, shared_dim=128), **_DEBUG),
     "35B-A3B": Qwen3_5Config(vocab_size=_VOCAB, dim=2048, num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256,
                              moe=qwen3_5_moe(experts=256, top_k=8, expert_dim=512, shared_dim=512)),
+    "397B-A17B": Qwen3_5Config(vocab_size=_VOCAB, dim=4096, num_layers=60, num_heads=32, num_kv_heads=2,
+                               head_dim=256, linear_num_value_heads=64,
+                               moe=qwen3_5_moe(experts=512, top_k=10, expert_dim=1024, shared_dim=1024)),
 }
 
-PUBLISHED_PARAMS: dict[str, PublishedSize] = {"35B-A3B": PublishedSize(total="35B", active="3B")}
+PUBLISHED_PARAMS: dict[str, PublishedSize] = {"35B-A3B": PublishedSize(total="35B", active="3B"),
+                                              "397B-A17B": PublishedSize(total="397B", active="17B")}
