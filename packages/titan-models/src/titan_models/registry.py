@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from titan_models.model_config import check_model_config
+
 if TYPE_CHECKING:
     from titan_models.accounting import ParamCount
     from titan_models.hf.converter import Converter
@@ -57,6 +59,11 @@ class Family:
         wrong = sorted(n for n, c in self.flavors.items() if type(c) is not self.config_type)
         if wrong:
             raise ValueError(f"family {self.name!r}: flavors {wrong} are not {self.config_type.__name__}")
+        if "debug" not in self.flavors:
+            raise ValueError(f"family {self.name!r} has no 'debug' flavor (a tiny model the tests and CPU demos "
+                             f"build); it has {sorted(self.flavors)}")
+        for config in self.flavors.values():
+            check_model_config(config)
         unknown = sorted(set(self.published_sizes) - set(self.flavors))
         if unknown:
             raise ValueError(f"family {self.name!r}: published_sizes names unknown flavors {unknown}")
@@ -99,7 +106,10 @@ def family(name: str) -> Family:
 
 
 def family_of(config: Any) -> Family:
-    """The family whose config type `config` is."""
+    """The family whose config type `config` is (or, for a subclass of a family's config, that family)."""
+    for record in _REGISTRY.values():
+        if type(config) is record.config_type:
+            return record
     for record in _REGISTRY.values():
         if isinstance(config, record.config_type):
             return record
