@@ -11,10 +11,12 @@ from titan_models.models import deepseek_v3, llama3, qwen3
 from titan_models.models.transformer import Transformer
 from titan_models.override import override
 from titan_models.parallel_plan import ParallelPlan
-from titan_models.registry import Family, PublishedSize, families, family, family_of, flavor, flavors, register
+from titan_models.registry import (
+    Family, PublishedSize, TinyHFCase, families, family, family_of, flavor, flavors, register,
+)
 
 __all__ = [
     "AttentionContext", "Family", "ModelConfig", "ParallelPlan", "ParamCount", "PublishedSize", "Transformer", "__version__",
     "check_model_config", "count_params", "deepseek_v3", "families", "family", "family_of", "flavor", "flavors", "flops_per_token", "from_hf",
-    "llama3", "override", "qwen3", "register", "to_hf", "transforms",
+    "llama3", "override", "qwen3", "register", "TinyHFCase", "to_hf", "transforms",
 ]

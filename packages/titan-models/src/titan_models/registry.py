@@ -28,6 +28,19 @@ class PublishedSize:
     active: str | None = None  # MoE models: parameters one token uses
 
 
+@dataclass(frozen=True, kw_only=True)
+class TinyHFCase:
+    """A tiny random Hugging Face checkpoint the registry-driven parity tests build with transformers
+    (`transformers.AutoConfig.for_model(**config)`, then `auto_class.from_config`), compare with in float32
+    both ways, and load with `from_hf`. A family gives plain config dicts unless it needs the other fields."""
+
+    config: Mapping[str, Any]  # config.json fields, with model_type and architectures
+    auto_class: str = "AutoModelForCausalLM"  # composite checkpoints: e.g. "AutoModelForImageTextToText"
+    shifted_positions: bool = True  # also compare at positions that do not start at 0
+    # adjusts the randomly initialised reference before it is saved (e.g. fills an index table)
+    prepare: Callable[[Any], None] | None = None
+
+
 def main_and_active(counts: ParamCount) -> tuple[int, int]:
     """The usual way publishers count: the main model (MTP excluded), and the parameters one token uses
     including the embedding table."""
@@ -45,14 +58,21 @@ class Family:
     hf: Converter | None = None  # the Hugging Face converter (config and tensor names both ways)
     # vLLM architecture titan-rl registers -> the Hugging Face architecture whose config and weights it reads
     vllm_architectures: Mapping[str, str] = field(default_factory=dict)
-    # test hook: case id -> tiny Hugging Face config.json fields (with model_type) for the parity tests
-    tiny_hf_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # test hook: case id -> a tiny checkpoint for the parity tests, as a TinyHFCase or just its config dict
+    # (config.json fields with model_type and architectures); stored as TinyHFCase
+    tiny_hf_configs: Mapping[str, TinyHFCase | Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def hf_architectures(self) -> tuple[str, ...]:
         return self.hf.architectures if self.hf is not None else ()
 
     def __post_init__(self) -> None:
+        cases = {k: v if isinstance(v, TinyHFCase) else TinyHFCase(config=v) for k, v in self.tiny_hf_configs.items()}
+        object.__setattr__(self, "tiny_hf_configs", cases)  # frozen: set once, here
+        for case_id, case in cases.items():
+            if not {"model_type", "architectures"} <= set(case.config):
+                raise ValueError(f"family {self.name!r}: tiny_hf_configs[{case_id!r}] needs model_type and "
+                                 f"architectures")
         if getattr(self.config_type, "family", None) != self.name:
             raise ValueError(f"family {self.name!r}: {self.config_type.__name__}.family must be {self.name!r} "
                              f"(a ClassVar), got {getattr(self.config_type, 'family', None)!r}")
