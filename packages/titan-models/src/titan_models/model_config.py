@@ -1,7 +1,7 @@
 """The contract of a family config: what code outside the family (transforms, trainers, generators,
 the vLLM adapter, tests) may read. A config provides each member as a dataclass field or a property.
 
-Family configs subclass `ModelConfig` (a Protocol, so a config defined elsewhere may also satisfy it
+Family configs subclass `ModelConfigBase` (a Protocol, so a config defined elsewhere may also satisfy it
 structurally) to inherit the default `is_moe_layer` and `with_num_layers`. `register` runs
 `check_model_config` on every flavor, so a family lacking a member fails there, naming it.
 """
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @runtime_checkable
-class ModelConfig(Protocol):
+class ModelConfigBase(Protocol):
     family: ClassVar[str]  # the registered family name
 
     vocab_size: int
@@ -44,7 +44,7 @@ class ModelConfig(Protocol):
         """Whether layer i is a MoE layer (the others are dense); by default all when `moe` is set."""
         return self.moe is not None
 
-    def with_num_layers(self, n: int) -> ModelConfig:
+    def with_num_layers(self, n: int) -> ModelConfigBase:
         """A copy with n layers whose layer layout stays valid (a family with a dense prefix keeps it
         inside the model)."""
         return dataclasses.replace(self, num_layers=n)
@@ -64,8 +64,8 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "max_seq_len": (int,), "tie_embeddings": (bool,), "attention": (str,), "dtype": (torch.dtype,),
 }
 _METHODS = ("is_moe_layer", "with_num_layers", "parallel_plan", "build")
-assert set(_FIELDS) | {"family"} == set(typing.get_type_hints(ModelConfig, localns={"ParallelPlan": Any})), \
-    "_FIELDS must list every data member of ModelConfig"
+assert set(_FIELDS) | {"family"} == set(typing.get_type_hints(ModelConfigBase, localns={"ParallelPlan": Any})), \
+    "_FIELDS must list every data member of ModelConfigBase"
 
 
 def check_model_config(config: Any) -> None:
@@ -74,7 +74,7 @@ def check_model_config(config: Any) -> None:
     missing = [m for m in ("family", *_FIELDS, *_METHODS) if not hasattr(config, m)]
     if missing:
         raise ValueError(f"{name} lacks {', '.join(missing)}, which the model-config contract "
-                         f"(titan_models.ModelConfig) requires")
+                         f"(titan_models.ModelConfigBase) requires")
     for member, types in _FIELDS.items():
         value = getattr(config, member)
         if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):

@@ -17,13 +17,13 @@ from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig, YarnRopeScaling
 from titan_models.context import AttentionContext
-from titan_models.model_config import ModelConfig
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class DeepSeekV3Config(ModelConfig):
+class DeepSeekV3Config(ModelConfigBase):
     family: ClassVar[str] = "deepseek_v3"
 
     vocab_size: int

@@ -10,13 +10,13 @@ from titan_models.components.attention import AttentionBackend, AttentionConfig
 from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import Llama3RopeScaling, RopeConfig
-from titan_models.model_config import ModelConfig
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class Llama3Config(ModelConfig):
+class Llama3Config(ModelConfigBase):
     family: ClassVar[str] = "llama3"
 
     vocab_size: int

@@ -11,13 +11,13 @@ from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig
-from titan_models.model_config import ModelConfig
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, QK_NORM, ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class Qwen3Config(ModelConfig):
+class Qwen3Config(ModelConfigBase):
     """Dense when `moe` is None. With `moe`, layer i is a MoE layer unless i is in `dense_layers`
     or (i + 1) is not a multiple of `moe_every` (HF's mlp_only_layers / decoder_sparse_step)."""
 
