@@ -5,6 +5,7 @@ registering it; no table in this file names a family."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -232,10 +233,19 @@ class _NoKVHeads:
         raise NotImplementedError
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Complete(_NoKVHeads):
+    num_kv_heads: int = 2
+
+
 def test_a_family_lacking_a_contract_field_fails_at_registration_naming_it():
     with pytest.raises(ValueError, match="lacks num_kv_heads"):
         tm.Family(name="no_kv_heads", config_type=_NoKVHeads, flavors={"debug": _NoKVHeads()})
-    tm.check_model_config(tm.flavor("qwen3", "debug"))  # control: a real config passes
+    tm.check_model_config(_Complete())  # control: the same config with the member passes
+    tm.check_model_config(tm.flavor("qwen3", "debug"))
+    with pytest.raises(TypeError, match="dataclass instance"):
+        tm.check_model_config(SimpleNamespace(**{f.name: getattr(_Complete(), f.name)
+                                                 for f in dataclasses.fields(_Complete)}))
 
 
 def test_registration_rejects_wrong_types_and_missing_debug_flavor():

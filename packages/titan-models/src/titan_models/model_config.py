@@ -1,5 +1,7 @@
 """The contract of a family config: what code outside the family (transforms, trainers, generators,
-the vLLM adapter, tests) may read. A config provides each member as a dataclass field or a property.
+the vLLM adapter, tests) may read. A config provides each member as a dataclass field or a property,
+except vocab_size, num_layers, attention and dtype, which transforms and trainers replace
+(dataclasses.replace) and so must be fields.
 
 Family configs subclass `ModelConfigBase` (a Protocol, so a config defined elsewhere may also satisfy it
 structurally) to inherit the default `is_moe_layer` and `with_num_layers`. `register` runs
@@ -64,6 +66,9 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "max_seq_len": (int,), "tie_embeddings": (bool,), "attention": (str,), "dtype": (torch.dtype,),
 }
 _METHODS = ("is_moe_layer", "with_num_layers", "parallel_plan", "build")
+# members transforms and trainers change with dataclasses.replace (vocabulary to the tokenizer's size,
+# fp32 master weights, the attention backend, fewer layers), so fields rather than properties
+_REPLACEABLE = ("vocab_size", "num_layers", "attention", "dtype")
 assert set(_FIELDS) | {"family"} == set(typing.get_type_hints(ModelConfigBase, localns={"ParallelPlan": Any})), \
     "_FIELDS must list every data member of ModelConfigBase"
 
@@ -71,6 +76,8 @@ assert set(_FIELDS) | {"family"} == set(typing.get_type_hints(ModelConfigBase, l
 def check_model_config(config: Any) -> None:
     """ValueError naming the contract members `config` lacks; TypeError for a member of the wrong type."""
     name = type(config).__name__
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"a model config is a dataclass instance; got {config!r}")
     missing = [m for m in ("family", *_FIELDS, *_METHODS) if not hasattr(config, m)]
     if missing:
         raise ValueError(f"{name} lacks {', '.join(missing)}, which the model-config contract "
@@ -80,6 +87,11 @@ def check_model_config(config: Any) -> None:
         if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
             allowed = " or ".join(t.__name__ for t in types)
             raise TypeError(f"{name}.{member} must be {allowed}, got {value!r}")
+    fields = {f.name for f in dataclasses.fields(config)}
+    not_fields = [m for m in _REPLACEABLE if m not in fields]
+    if not_fields:
+        raise ValueError(f"{name}: {', '.join(not_fields)} must be dataclass fields (transforms and trainers "
+                         f"replace them), not properties")
     if config.attention not in ATTENTION_BACKENDS:
         raise ValueError(f"{name}.attention={config.attention!r} is not one of {ATTENTION_BACKENDS}")
     for method in _METHODS:
