@@ -56,6 +56,10 @@ class Family:
     # (total, active) of a ParamCount as the publisher counts them, compared with `published_sizes`
     count_as_published: Callable[[ParamCount], tuple[int, int]] = main_and_active
     hf: Converter | None = None  # the Hugging Face converter (config and tensor names both ways)
+    # generation through the model's own definition (titan-rl's KV cache): every layer mixes tokens with an
+    # attention whose `inner` the cache replaces, under the causal mask alone (no sliding window, no
+    # recurrent state); tests/test_families.py checks incremental decoding for the families that say so
+    kv_cache_generation: bool = True
     # vLLM architecture titan-rl registers -> the Hugging Face architecture whose config and weights it reads
     vllm_architectures: Mapping[str, str] = field(default_factory=dict)
     # test hook: case id -> a tiny checkpoint for the parity tests, as a TinyHFCase or just its config dict
