@@ -25,6 +25,7 @@ from titan_models.hf.converter import Converter, HFSource, Rows, dtype_name, req
 from titan_models.hf.names import DENSE_LAYER, QK_NORM, NoHFName, layer_names
 from titan_models.hf.rope_config import read_rope
 from titan_models.models.qwen3_5.model import LAYER_TYPES, HybridConfig, Qwen3_5Config
+from titan_models.registry import TinyHFCase
 
 _COMMON = DENSE_LAYER | QK_NORM | {
     "moe.router.gate.weight": "mlp.gate.weight",
@@ -128,7 +129,7 @@ class Qwen3_5Converter(HybridConverter):
                             expert_dim=text["moe_intermediate_size"], score_func="softmax", norm_topk_prob=True,
                             shared_expert_dim=text["shared_expert_intermediate_size"], shared_expert_gate=True)
         tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        return Qwen3_5Config(**read_hybrid_fields(text), ffn_dim=None if moe else text["intermediate_size"], moe=moe,
+        return Qwen3_5Config(**read_hybrid_fields(text), ffn_dim=0 if moe else text["intermediate_size"], moe=moe,
                              tie_embeddings=tie)
 
     def config_to_hf(self, config: Qwen3_5Config) -> dict[str, Any]:
@@ -172,9 +173,27 @@ class Qwen3_5Converter(HybridConverter):
 _TINY = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
          "linear_key_head_dim": 8, "linear_value_head_dim": 12, "max_position_embeddings": 256}
+_DENSE = _TINY | {"intermediate_size": 96}
+_MOE = _TINY | {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 8,
+                "num_experts_per_tok": 2}
+# A one-block vision tower whose merged output width is the text width; image token ids inside the vocabulary.
+_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+           "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
+_IMAGE_TOKENS = {"image_token_id": 120, "video_token_id": 121, "vision_start_token_id": 122,
+                 "vision_end_token_id": 123}
+
+
+def _composite(model_type: str, architecture: str, text: dict[str, Any], written_as: str) -> TinyHFCase:
+    return TinyHFCase(config={"model_type": model_type, "architectures": [architecture], "text_config": text,
+                              "vision_config": _VISION, **_IMAGE_TOKENS},
+                      auto_class="AutoModelForImageTextToText", written_as=written_as)
+
+
 TINY_HF_CONFIGS = {
-    "dense": _TINY | {"model_type": "qwen3_5_text", "intermediate_size": 96},
-    "moe-tied": _TINY | {"model_type": "qwen3_5_moe_text", "moe_intermediate_size": 32,
-                         "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
-                         "tie_word_embeddings": True},
+    "dense": _DENSE | {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
+    "moe-tied": _MOE | {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+                        "tie_word_embeddings": True},
+    # the published form: text model under model.language_model beside model.visual (to_hf writes the text form)
+    "composite-dense": _composite("qwen3_5", "Qwen3_5ForConditionalGeneration", _DENSE, "Qwen3_5ForCausalLM"),
+    "composite-moe": _composite("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", _MOE, "Qwen3_5MoeForCausalLM"),
 }

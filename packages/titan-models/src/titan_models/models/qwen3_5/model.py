@@ -9,6 +9,7 @@ shares (models/qwen3_next differs only in its MoE options and Hugging Face layou
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -21,6 +22,7 @@ from titan_models.components.layer_types import FULL_ATTENTION, LINEAR_ATTENTION
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, ZeroCenteredRMSNormConfig
 from titan_models.components.rope import RopeConfig
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GATED_DELTANET, GQA_ATTENTION, QK_NORM, ParallelPlan, decoder_plan
 
@@ -28,7 +30,7 @@ LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 
 
 @dataclass(kw_only=True)
-class HybridConfig:
+class HybridConfig(ModelConfigBase):
     """Fields of the Qwen3-Next / Qwen3.5 decoders. Layer i mixes tokens by `layer_kinds()[i]`; its
     FFN is the MoE when `moe` is set and i is not in `dense_layers` and (i + 1) % moe_every == 0,
     else a SwiGLU of width `ffn_dim`."""
@@ -39,7 +41,7 @@ class HybridConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int = 256
-    ffn_dim: int | None = None  # the dense layers' hidden width
+    ffn_dim: int = 0  # the dense layers' hidden width (0: no dense layers)
     moe: MoEConfig | None = None
     moe_every: int = 1
     dense_layers: tuple[int, ...] = ()
@@ -62,6 +64,22 @@ class HybridConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:  # of the full-attention layers
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
+    def with_num_layers(self, n: int) -> "HybridConfig":
+        """The first n layers; an explicit `layer_types` schedule keeps its first n entries."""
+        if self.layer_types is None:
+            return dataclasses.replace(self, num_layers=n)
+        if n > len(self.layer_types):
+            raise ValueError(f"num_layers({n}) exceeds the {len(self.layer_types)} entries of layer_types")
+        return dataclasses.replace(self, num_layers=n, layer_types=tuple(self.layer_types[:n]))
 
     @property
     def rope_dim(self) -> int:

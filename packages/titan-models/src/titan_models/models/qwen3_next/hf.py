@@ -47,7 +47,7 @@ class Qwen3NextConverter(HybridConverter):
 
     def config_to_hf(self, config: Qwen3NextConfig) -> dict[str, Any]:
         hf = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **write_hybrid_fields(config),
-              "intermediate_size": config.ffn_dim or 1, "decoder_sparse_step": config.moe_every,
+              "intermediate_size": config.ffn_dim, "decoder_sparse_step": config.moe_every,
               "mlp_only_layers": list(config.dense_layers)}
         moe = config.moe
         if moe is None:
@@ -83,5 +83,8 @@ _TINY = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4, "num_atte
          "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
          "num_experts": 8, "num_experts_per_tok": 2}
 TINY_HF_CONFIGS = {
-    "moe-raw-dense-layer0": _TINY | {"model_type": "qwen3_next", "norm_topk_prob": False, "mlp_only_layers": [0]},
+    "moe-raw-dense-layer0": _TINY | {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                                     "norm_topk_prob": False, "mlp_only_layers": [0]},
+    "moe-tied-3v": _TINY | {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                            "linear_num_value_heads": 6, "tie_word_embeddings": True},
 }
