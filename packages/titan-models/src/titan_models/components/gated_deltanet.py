@@ -71,12 +71,17 @@ class GatedDeltaNetState:
 
 
 class ShortConv(nn.Module):
-    """Weight of a depthwise causal conv over `channels` (nn.Conv1d's layout [channels, 1, kernel]),
-    applied by `GatedDeltaNet` together with its siblings; split per head under tensor parallelism."""
+    """A depthwise causal conv + SiLU over `channels` (weight in nn.Conv1d's layout [channels, 1, kernel]);
+    `conv(x, history, segments, lengths)` is `causal_conv` with this weight. Split per head under tensor
+    parallelism (its channels are whole heads of q, k or v)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+    def forward(self, x: torch.Tensor, history: torch.Tensor | None, segments: torch.Tensor | None,
+                lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv(x, self.weight, history, segments, lengths)
 
     def init_parameter(self, name: str, param: torch.Tensor, generator: torch.Generator) -> bool:
         bound = 1 / math.sqrt(param.shape[-1])  # nn.Conv1d's default scale (fan_in = kernel)
@@ -285,12 +290,12 @@ class GatedDeltaNet(nn.Module):
         cfg = self.config
         batch, seq, _ = x.shape
         q, k, v, z, b, a = project(x, self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)
-        widths = [q.shape[-1], k.shape[-1], v.shape[-1]]
-        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
         lengths = None if valid is None else valid.sum(dim=1)
-        mixed, history = causal_conv(torch.cat([q, k, v], dim=-1), weight,
-                                     None if state is None else state.conv, segments, lengths)
-        q, k, v = mixed.split(widths, dim=-1)
+        histories = [None] * 3 if state is None else state.conv.split([q.shape[-1], k.shape[-1], v.shape[-1]], -1)
+        convs = [conv(t, h, segments, lengths) for conv, t, h in zip((self.q_conv, self.k_conv, self.v_conv),
+                                                                      (q, k, v), histories)]
+        (q, q_hist), (k, k_hist), (v, v_hist) = convs
+        history = torch.cat([q_hist, k_hist, v_hist], dim=-1)  # [b, K-1, q | k | v channels]
         q = l2_normalize(q.reshape(batch, seq, -1, cfg.key_head_dim)) * cfg.key_head_dim**-0.5
         k = l2_normalize(k.reshape(batch, seq, -1, cfg.key_head_dim))
         v = v.reshape(batch, seq, -1, cfg.value_head_dim)
