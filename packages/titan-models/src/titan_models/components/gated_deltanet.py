@@ -105,7 +105,8 @@ class DecayGate(nn.Module):
         return True
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        dtype = torch.promote_types(a.dtype, torch.float32)
+        return -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
 
 
 def document_segments(context: AttentionContext | None) -> torch.Tensor | None:
@@ -162,11 +163,12 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule token by token. q, k [b, s, h, dk] (normalised, q scaled), v [b, s, h, dv],
     g, beta [b, s, h]; segments [b, s] or None; initial_state [b, h, dk, dv] or None (zeros).
-    Returns (out [b, s, h, dv], final state [b, h, dk, dv]), both float32."""
+    Returns (out [b, s, h, dv], final state [b, h, dk, dv]), both float32 (float64 for float64 inputs)."""
     batch, seq, heads, dk = k.shape
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    state = (torch.zeros(batch, heads, dk, v.shape[-1], device=v.device) if initial_state is None
-             else initial_state.float())
+    dtype = _compute_dtype(v)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    state = (torch.zeros(batch, heads, dk, v.shape[-1], device=v.device, dtype=dtype) if initial_state is None
+             else initial_state.to(dtype))
     out = torch.empty_like(v)
     for t in range(seq):
         if segments is not None and t > 0:
@@ -178,6 +180,11 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         state = state + k[:, t, :, :, None] * update[:, :, None, :]
         out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
     return out, state
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (reference runs)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _to_chunks(x: torch.Tensor, chunk: int, pad: int) -> torch.Tensor:
@@ -201,7 +208,8 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     batch, seq, heads, dk = k.shape
     dv = v.shape[-1]
     pad = (-seq) % chunk_size
-    q, k, v, g, beta = (_to_chunks(t.float(), chunk_size, pad) for t in (q, k, v, g, beta))  # [b, h, n, C, ...]
+    dtype = _compute_dtype(v)
+    q, k, v, g, beta = (_to_chunks(t.to(dtype), chunk_size, pad) for t in (q, k, v, g, beta))  # [b, h, n, C, ...]
     chunks = q.shape[2]
     if segments is None:
         segments = torch.zeros(batch, seq, dtype=torch.int64, device=q.device)
@@ -227,8 +235,8 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     q_state = q * state_read[..., None]
     k_end = k * to_end[..., None]
 
-    state = (torch.zeros(batch, heads, dk, dv, device=q.device) if initial_state is None
-             else initial_state.float())
+    state = (torch.zeros(batch, heads, dk, dv, device=q.device, dtype=dtype) if initial_state is None
+             else initial_state.to(dtype))
     out = torch.empty_like(corrections)
     for c in range(chunks):
         u = corrections[:, :, c] - state_keys[:, :, c] @ state
@@ -239,8 +247,8 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in float32 (flash-linear-attention's definition)."""
-    x = x.float()
+    """x / sqrt(sum(x^2) + eps) over the last dim, in float32 or wider (flash-linear-attention's definition)."""
+    x = x.to(_compute_dtype(x))
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
@@ -301,7 +309,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(batch, seq, -1, cfg.value_head_dim)
         if self.heads_per_key > 1:  # value heads h*r .. h*r + r-1 read key head h
             q, k = (t.repeat_interleave(self.heads_per_key, dim=2) for t in (q, k))
-        g, beta = self.decay(a), b.float().sigmoid()  # [b, s, Hv]
+        g, beta = self.decay(a), b.to(_compute_dtype(b)).sigmoid()  # [b, s, Hv]
         if valid is not None:  # padding: no decay (g = 0) and no update (beta = 0)
             g, beta = g * valid[..., None], beta * valid[..., None]
         initial = None if state is None else state.recurrent
