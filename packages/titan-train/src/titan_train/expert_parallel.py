@@ -36,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .config import TrainConfig
-from .parallelize import _matching
+from .parallelize import matching_modules
 
 
 def resolve_moe_impl(config: TrainConfig) -> str:
@@ -61,7 +61,7 @@ def resolve_moe_impl(config: TrainConfig) -> str:
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The MoE modules the model's parallel plan names (e.g. layers.*.moe), in model order."""
-    names = [n for pattern in model.parallel_plan.moe for n in _matching(model, pattern)]
+    names = [n for pattern in model.parallel_plan.moe for n in matching_modules(model, pattern)]
     return [model.get_submodule(n) for n in sorted(set(names), key=names.index)]
 
 
@@ -70,7 +70,7 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float) -> list[str]:
     shapes (tm.override checks them), so weights, init and checkpoints carry over. Returns their names."""
     replaced: list[str] = []
     for pattern in model.parallel_plan.moe:
-        if not _matching(model, pattern):
+        if not matching_modules(model, pattern):
             continue  # e.g. mtp.layer.moe on a model without multi-token prediction
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:

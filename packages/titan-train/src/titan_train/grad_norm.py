@@ -8,6 +8,7 @@ combined. With one mesh (or none) this is exactly torch's get_total_norm.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -46,10 +47,16 @@ def scale_to_max_norm(with_grad: list[torch.Tensor], max_norm: float, norm: torc
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
 
 
-def clip_by_total_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_by_total_norm(params: list[torch.Tensor], max_norm: float, *,
+                       sum_over: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale the gradients of `params` so their global norm is at most `max_norm` (0: leave them); returns the
-    norm before clipping."""
+    norm before clipping. sum_over: a group whose ranks hold other parameters (pipeline stages): the squared
+    norms of its ranks are summed."""
     with_grad = [p for p in params if p.grad is not None]
     norm = total_norm([p.grad for p in with_grad])
+    if sum_over is not None:
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=sum_over)
+        norm = squared.sqrt()
     scale_to_max_norm(with_grad, max_norm, norm)
     return norm

@@ -8,6 +8,7 @@ plus their saved softmax (at 16k tokens and a 128k vocabulary that is 1 GiB inst
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -170,14 +171,24 @@ class CausalLMLoss(nn.Module):
     of the sequence with the (replicated) output weight, so no vocab-parallel softmax exchange is needed.
     """
 
-    def __init__(self, model: nn.Module, *, chunk: int = 4096, context_factory=None):
+    def __init__(self, model: nn.Module, *, chunk: int = 4096, context_factory: Callable | None = None,
+                 tp_group: dist.ProcessGroup | None = None, compiled: bool = False, triton: bool = False):
+        """context_factory: document ids [b, s] -> the model's AttentionContext (document masking), None for
+        none. tp_group: the tensor-parallel group the model is (to be) sharded over. compiled: fuse each loss
+        chunk with torch.compile (compile.enabled). triton: on CUDA, the Triton loss kernel instead
+        (training.fused_kernels)."""
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.context_factory = context_factory
-        self.tp_group = None  # set by the tensor-parallel plan
-        self.compiled = False  # fuse each loss chunk with torch.compile (set with compile.enabled)
-        self.triton = False  # on CUDA, the Triton loss kernel instead (set with training.fused_kernels)
+        self.tp_group = tp_group
+        self.compiled = compiled
+        self.triton = triton
+
+    def with_model(self, model: nn.Module) -> CausalLMLoss:
+        """The same loss over another model (a pipeline stage's share of this one)."""
+        return CausalLMLoss(model, chunk=self.chunk, context_factory=self.context_factory, tp_group=self.tp_group,
+                            compiled=self.compiled, triton=self.triton)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):

@@ -46,7 +46,7 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _close(name: str, choices: list[str]) -> str:
+def close_matches(name: str, choices: list[str]) -> str:
     near = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
     hint = f" (did you mean {', '.join(near)}?)" if near else ""
     return f"{hint}; valid: {', '.join(choices)}"
@@ -60,7 +60,7 @@ def parse_value(text: str, tp: Any, flag: str) -> Any:
         for choice in choices:
             if str(choice) == text:
                 return choice
-        raise ConfigError(f"{flag}: {text!r} is not a valid choice{_close(text, [str(c) for c in choices])}")
+        raise ConfigError(f"{flag}: {text!r} is not a valid choice{close_matches(text, [str(c) for c in choices])}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if type(None) in args and text.lower() in ("none", "null"):
@@ -114,11 +114,11 @@ def apply_override(config: Any, dotted: str, text: str) -> None:
     sections = section_types(config)
     section, _, name = dotted.partition(".")
     if section not in sections:
-        raise ConfigError(f"unknown section in {flag}{_close(section, sorted(sections))}")
+        raise ConfigError(f"unknown section in {flag}{close_matches(section, sorted(sections))}")
     fields = field_types(sections[section])
     if not name or name not in fields:
         choices = [f"{section}.{f}" for f in fields]
-        raise ConfigError(f"unknown field {flag}{_close(dotted, choices)}")
+        raise ConfigError(f"unknown field {flag}{close_matches(dotted, choices)}")
     setattr(getattr(config, section), name, parse_value(text, fields[name], flag))
 
 

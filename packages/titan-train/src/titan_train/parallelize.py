@@ -20,10 +20,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .config import ActivationCheckpointConfig
-from .loss import CausalLMLoss
 
 
-def _matching(model: nn.Module, pattern: str) -> list[str]:
+def matching_modules(model: nn.Module, pattern: str) -> list[str]:
     """Module paths of `model` matching `pattern` (`*` stands for one path component)."""
     depth = pattern.count(".")
     return [name for name, _ in model.named_modules()
@@ -75,13 +74,12 @@ def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
                          "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
 
 
-def apply_tensor_parallel(loss_module: CausalLMLoss, tp_mesh: DeviceMesh) -> None:
-    """Shard `loss_module.model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`."""
-    model = loss_module.model
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard `model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`."""
     plan: dict[str, ParallelStyle] = {}
     gathered_parents: set[str] = set()
     for pattern, style_name in model.parallel_plan.tensor_parallel.items():
-        names = _matching(model, pattern)
+        names = matching_modules(model, pattern)
         if not names:
             continue  # e.g. `output` removed from a pipeline stage
         style = _tp_style(style_name, pattern)
@@ -100,7 +98,6 @@ def apply_tensor_parallel(loss_module: CausalLMLoss, tp_mesh: DeviceMesh) -> Non
     if leftovers:
         raise ValueError(f"the model's parallel plan leaves parameters without a tensor-parallel style: "
                          f"{', '.join(leftovers[:5])}")
-    loss_module.tp_group = tp_mesh.get_group()
 
 
 def _op_sac_policy():
@@ -156,15 +153,14 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=False)
 
 
-def apply_fsdp(loss_module: CausalLMLoss, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
+def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
                reshard_after_forward: bool) -> None:
-    """fully_shard each block, then the root (embeddings, final norm, output) through the loss wrapper,
-    whose forward is what FSDP's hooks see. param_dtype=bf16 gives bf16 compute with fp32 master weights
-    and fp32 gradient reduction."""
+    """fully_shard each block, then `root` (the loss wrapper, or a pipeline stage) for what is left
+    (embeddings, final norm, output): the root's forward is what FSDP's hooks see. param_dtype=bf16 gives
+    bf16 compute with fp32 master weights and fp32 gradient reduction."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    blocks = list(loss_module.model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(loss_module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

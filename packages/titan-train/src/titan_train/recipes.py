@@ -14,7 +14,7 @@ from .config import (
     ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DataConfig, JobConfig, LRScheduleConfig,
     ModelConfig, OptimizerConfig, ParallelismConfig, TrainConfig, TrainingConfig,
 )
-from .overrides import ConfigError, _close
+from .overrides import ConfigError, close_matches
 
 Recipe = Callable[[], TrainConfig]
 _RECIPES: dict[str, Recipe] = {}
@@ -54,11 +54,11 @@ def load_recipe(spec: str, *, registry: dict[str, Callable] | None = None, confi
         fn = getattr(module, attr, None)
         if not callable(fn):
             public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-            raise ConfigError(f"--recipe {spec}: {module_name} has no function {attr!r}{_close(attr, public)}")
+            raise ConfigError(f"--recipe {spec}: {module_name} has no function {attr!r}{close_matches(attr, public)}")
     elif spec in registry:
         fn = registry[spec]
     else:
-        raise ConfigError(f"unknown recipe {spec!r}{_close(spec, sorted(registry))} "
+        raise ConfigError(f"unknown recipe {spec!r}{close_matches(spec, sorted(registry))} "
                           "(or give package.module:function)")
     config = fn()
     if not isinstance(config, config_type):

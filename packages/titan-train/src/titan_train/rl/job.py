@@ -23,7 +23,7 @@ from titan_rl.envs import SingleTurn
 from ..data import ByteTokenizer as TrainByteTokenizer
 from ..model_setup import model_config
 from ..overrides import check_types
-from ..trainer import _process_group, _select_device
+from ..process_group import process_group, select_device
 from .build import make_algorithm, make_sampling, make_task, validate
 from .config import RLJobConfig
 from .policy import build_copy, build_policy, export_weights, initial_weights
@@ -49,8 +49,8 @@ def run_rl(config: RLJobConfig) -> RLResult:
     check_types(config)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     validate(config, world_size=world)
-    device = _select_device(config)
-    with _process_group(device):
+    device = select_device(config.job.device)
+    with process_group(device):
         return RLJob(config, device).run()
 
 

@@ -20,14 +20,6 @@ from torch.distributed.fsdp import fully_shard
 from ..model_setup import build_on_meta
 
 
-def _reset_buffers(model: nn.Module) -> None:
-    # Buffers (RoPE frequencies) are computed, not loaded: to_empty left them uninitialised.
-    for module in model.modules():
-        reset = getattr(module, "reset_buffers", None)
-        if reset is not None:
-            reset()
-
-
 def initial_weights(model_cfg, *, seed: int) -> dict[str, torch.Tensor]:
     """The initial weights of `model_cfg` on rank 0 ({} elsewhere): what RL starts from without pretraining."""
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -51,7 +43,7 @@ def build_policy(model_cfg, full_state: dict[str, torch.Tensor], *, device: torc
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
-    _reset_buffers(model)
+    model.init_buffers()  # buffers (RoPE frequencies) are computed, not loaded: to_empty left them uninitialised
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed))
     return model
@@ -66,7 +58,7 @@ def build_copy(model_cfg, weights: dict[str, torch.Tensor], *, device: torch.dev
                batch_invariant: bool) -> nn.Module:
     """An unsharded, frozen model holding `weights` (a generator's model, the KL reference)."""
     model = build_on_meta(model_cfg).to_empty(device=device)
-    _reset_buffers(model)
+    model.init_buffers()
     if batch_invariant:
         titan_rl.batch_invariant(model)
     with torch.no_grad():

@@ -21,8 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs
+
+from ..grad_norm import clip_by_total_norm
 
 # policy_loss metrics that are token means over the rank's slice; combined over ranks weighted by tokens.
 TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncated_frac", "kl")
@@ -50,13 +51,7 @@ class PolicyUpdate:
         return token_logprobs(model, batch.tokens, temperature=self.temperature)
 
     def _clip(self) -> float:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if isinstance(norm, DTensor):  # sharded gradients: a partial norm, reduced over the ranks
-            norm = norm.full_tensor()
-        if self.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, foreach=True)
-        return float(norm)
+        return float(clip_by_total_norm(list(self.policy.parameters()), self.max_grad_norm))
 
     def __call__(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
         """One update on the global `samples` (with their advantages); the same call on every rank."""
