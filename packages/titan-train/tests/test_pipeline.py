@@ -117,8 +117,10 @@ V_ON_GLOO = hasattr(PipelineStage, "_is_same_rank")  # older pipelining sends to
     # Zero bubble under FSDP: the last stage runs its whole backward at once (see Pipeline.finish).
     (4, {"parallelism.pp": "2", "parallelism.dp_shard": "2", "parallelism.pp_schedule": "InterleavedZeroBubble",
          "model.num_layers": "4", "training.batch_size": "8"}),
+    # The last stage's loss is the vocabulary-parallel CausalLMLoss under tensor parallelism.
+    (4, {"parallelism.pp": "2", "parallelism.tp": "2"}),
 ], ids=["pp2-1f1b", "pp2-interleaved1f1b", "pp2-interleaved-zero-bubble", "pp2-zbv", "pp2xfsdp2",
-        "pp2xfsdp2-zero-bubble"])
+        "pp2xfsdp2-zero-bubble", "pp2xtp2"])
 def test_pipeline_follows_single_process(references, tmp_path, jobs, nproc, layout):
     expected = references[(layout.get("model.num_layers", "2"), layout.get("training.batch_size", "4"))]
     curve = jobs.on_ranks(jobs.tiny(tmp_path, **{**STEPS, **layout}), nproc)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module,
 )
@@ -29,11 +29,12 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
             if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
 
 
-def _tp_style(style: str, pattern: str) -> ParallelStyle | None:
+def _tp_style(style: str, pattern: str) -> ParallelStyle:
     """The torch ParallelStyle for one of titan-models' TP_STYLES (residual stream sharded on the sequence).
 
-    "output" maps to None: the output weight stays whole on every TP rank and each rank scores its
-    own sequence slice (CausalLMLoss), which needs no vocabulary-parallel softmax exchange.
+    "output" is colwise over the vocabulary: the output weight is Shard(0) over the tp ranks. Its forward
+    never runs (CausalLMLoss reads the weight into its vocabulary-parallel fused loss), so its input and
+    output layouts do not matter.
     """
     if style == "colwise":
         return ColwiseParallel()
@@ -44,7 +45,7 @@ def _tp_style(style: str, pattern: str) -> ParallelStyle | None:
     if style == "sequence_parallel":
         return SequenceParallel()
     if style == "output":
-        return None
+        return ColwiseParallel(use_local_output=False)
     raise ValueError(f"tensor-parallel style {style!r} of {pattern!r} is not supported by this trainer yet "
                      "(supported: colwise, rowwise, embedding, output, sequence_parallel)")
 
@@ -74,6 +75,14 @@ def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
                          "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
 
 
+def _check_vocab_divisible(model: nn.Module, names: list[str], tp: int) -> None:
+    for name in names:
+        vocab = model.get_submodule(name).weight.shape[0]
+        if vocab % tp:
+            raise ValueError(f"parallelism.tp={tp} does not divide the vocabulary ({vocab}) that the "
+                             f"vocabulary-parallel loss shards {name} over; set model.vocab_size to a multiple of tp")
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard `model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`."""
     plan: dict[str, ParallelStyle] = {}
@@ -83,10 +92,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         if not names:
             continue  # e.g. `output` removed from a pipeline stage
         style = _tp_style(style_name, pattern)
-        if style is None:
-            for name in names:  # whole on every rank: a replicated DTensor
-                distribute_module(model.get_submodule(name), tp_mesh)
-            continue
+        if style_name == "output":
+            _check_vocab_divisible(model, names, tp_mesh.size())
         for name in names:
             plan[name] = style
             if style_name == "colwise":

@@ -126,7 +126,9 @@ class Trainer:
             self.parallel.expert_parallel.finish_gradients()
         grad_norm = self._clip_gradients()
         if dist.is_initialized():
-            dist.all_reduce(loss_sum)  # dp ranks hold other rows, tp ranks other sequence slices
+            dist.all_reduce(loss_sum)  # dp and cp ranks hold other tokens, pp ranks other stages
+            if self.degrees.tp > 1:
+                loss_sum /= self.degrees.tp  # tp ranks all hold the same (vocabulary-parallel) loss
         loss, norm = torch.stack([loss_sum / max(scored, 1), grad_norm.float()]).tolist()
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
             self.optimizer.zero_grad(set_to_none=True)
