@@ -11,7 +11,7 @@ import pytest
 
 from titan_train import TrainConfig, load_recipe
 from titan_train.cli import main, parse_args
-from titan_train.overrides import field_types, section_types
+from titan_train.cli_args import field_types, section_types
 
 REQUIRED_FLAGS = ["--training.steps", "--training.batch_size", "--training.seq_len", "--job.folder",
                   "--parallelism.dp_replicate", "--parallelism.dp_shard", "--parallelism.tp", "--parallelism.pp",

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.optimizers import build_optimizer
-from titan_train.overrides import apply_override
+from titan_train.cli_args import apply_override
 
 STEPS = 10
 TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",

@@ -14,15 +14,15 @@ import torch.multiprocessing as mp
 from titan_rl import Completion, SamplingConfig
 from titan_rl.envs import SingleTurn, SortingTask
 
-from titan_train.rl import RLJobConfig, run_rl
+from titan_train.rl import RLConfig, run_rl
 from titan_train.rl.rollouts import SEED_STRIDE, ShardedRollouts
 
 REQUIRED_METRICS = ("step", "reward_mean", "kl", "staleness", "dropped_samples_total", "logprob_mismatch_max",
                     "gen_tokens_per_s", "train_tokens_per_s", "loss", "completion_len")
 
 
-def small_job(folder: Path, **changes) -> RLJobConfig:
-    config = RLJobConfig()
+def small_job(folder: Path, **changes) -> RLConfig:
+    config = RLConfig()
     config.job.folder = str(folder)
     config.metrics.progress = False
     for dotted, value in changes.items():

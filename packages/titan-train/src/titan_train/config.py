@@ -56,7 +56,9 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class TrainingConfig:
+class StepConfig:
+    """The `training` section: how many optimizer steps, and what each one takes and computes."""
+
     steps: int = 100
     """Optimizer steps to run (a resumed run continues up to this count)."""
     batch_size: int = 8
@@ -306,9 +308,11 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    """The whole configuration of a `titan-train` run (what a recipe returns), one section per field."""
+
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
+    training: StepConfig = field(default_factory=StepConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)

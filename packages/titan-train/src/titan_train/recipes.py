@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from .config import (
     ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DataConfig, JobConfig, LRScheduleConfig,
-    ModelConfig, OptimizerConfig, ParallelismConfig, TrainConfig, TrainingConfig,
+    ModelConfig, OptimizerConfig, ParallelismConfig, TrainConfig, StepConfig,
 )
-from .overrides import ConfigError, close_matches
+from .cli_args import ConfigError, close_matches
 
 Recipe = Callable[[], TrainConfig]
 _RECIPES: dict[str, Recipe] = {}
@@ -73,7 +73,7 @@ def llama3_debug() -> TrainConfig:
         job=JobConfig(folder="runs/llama3_debug"),
         # The byte tokenizer uses 259 ids; 384 (3 x 128) keeps the output matmul aligned and small.
         model=ModelConfig(family="llama3", flavor="debug", vocab_size=384),
-        training=TrainingConfig(steps=100, batch_size=8, seq_len=128, max_grad_norm=1.0),
+        training=StepConfig(steps=100, batch_size=8, seq_len=128, max_grad_norm=1.0),
         optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.1),
         lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=10, decay_fraction=0.3),
         data=DataConfig(source="stdlib", tokenizer="byte"),
@@ -86,7 +86,7 @@ def llama3_1b() -> TrainConfig:
     return TrainConfig(
         job=JobConfig(folder="runs/llama3_1b", device="cuda"),
         model=ModelConfig(family="llama3", flavor="1B", attention="flex"),
-        training=TrainingConfig(steps=1000, batch_size=8, seq_len=4096, mixed_precision="bf16"),
+        training=StepConfig(steps=1000, batch_size=8, seq_len=4096, mixed_precision="bf16"),
         optimizer=OptimizerConfig(lr=3e-4),
         lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=100, decay_fraction=0.2),
         checkpoint=CheckpointConfig(interval=500),

@@ -18,7 +18,7 @@ from .data import IGNORE_INDEX
 from .grad_norm import clip_by_total_norm
 from .metrics import memory_gib, peak_flops
 from .model_setup import model_config
-from .overrides import check_types
+from .cli_args import check_types
 from .process_group import process_group, select_device
 from .progress import ProgressBar
 

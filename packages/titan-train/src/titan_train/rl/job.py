@@ -22,10 +22,10 @@ from titan_rl.envs import SingleTurn
 
 from ..data import ByteTokenizer as TrainByteTokenizer
 from ..model_setup import model_config
-from ..overrides import check_types
+from ..cli_args import check_types
 from ..process_group import process_group, select_device
 from .build import make_algorithm, make_sampling, make_task, validate
-from .config import RLJobConfig
+from .config import RLConfig
 from .policy import build_copy, build_policy, export_weights, initial_weights
 from .pretrain import policy_model_config, pretrain
 from .report import MetricsFile, RLProgress, text_plot, write_curve
@@ -44,7 +44,7 @@ class RLResult:
     seconds: float = 0.0
 
 
-def run_rl(config: RLJobConfig) -> RLResult:
+def run_rl(config: RLConfig) -> RLResult:
     """Run the RL job `config` describes (under torchrun: this process's rank of it)."""
     check_types(config)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -54,7 +54,7 @@ def run_rl(config: RLJobConfig) -> RLResult:
         return RLJob(config, device).run()
 
 
-def _make_generator(config: RLJobConfig, model: torch.nn.Module, pad_id: int) -> titan_rl.Generator:
+def _make_generator(config: RLConfig, model: torch.nn.Module, pad_id: int) -> titan_rl.Generator:
     if config.generator.kind == "vllm":  # validate() checked that vLLM is installed
         from titan_rl.vllm.generator import VLLMGenerator
 
@@ -63,7 +63,7 @@ def _make_generator(config: RLJobConfig, model: torch.nn.Module, pad_id: int) ->
 
 
 class RLJob:
-    def __init__(self, config: RLJobConfig, device: torch.device) -> None:
+    def __init__(self, config: RLConfig, device: torch.device) -> None:
         self.config, self.device = config, device
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1

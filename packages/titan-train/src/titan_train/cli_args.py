@@ -1,4 +1,4 @@
-"""Typed `--section.field value` overrides over the config dataclasses.
+"""Typed `--section.field value` command-line arguments over the config dataclasses (parsing, type checks, help).
 
 Hand-written rather than tyro: the trainer needs three things a generic CLI library does not give
 together — a recipe chosen at run time decides the defaults every other flag overrides, an unknown
