@@ -39,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if actions:
         return command.run_actions(config, actions, help=command.help_text(config, usage=USAGE, default=DEFAULT_RECIPE),
                                    registry=recipes())
-    from .trainer import NonFiniteLossError, train
+    from .nonfinite import NonFiniteLossError
+    from .trainer import train
 
     code = 0
     try:

@@ -29,11 +29,12 @@ import contextlib
 import functools
 from dataclasses import dataclass
 
-import titan_models as tm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+
+import titan_models as tm
 
 from .config import ParallelismConfig
 from .grad_norm import clip_by_total_norm
@@ -308,10 +309,10 @@ class Pipeline:
                                       model_order=list(self.layout.parameter_order))
         return state
 
-    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float, *, read_norm: bool = True) -> torch.Tensor:
         """Clip by the norm over every stage's gradients: each pp rank's norm over its own stages, reduced
         over the pp group (squares summed). Returns that global norm (before clipping)."""
-        return clip_by_total_norm(params, max_norm, sum_over=self.group)
+        return clip_by_total_norm(params, max_norm, sum_over=self.group, read_norm=read_norm)
 
 
 @functools.cache

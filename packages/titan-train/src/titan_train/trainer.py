@@ -8,29 +8,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import titan_models as tm
 import torch
 import torch.distributed as dist
 
+import titan_models as tm
+
+from .cli_args import check_types
 from .config import TrainConfig
 from .context_parallel import local_indices, shard_sequence
 from .data import IGNORE_INDEX
 from .grad_norm import clip_by_total_norm
 from .metrics import memory_gib, peak_flops
 from .model_setup import model_config
-from .cli_args import check_types
+from .nonfinite import NonFiniteGuard, NonFiniteLossError
 from .process_group import process_group, select_device
 from .progress import ProgressBar
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss (or gradient norm) of a step was NaN or inf; the step was not applied nor checkpointed."""
-
-    def __init__(self, step: int, loss: float, grad_norm: float):
-        self.step, self.loss, self.grad_norm = step, loss, grad_norm
-        what = "loss" if not torch.isfinite(torch.tensor(loss)) else "gradient norm"
-        super().__init__(f"non-finite {what} at step {step} (loss {loss}, grad norm {grad_norm}); the step was "
-                         "not applied and no checkpoint was written for it")
 
 
 @dataclass
@@ -68,7 +60,8 @@ class Trainer:
         torch.manual_seed(config.job.seed)
         # Data: every rank reads the global stream and keeps its rows (see data/loader.py).
         self.tokenizer = config.data.build_tokenizer()
-        self.model_cfg = model_config(config.model, vocab_needed=0 if self.tokenizer is None else self.tokenizer.vocab_size)
+        vocab_needed = 0 if self.tokenizer is None else self.tokenizer.vocab_size
+        self.model_cfg = model_config(config.model, vocab_needed=vocab_needed)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
                                         seed=config.job.seed)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
@@ -78,6 +71,7 @@ class Trainer:
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.layout.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
+        self.guard = NonFiniteGuard(self.optimizer, device)
         self.checkpoints = config.checkpoint.build(
             self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None)
         self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
@@ -89,8 +83,9 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, step: int) -> tuple[float, float]:
-        """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm)."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm), 0-dim tensors that
+        may still be computing (NonFiniteGuard says when a non-finite one stops the run)."""
         t = self.config.training
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
         # Normalise by the global count of scored tokens, so the loss and its gradient are the same
@@ -115,8 +110,9 @@ class Trainer:
             for i in range(t.grad_accum_steps):
                 micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
                 micro_positions = None if positions is None else positions[i * micro_rows:(i + 1) * micro_rows]
-                if self.layout.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":  # reduce once, after the last
-                    self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)  # (flexshard: every one)
+                # fully_shard reduces once, after the last microbatch (flexshard: after every one)
+                if self.layout.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
+                    self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
                 with self._autocast():
                     micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
                 (micro_loss * scale).backward()
@@ -129,20 +125,25 @@ class Trainer:
             dist.all_reduce(loss_sum)  # dp and cp ranks hold other tokens, pp ranks other stages
             if self.degrees.tp > 1:
                 loss_sum /= self.degrees.tp  # tp ranks all hold the same (vocabulary-parallel) loss
-        loss, norm = torch.stack([loss_sum / max(scored, 1), grad_norm.float()]).tolist()
-        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
+        loss = loss_sum / max(scored, 1)
+        try:
+            self.guard.before_update(step, loss, grad_norm)
+        except NonFiniteLossError:
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(step, loss, norm)
+            raise
         self.optimizer.step()
         self.parallel.expert_bias.update()  # after the step, as aux-loss-free balancing prescribes
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, norm
+        return loss, grad_norm
 
     def _clip_gradients(self) -> torch.Tensor:
+        # On the guard's device path the norm is not read on the host (no sync): the coefficient is clamped
+        # to 1 on the device instead, which multiplies gradients within the bound by exactly 1.
+        params, max_norm = list(self.model.parameters()), self.config.training.max_grad_norm
         if self.pipeline is not None:  # each pp rank holds other stages: the norm is reduced over pp too
-            return self.pipeline.clip_gradients(list(self.model.parameters()), self.config.training.max_grad_norm)
-        return clip_by_total_norm(list(self.model.parameters()), self.config.training.max_grad_norm)
+            return self.pipeline.clip_gradients(params, max_norm, read_norm=not self.guard.on_device)
+        return clip_by_total_norm(params, max_norm, read_norm=not self.guard.on_device)
 
     # --- the run ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -156,8 +157,8 @@ class Trainer:
         bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
         if is_main:
             self._announce(start)
-        tokens_per_step = t.batch_size * t.seq_len
-        timed_tokens, timed_seconds = 0, 0.0
+        timing = _Timing()
+        pending: list[_PendingStep] = []  # the steps since the last read-back
         collect_automatically = gc.isenabled()
         if t.gc_interval:
             gc.disable()
@@ -168,20 +169,18 @@ class Trainer:
                 loss, grad_norm = self.train_step(step)
                 if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
                     gc.collect(1)
-                seconds = time.perf_counter() - began
-                result.losses[step] = loss
-                if step > start + 1:
-                    timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
-                tokens_per_s = tokens_per_step / seconds
-                world = dist.get_world_size() if dist.is_initialized() else 1
-                mfu = self.flops_per_token * tokens_per_s / (self.peak * world) if self.peak else None
-                if is_main and (step % config.metrics.log_interval == 0 or step == t.steps):
-                    mem = memory_gib(self.device)
-                    metrics.write({"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "lr": lr,
-                                   "grad_norm": grad_norm, "mfu": mfu, "memory_gib": mem, "step_seconds": seconds})
-                    bar.update(step, loss=loss, tokens_per_s=tokens_per_s, mfu=mfu, memory_gib=mem)
+                pending.append(_PendingStep(step, lr, loss, grad_norm, time.perf_counter() - began))
+                log = step % config.metrics.log_interval == 0 or step == t.steps
                 interval = config.checkpoint.interval
-                if self.checkpoints is not None and interval and (step % interval == 0 or step == t.steps):
+                save = self.checkpoints is not None and interval and (step % interval == 0 or step == t.steps)
+                if log or save:  # the only host syncs of the loop; a non-finite step stops the run here
+                    record = self._read_back(pending, result, timing, first=start + 1)
+                    pending = []
+                    if log and is_main:
+                        metrics.write(record)
+                        bar.update(step, loss=record["loss"], tokens_per_s=record["tokens_per_s"], mfu=record["mfu"],
+                                   memory_gib=record["memory_gib"])
+                if save:
                     self.checkpoints.save(step, self.checkpoints.state(
                         self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
         finally:
@@ -192,10 +191,30 @@ class Trainer:
                 self.checkpoints.close()
             if metrics is not None:
                 metrics.close()
-        result.tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+        result.tokens_per_s = timing.tokens / timing.seconds if timing.seconds else 0.0
         if is_main:
             self._summarize(result)
         return result
+
+    def _read_back(self, pending: list[_PendingStep], result: TrainResult, timing: _Timing, *, first: int) -> dict:
+        """Wait for the pending steps, check them (NonFiniteGuard), record their losses; returns the metrics
+        record of the last one, whose throughput covers all of them (the wait included)."""
+        began = time.perf_counter()
+        self.guard.check()
+        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float()]) for p in pending]).tolist()
+        pending[-1].seconds += time.perf_counter() - began
+        tokens_per_step = self.config.training.batch_size * self.config.training.seq_len
+        for p, (loss, _) in zip(pending, values):
+            result.losses[p.step] = loss
+            if p.step > first:  # the first step includes the warm-up
+                timing.tokens, timing.seconds = timing.tokens + tokens_per_step, timing.seconds + p.seconds
+        seconds = sum(p.seconds for p in pending) / len(pending)
+        tokens_per_s = tokens_per_step / seconds
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        mfu = self.flops_per_token * tokens_per_s / (self.peak * world) if self.peak else None
+        last = pending[-1]
+        return {"step": last.step, "loss": values[-1][0], "tokens_per_s": tokens_per_s, "lr": last.lr,
+                "grad_norm": values[-1][1], "mfu": mfu, "memory_gib": memory_gib(self.device), "step_seconds": seconds}
 
     def _announce(self, start: int) -> None:
         c, d = self.config, self.degrees
@@ -217,3 +236,21 @@ class Trainer:
         print(f"titan-train: done, steps {steps[0]}-{steps[-1]}: loss {sum(head) / len(head):.3f} (first 5) -> "
               f"{sum(tail) / len(tail):.3f} (last 5), {result.tokens_per_s:.0f} tokens/s; "
               f"metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+
+
+@dataclass
+class _PendingStep:
+    """A step whose loss and gradient norm are still on the device."""
+
+    step: int
+    lr: float
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    seconds: float
+    """Wall time of train_step (plus, for the last step before a read-back, the wait for the device)."""
+
+
+@dataclass
+class _Timing:
+    tokens: int = 0
+    seconds: float = 0.0
