@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import warnings
 
-import dist_moe
-import titan_models as tm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
+import dist_moe
+import titan_models as tm
 
 from .config import TrainConfig
 from .parallelize import matching_modules

@@ -9,21 +9,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import titan_models as tm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import titan_models as tm
+
 from .config import TrainConfig
 from .context_parallel import apply_context_parallel, check_context_parallel
 from .expert_parallel import (
-    ExpertBiasUpdate, ExpertParallel, data_parallel_groups, prepare_moe_layers, resolve_moe_impl,
+    ExpertBiasUpdate,
+    ExpertParallel,
+    data_parallel_groups,
+    prepare_moe_layers,
+    resolve_moe_impl,
 )
 from .loss import CausalLMLoss
 from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
 from .model_setup import build_on_meta, materialize
 from .parallelize import (
-    apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tensor_parallel, check_tp_divisibility,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_tensor_parallel,
+    check_tp_divisibility,
     keep_activations_in,
 )
 from .pipeline import Pipeline, PipelineLayout, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
@@ -146,7 +155,8 @@ class Parallelizer:
         dp_mesh = fsdp_mesh(self.mesh, self.degrees)
         param_dtype = self.compute_dtype if self.precision == "bf16" else None
         if expert_parallel is not None:
-            expert_parallel.apply_fsdp(dp_mesh, param_dtype=param_dtype, reshard_after_forward=par.reshard_after_forward)
+            expert_parallel.apply_fsdp(dp_mesh, param_dtype=param_dtype,
+                                       reshard_after_forward=par.reshard_after_forward)
         if pipeline is not None:
             pipeline.apply_fsdp(dp_mesh, param_dtype=param_dtype, reshard_after_forward=par.reshard_after_forward)
         elif par.fsdp_impl == "flexshard":
