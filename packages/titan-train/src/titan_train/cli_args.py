@@ -1,10 +1,16 @@
 """Typed `--section.field value` command-line arguments over the config dataclasses (parsing, type checks, help).
 
 Sections nest to any depth (a field whose type is a dataclass is a section: `--model.moe.num_experts 4`).
-Hand-written rather than tyro: the trainer needs three things a generic CLI library does not give
-together — a recipe chosen at run time decides the defaults every other flag overrides, an unknown
-name is answered with the close matches *and* the full list of valid ones, and `--help` can show the
-attribute docstrings of the config classes. It is ~200 lines over `dataclasses.fields`.
+Hand-written rather than tyro. Measured against tyro 1.0.17 on TrainConfig (2-core CPU, FlagConversionOff
+so flags keep their underscores): tyro also takes the defaults from a recipe loaded at run time
+(`tyro.cli(TrainConfig, default=recipe)`), uses the attribute docstrings as help and suggests close flags
+for a typo. What it does not do that the trainer relies on: (1) time: importing tyro takes 120-230 ms
+and its parse 116 ms, against 14 ms to import this module and ~1 ms to parse, paid by every rank under
+torchrun and every CLI test subprocess; (2) errors as a `ConfigError` (a ValueError) naming the flag,
+the close matches and every valid name, raised to a Python caller (tyro prints and exits); (3) the
+documented value syntax: tuple fields as one comma-separated value with `a=b` pairs
+(`--parallelism.flexshard_placements "layers.*.weight=owned,output.weight=block:128x128"`), which tyro
+spells as several space-separated words. It is ~200 lines over `dataclasses.fields`.
 """
 from __future__ import annotations
 
