@@ -80,6 +80,23 @@ class Parallelizer:
         self.compute_dtype = torch.bfloat16 if self.precision in ("bf16", "bf16_params") else torch.float32
         self.fsdp = degrees.dp * degrees.cp > 1  # cp ranks share the gradient reduction
 
+    def loss_scale(self, scored_tokens: int) -> float:
+        """The factor each rank's summed loss is multiplied by before its backward: the one place the
+        gradient scale of a layout is decided.
+
+        The objective is the mean over the global batch's `scored_tokens`, so the gradients are the same
+        whatever the layout. FSDP averages gradients over the dp x cp ranks (each saw other tokens), so
+        the factor is dp x cp / scored_tokens. Expert shards (ep > 1) are the exception it cannot cover:
+        their gradient already sums the ep ranks whose tokens they served (the all-to-all's backward) before
+        FSDP averages over the remaining dp / ep, so it comes out ep times too large, and
+        ExpertParallel.finish_gradients divides it by `expert_grad_divisor` (given at construction)."""
+        return self.degrees.dp * self.degrees.cp / max(scored_tokens, 1)
+
+    @property
+    def expert_grad_divisor(self) -> int:
+        """See loss_scale."""
+        return self.degrees.ep
+
     @property
     def param_dtype(self) -> torch.dtype | None:
         """The dtype of the model's own parameters where it is not fp32 (bf16_params: the optimizer keeps
@@ -142,7 +159,9 @@ class Parallelizer:
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
             apply_tensor_parallel(model, self.mesh["tp"])
-        expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep) if self.degrees.ep > 1 else None
+        expert_parallel = None
+        if self.degrees.ep > 1:
+            expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
         apply_activation_checkpointing(model, self.run.activation_checkpoint)
         if self.run.compile.enabled:
             apply_compile(model)

@@ -88,10 +88,8 @@ class Trainer:
         may still be computing (NonFiniteGuard says when a non-finite one stops the run)."""
         t = self.config.training
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
-        # Normalise by the global count of scored tokens, so the loss and its gradient are the same
-        # whatever the layout; FSDP averages gradients over dp x cp ranks, so scale by that to get the sum.
         scored = int((batch.labels != IGNORE_INDEX).sum())
-        scale = self.degrees.dp * self.degrees.cp / max(scored, 1)
+        scale = self.layout.loss_scale(scored)
         rows = t.batch_size // self.degrees.dp
         local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
         positions = None
