@@ -136,12 +136,13 @@ class Trainer:
         return loss, grad_norm
 
     def _clip_gradients(self) -> torch.Tensor:
-        # On the guard's device path the norm is not read on the host (no sync): the coefficient is clamped
-        # to 1 on the device instead, which multiplies gradients within the bound by exactly 1.
+        # Reading the norm skips the multiplication of gradients within the bound (by exactly 1). On the guard's
+        # device path it is not read (no sync) unless every step is read back anyway (log_interval 1).
+        read_norm = not self.guard.on_device or self.config.metrics.log_interval == 1
         params, max_norm = list(self.model.parameters()), self.config.training.max_grad_norm
         if self.pipeline is not None:  # each pp rank holds other stages: the norm is reduced over pp too
-            return self.pipeline.clip_gradients(params, max_norm, read_norm=not self.guard.on_device)
-        return clip_by_total_norm(params, max_norm, read_norm=not self.guard.on_device)
+            return self.pipeline.clip_gradients(params, max_norm, read_norm=read_norm)
+        return clip_by_total_norm(params, max_norm, read_norm=read_norm)
 
     # --- the run ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
