@@ -19,9 +19,11 @@ from .data import IGNORE_INDEX, PackedLoader, RandomTokenLoader, build_tokenizer
 from .expert_parallel import (
     ExpertBiasUpdate, ExpertParallel, data_parallel_groups, prepare_moe_layers, resolve_moe_impl,
 )
+from .field_checks import check_run_fields
 from .grad_norm import clip_by_total_norm
 from .loss import CausalLMLoss
 from .lr_schedule import lr_factor, validate as validate_schedule
+from .memory_estimate import check_memory_fits
 from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
 from .metrics import MetricsWriter, memory_gib, peak_flops
 from .model_setup import build_on_meta, materialize, model_config
@@ -30,9 +32,11 @@ from .parallelize import (
     apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tensor_parallel, check_tp_divisibility,
     keep_activations_in,
 )
+from .optimizer_settings import OptimizerSettings
 from .optimizers import build_optimizer
 from .pipeline import Pipeline, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
 from .progress import ProgressBar
+from .run_folder import claim_run_folder
 from .sharding_impl import apply_flexshard, check_sharding_choices
 
 
@@ -101,6 +105,7 @@ class Trainer:
         self.config, self.device = config, device
         t, par, c = config.training, config.parallelism, config.checkpoint
         validate_schedule(config.lr_schedule)
+        check_run_fields(config)
         if c.interval < 0 or c.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
         if t.gc_interval < 0:
@@ -135,6 +140,8 @@ class Trainer:
         random_data = config.data.source == "random"
         self.tokenizer = None if random_data else build_tokenizer(config.data.tokenizer)
         self.model_cfg = model_config(config.model, vocab_needed=0 if random_data else self.tokenizer.vocab_size)
+        check_memory_fits(config, self.model_cfg, self.degrees, device=device,
+                          n_params=tm.count_params(self.model_cfg).total)
         if random_data:
             self.loader = RandomTokenLoader(self.model_cfg.vocab_size, seq_len=t.seq_len, seed=config.job.seed)
         else:
@@ -224,6 +231,9 @@ class Trainer:
         self.expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=data_parallel_groups(self.mesh))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.steps, config.lr_schedule))
+        self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
+
+        self.run_lock = claim_run_folder(self.folder, resume=c.resume)  # before anything writes to the folder
 
         self.checkpoints = None
         if c.interval > 0 or c.resume:
@@ -308,17 +318,25 @@ class Trainer:
 
     # --- the run ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _run(self) -> TrainResult:
         config, t = self.config, self.config.training
-        start = 0
+        start, settings_changed = 0, []
         if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
             start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device)
+            settings_changed = self.optimizer_settings.reapply(self.optimizer, self.scheduler)
         result = TrainResult(start_step=start, folder=self.folder)
         is_main = self.rank == 0
         metrics = (MetricsWriter(self.folder, tensorboard=config.metrics.tensorboard, start_step=start)
                    if is_main else None)
         bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
         if is_main:
-            self._announce(start)
+            self._announce(start, settings_changed)
         tokens_per_step = t.batch_size * t.seq_len
         timed_tokens, timed_seconds = 0, 0.0
         collect_automatically = gc.isenabled()
@@ -360,10 +378,12 @@ class Trainer:
             self._summarize(result)
         return result
 
-    def _announce(self, start: int) -> None:
+    def _announce(self, start: int, settings_changed: list[str]) -> None:
         c, d = self.config, self.degrees
         n_params = tm.count_params(self.model_cfg).total
         resumed = f", resuming after step {start}" if start else ""
+        if settings_changed:
+            resumed += f" with the command line's optimizer settings ({', '.join(settings_changed)})"
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
         print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
               f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "
