@@ -121,23 +121,24 @@ def test_values_that_make_no_sound_run_are_errors_naming_the_field(tmp_path, mon
 
 
 def test_sizes_that_cannot_fit_are_refused_with_the_estimate(tmp_path, jobs, monkeypatch):
-    import titan_train.memory_estimate as memory
-
-    # 4096 sequences of 2**20 tokens: terabytes of activations on any machine.
-    config = jobs.tiny(tmp_path, **{"training.seq_len": str(2**20), "training.batch_size": "4096"})
-    with pytest.raises(ValueError, match=r"training.seq_len=1048576 x training.batch_size=4096 cannot fit: each rank "
-                                         r"needs at least \d+\.\d GiB \(activations \d+\.\d.* GiB free"):
+    # Sequences of 2**40 tokens: terabytes of activations on any machine (before this check, the loader's
+    # first row allocation failed with a MemoryError after the model was built).
+    config = jobs.tiny(tmp_path, **{"training.seq_len": str(2**40), "training.batch_size": "4"})
+    with pytest.raises(ValueError, match=r"training.seq_len=1099511627776 x training.batch_size=4 cannot fit: each "
+                                         r"rank needs at least \d+\.\d GiB \(activations \d+\.\d.* GiB free"):
         train(config)
     assert not (tmp_path / "metrics.jsonl").exists()
 
     # The bound against an independent count of the tiny job (2 layers, dim 256, ffn 768, fp32): a batch
     # that fits a device with 1 GiB free, and one that does not.
+    import titan_train.memory_estimate as memory
+
     model_cfg = model_config(config.model, vocab_needed=0)
     assert (model_cfg.dim, model_cfg.num_layers, model_cfg.ffn_dim) == (256, 2, 768)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2**30)
-    fits = jobs.tiny(tmp_path / "fits", **{"training.seq_len": "1024", "training.batch_size": "16", "training.steps": "1"})
+    fits = jobs.tiny(tmp_path / "fits", **{"training.seq_len": "1024", "training.batch_size": "16"})
     need = memory.estimate(fits, model_cfg, _one_rank(), device=torch.device("cpu"), n_params=1)
-    assert need.activations == 16 * 1024 * 2 * (4 * 256 + 2 * 768) * 4  # 0.8 GiB
+    assert need.activations == 16 * 1024 * 2 * (4 * 256 + 2 * 768) * 4  # 0.31 GiB
     memory.check_memory_fits(fits, model_cfg, _one_rank(), device=torch.device("cpu"), n_params=1)
     too_big = jobs.tiny(tmp_path / "big", **{"training.seq_len": "8192", "training.batch_size": "64"})
     with pytest.raises(ValueError, match="cannot fit"):
