@@ -26,13 +26,15 @@ def _steps(folder):
     return [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fresh_run_over_an_earlier_runs_checkpoints_is_refused(tmp_path, jobs, cli, capsys):
+def test_fresh_run_over_an_earlier_runs_checkpoints_is_refused(tmp_path, jobs, cli, capsys, monkeypatch):
     train(jobs.tiny(tmp_path, **{"training.steps": "2", "checkpoint.interval": "2"}))
     before = (tmp_path / "metrics.jsonl").read_text()
-    for interval in ("2", "0"):  # with or without checkpoints of its own, the new run would mix its lines in
-        with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(steps 2\) and checkpoint.resume "
-                                             r"is false.*--checkpoint.resume true.*another --job.folder"):
-            train(jobs.tiny(tmp_path, **{"training.steps": "3", "checkpoint.interval": interval}))
+    with monkeypatch.context() as patch:  # refused before the model is built
+        patch.setattr("titan_train.trainer.build_on_meta", lambda cfg: pytest.fail("the refused run built its model"))
+        for interval in ("2", "0"):  # with or without checkpoints of its own, the new run would mix its lines in
+            with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(steps 2\) and checkpoint."
+                                                 r"resume is false.*--checkpoint.resume true.*another --job.folder"):
+                train(jobs.tiny(tmp_path, **{"training.steps": "3", "checkpoint.interval": interval}))
     assert (tmp_path / "metrics.jsonl").read_text() == before  # nothing of the refused runs was written
     assert main([*cli.TINY, "--job.folder", str(tmp_path), "--training.steps", "3"]) == 2
     assert "holds checkpoints of an earlier run" in capsys.readouterr().err
@@ -101,6 +103,31 @@ def test_metrics_kept_on_disk_from_the_start_of_a_resumed_run(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_run_killed_in_its_first_step_after_a_resume_keeps_its_metrics(tmp_path, jobs, cli):
+    job = {"training.steps": "4", "checkpoint.interval": "2", "checkpoint.resume": "true",
+           "checkpoint.async_save": "false", "job.folder": str(tmp_path)}
+    train(jobs.tiny(tmp_path, **job))
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # as if the run had gone on past step 4 when killed
+        f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n" + '{"step": 6, "lo')
+    # The resumed run (after step 4, up to step 8) is SIGKILLed inside its first step.
+    script = textwrap.dedent(f"""
+        import os, signal
+        from titan_train import load_recipe, train
+        from titan_train.overrides import apply_override
+        from titan_train.trainer import Trainer
+        config = load_recipe("llama3_debug")
+        for name, value in {{**{dict(zip(cli.TINY[0::2], cli.TINY[1::2]))!r}, **{job!r}}}.items():
+            apply_override(config, name.removeprefix("--"), value)
+        config.training.steps = 8
+        Trainer.train_step = lambda self, step: os.kill(os.getpid(), signal.SIGKILL)
+        train(config)
+        """)
+    killed = subprocess.run([sys.executable, "-c", script], env=cli.env(), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert "resuming after step 4" in killed.stdout
+    assert _steps(tmp_path) == [1, 2, 3, 4]  # the checkpoint's records, none lost, the redone one gone
+
+
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("training.max_grad_norm", "nan", "training.max_grad_norm must be a finite number >= 0"),
     ("training.max_grad_norm", "-1", "training.max_grad_norm must be a finite number >= 0"),
@@ -147,3 +174,18 @@ def test_sizes_that_cannot_fit_are_refused_with_the_estimate(tmp_path, jobs, mon
 
 def _one_rank():
     return resolve_degrees(ParallelismConfig(), 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares against the free memory of a CUDA device")
+def test_sizes_that_cannot_fit_a_gpu_are_refused(tmp_path, jobs):
+    import titan_train.memory_estimate as memory
+
+    free = torch.cuda.mem_get_info()[0]
+    config = jobs.tiny(tmp_path, **{"training.seq_len": str(2**24), "training.batch_size": "64", "job.device": "cuda"})
+    with pytest.raises(ValueError, match=r"cannot fit: each rank needs at least .* but cuda has \d+\.\d GiB free"):
+        train(config)
+    fits = jobs.tiny(tmp_path, **{"job.device": "cuda"})
+    model_cfg = model_config(fits.model, vocab_needed=0)
+    need = memory.estimate(fits, model_cfg, _one_rank(), device=torch.device("cuda"), n_params=10**6)
+    assert need.total < free
+    memory.check_memory_fits(fits, model_cfg, _one_rank(), device=torch.device("cuda"), n_params=10**6)

@@ -90,3 +90,12 @@ def claim_run_folder(folder: Path, *, resume: bool) -> RunFolderLock | None:
             lock.release()
         raise ValueError(error)
     return lock
+
+
+def check_run_folder(folder: Path, *, resume: bool) -> None:
+    """claim_run_folder's refusals without keeping the lock: called before the model is built, so a run
+    that cannot go ahead says so at once rather than after loading its weights (the trainer claims the
+    folder for good once it is built)."""
+    lock = claim_run_folder(folder, resume=resume)
+    if lock is not None:
+        lock.release()

@@ -36,7 +36,7 @@ from .optimizer_settings import OptimizerSettings
 from .optimizers import build_optimizer
 from .pipeline import Pipeline, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
 from .progress import ProgressBar
-from .run_folder import claim_run_folder
+from .run_folder import check_run_folder, claim_run_folder
 from .sharding_impl import apply_flexshard, check_sharding_choices
 
 
@@ -134,6 +134,7 @@ class Trainer:
         self.mesh = build_mesh(self.degrees, device)
         self.dp_rank = dp_rank(self.mesh, self.degrees)
         self.folder = Path(config.job.folder)
+        check_run_folder(self.folder, resume=c.resume)  # refuse before the build; claimed for good after it
         torch.manual_seed(config.job.seed)
 
         # Data: every rank reads the global stream and keeps its rows (see data/loader.py).
