@@ -188,3 +188,15 @@ def test_config_that_is_not_an_object(folder, text):
     (folder / "config.json").write_text(text)
     with pytest.raises(ValueError, match=r"config.json (holds a JSON (list|str), not an object|is not valid JSON)"):
         tm.from_hf(folder)
+
+
+def test_non_finite_one_byte_floats_are_found_too(tmp_path):
+    from titan_models.hf.safetensors_io import SafetensorsFolder
+
+    good = torch.tensor([1.0, -448.0, 0.5]).to(torch.float8_e4m3fn)
+    bad = torch.tensor([1.0, float("nan"), 0.5]).to(torch.float8_e4m3fn)
+    save_file({"good": good, "bad": bad}, tmp_path / "model.safetensors")
+    files = SafetensorsFolder(tmp_path)
+    assert torch.equal(files.get("good").view(torch.uint8), good.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'bad' holds 1 NaN or inf values \(of 3\)"):
+        files.get("bad")

@@ -61,10 +61,12 @@ class SafetensorsFolder:
 
     def get(self, name: str) -> torch.Tensor:
         tensor = self._handle(name).get_tensor(name)
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(f"{self._file_of[name]}: tensor {name!r} holds {bad} NaN or inf values "
-                             f"(of {tensor.numel()})")
+        if tensor.is_floating_point():
+            # isfinite has no kernel for the 1-byte floats: check those as float32 (which holds them exactly)
+            finite = torch.isfinite(tensor if tensor.element_size() > 1 else tensor.to(torch.float32))
+            if not bool(finite.all()):
+                raise ValueError(f"{self._file_of[name]}: tensor {name!r} holds {int((~finite).sum())} NaN or inf "
+                                 f"values (of {tensor.numel()})")
         return tensor
 
 
