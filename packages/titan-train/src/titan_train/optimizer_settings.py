@@ -25,9 +25,9 @@ class OptimizerSettings:
 
     def reapply(self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[str]:
         """Put the recorded settings back into the loaded optimizer and scheduler; returns what changed
-        (`name old -> new`, once per setting)."""
+        (`name old -> new`, once per distinct change)."""
         assert len(optimizer.param_groups) == len(self.groups) == len(scheduler.lr_lambdas)
-        changed: dict[str, str] = {}
+        changed: list[str] = []
         for i, (group, wanted) in enumerate(zip(optimizer.param_groups, self.groups)):
             peak = wanted.get("initial_lr", wanted["lr"])
             _note(changed, "lr (peak)", group.get("initial_lr", scheduler.base_lrs[i]), peak)
@@ -39,11 +39,12 @@ class OptimizerSettings:
             scheduler.base_lrs[i] = peak
             group["lr"] = peak * scheduler.lr_lambdas[i](scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-        return list(changed.values())
+        return changed
 
 
-def _note(changed: dict[str, str], key: str, old: Any, new: Any) -> None:
+def _note(changed: list[str], key: str, old: Any, new: Any) -> None:
     if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):  # betas come back as a list
         old, new = tuple(old), tuple(new)
-    if old != new and key not in changed:
-        changed[key] = f"{key} {old} -> {new}"
+    change = f"{key} {old} -> {new}"
+    if old != new and change not in changed:  # once per distinct change (Muon's groups have two peaks)
+        changed.append(change)
