@@ -119,7 +119,7 @@ def test_empty_or_truncated_safetensors(folder):
     data = (folder / "model.safetensors").read_bytes()
     for cut in (b"", data[:5], data[:-7]):  # empty, inside the header size, inside the last tensor
         (folder / "model.safetensors").write_bytes(cut)
-        with pytest.raises(ValueError, match=rf"model.safetensors is not a readable safetensors file \({len(cut)} bytes"):
+        with pytest.raises(ValueError, match=rf"model.safetensors is not a readable safetensors file \({len(cut)} "):
             tm.from_hf(folder)
 
 
@@ -133,7 +133,7 @@ def _shard(folder, index):
 @pytest.mark.parametrize("index", [{"metadata": {}}, {"weight_map": ["a"]}, [1, 2], "{not json"])
 def test_index_without_weight_map(folder, index):
     _shard(folder, index)
-    with pytest.raises(ValueError, match=r"model.safetensors.index.json (has no 'weight_map' object|is not valid JSON)"):
+    with pytest.raises(ValueError, match=r"index.json (has no 'weight_map' object|is not valid JSON)"):
         tm.from_hf(folder)
 
 

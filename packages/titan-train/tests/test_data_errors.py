@@ -106,4 +106,5 @@ def test_resume_with_another_data_source_is_refused(tmp_path, jobs, cli, capsys)
                                          "but data.source and data.tokenizer now give 3 documents and 259 tokens"):
         train(jobs.tiny(tmp_path / "run", **{**job, "training.steps": "4", "data.source": str(second)}))
     # The same data resumes.
-    assert train(jobs.tiny(tmp_path / "run", **{**job, "training.steps": "3", "data.source": str(first)})).start_step == 2
+    same = jobs.tiny(tmp_path / "run", **{**job, "training.steps": "3", "data.source": str(first)})
+    assert train(same).start_step == 2

@@ -38,7 +38,8 @@ class MemoryEstimate:
         return self.activations + self.loss + self.states + self.data
 
 
-def estimate(config: TrainConfig, model_cfg, degrees: Degrees, *, device: torch.device, n_params: int) -> MemoryEstimate:
+def estimate(config: TrainConfig, model_cfg, degrees: Degrees, *, device: torch.device,
+             n_params: int) -> MemoryEstimate:
     t = config.training
     precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     value_bytes = 2 if precision in ("bf16", "bf16_params") else 4

@@ -13,6 +13,7 @@ import os
 import socket
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 LOCK_FILE = "run.lock"
@@ -70,10 +71,11 @@ def _claim(folder: Path, *, resume: bool) -> RunFolderLock:
     return lock
 
 
-def claim_run_folder(folder: Path, *, resume: bool) -> RunFolderLock | None:
+def claim_run_folder(folder: Path, *, resume: bool, device: torch.device) -> RunFolderLock | None:
     """Lock `folder` for this run (rank 0 takes the lock; other ranks get None) and refuse a fresh run
     over an earlier run's checkpoints. Under torch.distributed every rank raises rank 0's ValueError, so
-    no rank waits in a collective for one that stopped."""
+    no rank waits in a collective for one that stopped (`device`: this rank's, which carries the message
+    under nccl)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock, error = None, None
     if rank == 0:
@@ -83,7 +85,7 @@ def claim_run_folder(folder: Path, *, resume: bool) -> RunFolderLock | None:
             error = str(e)
     if dist.is_initialized():
         shared = [error]
-        dist.broadcast_object_list(shared, src=0)
+        dist.broadcast_object_list(shared, src=0, device=device if device.type == "cuda" else None)
         error = shared[0]
     if error is not None:
         if lock is not None:
@@ -92,10 +94,10 @@ def claim_run_folder(folder: Path, *, resume: bool) -> RunFolderLock | None:
     return lock
 
 
-def check_run_folder(folder: Path, *, resume: bool) -> None:
+def check_run_folder(folder: Path, *, resume: bool, device: torch.device) -> None:
     """claim_run_folder's refusals without keeping the lock: called before the model is built, so a run
     that cannot go ahead says so at once rather than after loading its weights (the trainer claims the
     folder for good once it is built)."""
-    lock = claim_run_folder(folder, resume=resume)
+    lock = claim_run_folder(folder, resume=resume, device=device)
     if lock is not None:
         lock.release()

@@ -134,7 +134,7 @@ class Trainer:
         self.mesh = build_mesh(self.degrees, device)
         self.dp_rank = dp_rank(self.mesh, self.degrees)
         self.folder = Path(config.job.folder)
-        check_run_folder(self.folder, resume=c.resume)  # refuse before the build; claimed for good after it
+        check_run_folder(self.folder, resume=c.resume, device=device)  # refuse before the build; claimed after it
         torch.manual_seed(config.job.seed)
 
         # Data: every rank reads the global stream and keeps its rows (see data/loader.py).
@@ -234,7 +234,7 @@ class Trainer:
             self.optimizer, lambda step: lr_factor(step, t.steps, config.lr_schedule))
         self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
 
-        self.run_lock = claim_run_folder(self.folder, resume=c.resume)  # before anything writes to the folder
+        self.run_lock = claim_run_folder(self.folder, resume=c.resume, device=device)  # before anything writes there
 
         self.checkpoints = None
         if c.interval > 0 or c.resume:

@@ -78,7 +78,8 @@ def _check_jsonl_record(path: Path, number: int, line: bytes, text_field: str) -
     try:
         record = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ValueError(f"{where} is not UTF-8 (byte {e.start + 1} of the line is {line[e.start:e.start + 1]!r})") from None
+        byte = line[e.start:e.start + 1]
+        raise ValueError(f"{where} is not UTF-8 (byte {e.start + 1} of the line is {byte!r})") from None
     except json.JSONDecodeError as e:
         cut = "; the file ends inside this record (truncated?)" if not line.endswith(b"\n") else ""
         raise ValueError(f"{where} is not valid JSON ({e.msg} at column {e.colno}){cut}") from None
@@ -233,7 +234,8 @@ def _check_format_matches(path: Path, kind: str) -> None:
     """ValueError when an explicit data.format contradicts the source: a folder for a file format or the
     reverse, another format's extension, a parquet file read as text or jsonl, or the reverse."""
     if kind == "stdlib":
-        raise ValueError(f"data.format=stdlib reads Python's own library; data.source must be 'stdlib', not {str(path)!r}")
+        raise ValueError(f"data.format=stdlib reads Python's own library; data.source must be 'stdlib', "
+                         f"not {str(path)!r}")
     if kind == "hf_disk":
         if not path.is_dir():
             raise ValueError(f"data.format=hf_disk needs a folder saved with save_to_disk, but {path} is a file")
