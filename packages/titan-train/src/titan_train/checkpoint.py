@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
 from torch_checkpointing import Checkpointer, ModelState, OptimizerState
 
 
