@@ -85,8 +85,11 @@ class SaveHandle:
             try:
                 self._local.result(timeout)
             except Exception as e:
+                if self._commit is not None:  # rank 0: raise once the unfinished folder is cleaned up
+                    wait_futures([self._commit])
+                    raise
                 outcome, detail = step_outcome(self._checkpointer.storage, self.step)
-                if self._commit is None and outcome == "failed":  # rank 0 gave up first (and removed the folder)
+                if outcome == "failed":  # rank 0 gave up first (and removed the folder)
                     raise CommitError(f"step {self.step} was not committed: {detail}") from e
                 raise
             if self._commit is not None:
