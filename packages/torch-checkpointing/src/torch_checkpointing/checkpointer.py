@@ -205,9 +205,11 @@ class Checkpointer:
             self._committer_thread.submit(self._committer.apply_retention)
         handle = SaveHandle(self, step, staged, local, commit)
         self._saved_steps.append(step)
-        # Saves that finished well need no tracking; the newest stays (its buffers are reused next,
-        # and on ranks other than 0 waiting for its commit covers the earlier ones).
-        self._handles = [h for h in self._handles if not (h._committed or h._raised or h._finished_ok())] + [handle]
+        # Saves that finished well need no tracking; the newest stays (its buffers are reused next).
+        # On ranks other than 0 a save is finished once rank 0 committed it (raise_if_failed, called
+        # above, asks the storage), so that a commit failing later is still reported here.
+        self._handles = [h for h in self._handles
+                         if not (h._committed or h._raised or (h._commit is not None and h._finished_ok()))] + [handle]
         if blocking:
             handle.wait()
         return handle
