@@ -43,12 +43,12 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def remove_leftovers(storage: Storage) -> list[str]:
-    """Delete what earlier runs left unfinished: temporaries, step dirs without a commit record,
-    failure notes (this run may save those steps again) and half-written files."""
+    """Delete what earlier runs left unfinished: temporaries, step dirs without a commit record and
+    failure notes (this run may save those steps again)."""
     removed = []
     for name in storage.listdir(""):
         step = parse_step_dir(name)
-        stale = (name.startswith((".tmp-step-", ".failed-step-")) or name.endswith(".partial")
+        stale = (name.startswith((".tmp-step-", ".failed-step-"))  # the latter's half-written ".partial" too
                  or (step is not None and not storage.exists(f"{name}/{COMMIT}")))
         if stale:
             storage.remove(name)
