@@ -439,7 +439,8 @@ def hooks_round_trip(rank: int, world_size: int, root: str) -> None:
 
 def damage_and_failure_on_two(rank: int, world_size: int, root: str) -> None:
     """Damage only rank 1 reads (its shard of step 2): both ranks fall back to step 1 together. Then
-    rank 1 cannot write step 3: the per-step poll stops both ranks and the folder is removed."""
+    rank 1 cannot write step 3: the per-step poll stops both ranks and the folder is removed. Then a
+    damaged record that only rank 1 checks: both fall back again."""
     import time
     import warnings
 
@@ -479,3 +480,18 @@ def damage_and_failure_on_two(rank: int, world_size: int, root: str) -> None:
     dist.barrier()
     assert not Path(root, ".tmp-step-3").exists() and ckpt.steps() == [1, 2]
     ckpt.close()
+
+    # A flipped bit in rank 1's record of step 2, which only rank 1 checks (each rank checks its share
+    # of the records) and only rank 1 reads: again both ranks fall back together.
+    if rank == 0:
+        record = next(Path(root, "step-2").glob("rank-00001.*.json"))
+        raw = bytearray(record.read_bytes())
+        raw[len(raw) // 3] ^= 1
+        record.write_bytes(bytes(raw))
+    dist.barrier()
+    with tc.Checkpointer(root) as ckpt, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert ckpt.load(target) == 1, "the ranks did not agree to skip the step with a damaged record"
+    assert torch.equal(target["w"].full_tensor(), full[1])
+    if rank == 0:
+        assert any(record.name in str(w.message) for w in warned), warned
