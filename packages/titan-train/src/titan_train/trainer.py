@@ -181,6 +181,8 @@ class Trainer:
             gc.disable()
         try:
             for step in range(start + 1, t.steps + 1):
+                if self.checkpoints is not None:  # a failed asynchronous save stops the run here
+                    self.checkpoints.poll()
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
                 loss, grad_norm = self.train_step(step)
