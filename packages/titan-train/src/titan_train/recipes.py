@@ -139,6 +139,12 @@ def qwen3_moe_debug_ep() -> TrainConfig:
     return _debug_moe_ep("qwen3", "debug_moe", "runs/qwen3_moe_debug_ep")
 
 
+@register_recipe("qwen3_next_debug_ep")
+def qwen3_next_debug_ep() -> TrainConfig:
+    """The debug Qwen3-Next (Gated DeltaNet layers; 8 experts, top-2, a gated shared expert) with expert parallelism 2."""
+    return _debug_moe_ep("qwen3_next", "debug", "runs/qwen3_next_debug_ep")
+
+
 @register_recipe("deepseek_v3_debug_ep")
 def deepseek_v3_debug_ep() -> TrainConfig:
     """The debug DeepSeek-V3 (MLA, shared + 8 routed experts) with expert parallelism 2: torchrun, 2 or 4 ranks."""
