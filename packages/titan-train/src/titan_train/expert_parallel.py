@@ -20,8 +20,9 @@ reductions, which gloo needs, torch 2.14 divides twice.)
 
 FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
 `experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
-and their sigmoid gate, if any (called as modules), are their own units over the dense data-parallel mesh; the router gate, read
-directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
+and their sigmoid gate, if any (called as modules), are their own units over the dense data-parallel
+mesh; the router gate, read directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept
+whole on every rank.
 """
 from __future__ import annotations
 

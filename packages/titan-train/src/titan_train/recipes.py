@@ -141,7 +141,7 @@ def qwen3_moe_debug_ep() -> TrainConfig:
 
 @register_recipe("qwen3_next_debug_ep")
 def qwen3_next_debug_ep() -> TrainConfig:
-    """The debug Qwen3-Next (Gated DeltaNet layers; 8 experts, top-2, a gated shared expert) with expert parallelism 2."""
+    """The debug Qwen3-Next (Gated DeltaNet; 8 experts top-2 + a gated shared expert), expert parallelism 2."""
     return _debug_moe_ep("qwen3_next", "debug", "runs/qwen3_next_debug_ep")
 
 
