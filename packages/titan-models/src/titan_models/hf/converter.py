@@ -73,7 +73,9 @@ class Converter:
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "head_dim", "max_position_embeddings", "moe_intermediate_size",
                 "n_routed_experts", "num_experts_per_tok", "num_experts", "num_local_experts", "kv_lora_rank",
-                "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step")
+                "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "shared_expert_intermediate_size", "full_attention_interval")
 _COUNT_FIELDS = ("n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers",
                  "num_mtp_layers")
 _NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
