@@ -209,7 +209,8 @@ def test_background_processes_and_pipe_holders_die_with_the_program():
         print("spawned")
     """)
     assert r.status == "ok" and "spawned" in r.stdout, r
-    assert_contained(r, marker=marker, wall_seconds=1.0)  # back as soon as the main program ended
+    # back as soon as the main program ended (they would sleep 30 s), not at the wall limit
+    assert_contained(r, marker=marker, wall_seconds=FAST.wall_seconds)
 
 
 @needs_isolation
@@ -305,7 +306,7 @@ def test_fork_bomb_is_bounded_and_cleaned_up():
 
 
 @needs_isolation
-def test_no_privilege_escalation_and_bounded_scratch_space():
+def test_no_privilege_escalation_no_unaccounted_memory_and_bounded_scratch_space():
     r = run("""
         import ctypes, os
         libc = ctypes.CDLL(None, use_errno=True)
@@ -316,7 +317,7 @@ def test_no_privilege_escalation_and_bounded_scratch_space():
             except OSError as e:
                 print(name, "failed", e.strerror)
         attempt("setuid 0", lambda: os.setuid(0))
-        def check(rc, what):
+        def check(rc, what):  # rc: 0 when the call succeeded
             if rc != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         attempt("new user namespace", lambda: check(libc.unshare(0x10000000), "unshare"))
@@ -328,16 +329,20 @@ def test_no_privilege_escalation_and_bounded_scratch_space():
                 with open(f"f{i}", "wb") as f:
                     f.write(b"x" * (4 * 2**20))
         attempt("fill /tmp", fill)
+        # memory that no process maps is in nobody's resident size: none may be made
+        attempt("memfd", lambda: os.memfd_create("hidden"))
+        attempt("System V shared memory", lambda: check(libc.shmget(0, 2**20, 0o1600) < 0, "shmget"))
+        attempt("System V message queue", lambda: check(libc.msgget(0, 0o1600) < 0, "msgget"))
     """, SandboxConfig(cpu_seconds=2, wall_seconds=5.0, file_size_bytes=8 * 2**20, scratch_bytes=32 * 2**20))
     assert r.status == "ok", r
-    assert "SUCCEEDED" not in r.stdout and r.stdout.count("failed") == 6, r.stdout
+    assert "SUCCEEDED" not in r.stdout and r.stdout.count("failed") == 9, r.stdout
     assert "big file failed File too large" in r.stdout and "fill /tmp failed No space left on device" in r.stdout
 
 
 @needs_isolation
 def test_cpu_wall_and_memory_limits():
     r = run("while True:\n    pass", SandboxConfig(cpu_seconds=1, wall_seconds=30.0))
-    assert r.status == "cpu_limit" and r.seconds < 1 + SLACK_SECONDS + 1, r
+    assert r.status == "cpu_limit" and 0.9 < r.cpu_seconds < 2.0, r  # wall time depends on the machine's load
     r = run("import time; time.sleep(60)", SandboxConfig(cpu_seconds=1, wall_seconds=1.0))
     assert r.status == "wall_timeout" and r.seconds < 1.0 + SLACK_SECONDS, r
     r = run("x = bytearray(1 << 30)\nprint('allocated')")

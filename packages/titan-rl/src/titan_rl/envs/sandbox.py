@@ -10,7 +10,8 @@ The program runs in new user, PID, mount, network, IPC, UTS and cgroup namespace
 - without network (only a downed loopback) and without sight of any process outside its namespace;
 - under per-process rlimits (CPU seconds, address space, file size, open files, processes) and, from
   the namespace's init, limits on the total resident memory and CPU time of all its processes (polled
-  every 10 ms);
+  every 10 ms); memory no process maps (memfd, System V IPC, POSIX queues) cannot be made, so beyond
+  the resident size there is only /tmp's tmpfs and kernel buffers;
 - with stdout and stderr read incrementally up to `max_output_bytes` each (more kills the program), and
   the whole namespace killed at the end, so no process outlives the call or holds its pipes.
 
@@ -100,10 +101,11 @@ class SandboxSupport:
 @functools.cache
 def sandbox_support() -> SandboxSupport:
     """Builds the sandbox once around an empty program and reports what this machine allows."""
-    report, _, _, _ = _launch("", {}, "", SandboxConfig(), isolate=True)
-    if "setup_error" in report:
-        return SandboxSupport(isolated=False, enforced=(), problem=report["setup_error"])
-    return SandboxSupport(isolated=True, enforced=tuple(report.get("enforced", ())), problem=None)
+    report, _, err, _ = _launch("", {}, "", SandboxConfig(wall_seconds=60.0), isolate=True)
+    if report.get("setup") == "ok" and report.get("returncode") == 0:
+        return SandboxSupport(isolated=True, enforced=tuple(report.get("enforced", ())), problem=None)
+    problem = report.get("setup_error") or f"the launcher failed: {err.decode(errors='replace')[-500:] or report}"
+    return SandboxSupport(isolated=False, enforced=(), problem=problem)
 
 
 def network_namespaces_available() -> bool:
@@ -130,8 +132,9 @@ def run_sandboxed(source: str, config: SandboxConfig | None = None, *, stdin: st
             "the trainer), pass SandboxConfig(allow_unisolated=True).")
     start = time.monotonic()
     report, out, err, killed = _launch(source, files, stdin, config, isolate=support.isolated)
-    if "setup_error" in report:
-        raise SandboxUnavailable(f"the sandbox could not be built for this run: {report['setup_error']}")
+    if "setup_error" in report or (killed is None and report.get("setup") != "ok"):
+        problem = report.get("setup_error") or err.decode(errors="replace")[-500:]
+        raise SandboxUnavailable(f"the sandbox could not be built for this run: {problem}")
     stderr = err.decode(errors="replace")
     rc = report.get("returncode")
     return SandboxResult(

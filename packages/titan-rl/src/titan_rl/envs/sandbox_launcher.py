@@ -31,7 +31,9 @@ _MNT_DETACH, _AT_FDCWD, _AT_RECURSIVE = 2, -100, 0x8000
 _ATTR_RDONLY, _ATTR_NOSUID, _ATTR_NODEV = 1, 2, 4
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _SYS_MOUNT_SETATTR = 442  # same number on every architecture (added after the syscall tables were unified)
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 1, 38, 22, 2
+# (audit arch, memfd_create) per machine; memfd_secret is 447 on both
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 319), "aarch64": (0xC00000B7, 279)}
 INSIDE_UID = 1000      # the program's uid (and gid) inside the namespace
 _NOBODY = 65534        # what INSIDE_UID maps to outside when the trainer is root
 # Read-only system directories; the Python installation is added from the job. Everything else
@@ -44,6 +46,14 @@ _POLL_SECONDS = 0.01
 
 class SetupError(Exception):
     """The sandbox could not be built; nothing untrusted has run."""
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
 class _MountAttr(ctypes.Structure):
@@ -156,6 +166,7 @@ def _init(job: dict, status_fd: int) -> None:
     enforced = _build_view(job, nested_drop=not two_ids)
     workdir, stdin_fd = _prepare_workdir(job, chown=two_ids)
     enforced += _drop_privileges(two_ids, job["trainer_uid"])
+    enforced += _deny_anonymous_memory_files()
     _report(status_fd, setup="ok", enforced=enforced, workdir=workdir)
     program = os.fork()
     if program == 0:
@@ -174,6 +185,9 @@ def _build_view(job: dict, *, nested_drop: bool) -> list[str]:
     root = job["newroot"]
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing we mount propagates back to the host
     _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+    os.mkdir(root + "/tmp")  # first: a Python installation under /tmp is bound inside it below
+    _mount("tmpfs", root + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV,
+           f"size={job['limits']['scratch_bytes']},nr_inodes=4096,mode=1777")
     exposed: list[str] = []
     for path in list(_SYSTEM_DIRS) + sorted(job["expose"], key=len):
         _expose(path, root, exposed)
@@ -181,9 +195,6 @@ def _build_view(job: dict, *, nested_drop: bool) -> list[str]:
     enforced = ["user, PID, mount, network, IPC, UTS and cgroup namespaces",
                 "read-only root with only /tmp writable (%d bytes)" % job["limits"]["scratch_bytes"]]
     enforced += _make_proc(root, nested_drop=nested_drop)
-    os.mkdir(root + "/tmp")
-    _mount("tmpfs", root + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV,
-           f"size={job['limits']['scratch_bytes']},nr_inodes=4096,mode=1777")
     for secret in _SECRETS:
         if os.path.isfile(root + secret):
             _mount(root + "/dev/null", root + secret, None, _MS_BIND)
@@ -241,12 +252,18 @@ def _make_proc(root: str, *, nested_drop: bool) -> list[str]:
     except SetupError:  # the kernel refuses a new proc where the host's is partly hidden (containers)
         _mount("tmpfs", proc, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k")
         return ["/proc hidden (a fresh one was refused): per-process limits only, no total memory/CPU accounting"]
-    try:  # init's own drop may need one nested user namespace
-        _write(proc + "/sys/user/max_user_namespaces", "1" if nested_drop else "0")
-        nested = ["no nested user namespaces"]
-    except OSError as e:
-        nested = [f"nested user namespaces NOT blocked ({e.strerror})"]
-    return ["fresh /proc: total memory and CPU of all processes accounted"] + nested
+    enforced = ["fresh /proc: total memory and CPU of all processes accounted"]
+    # Memory no process maps is not resident, so not accounted: allow none of it (the IPC
+    # namespace is ours; these limits are its own). init's own drop may need one nested user namespace.
+    for key, value, what in (("user/max_user_namespaces", "1" if nested_drop else "0", "no nested user namespaces"),
+                             ("kernel/shmmni", "0", "no System V shared memory"),
+                             ("kernel/msgmni", "0", "no System V message queues")):
+        try:
+            _write(f"{proc}/sys/{key}", value)
+            enforced.append(what)
+        except OSError as e:
+            enforced.append(f"NOT enforced: {what} ({key}: {e.strerror})")
+    return enforced
 
 
 def _inside_uid_mapped() -> bool:
@@ -289,6 +306,21 @@ def _drop_privileges(two_ids: bool, trainer_uid: int) -> list[str]:
     return [how]
 
 
+def _deny_anonymous_memory_files() -> list[str]:
+    """seccomp: memfd_create and memfd_secret fail with EPERM (their pages, written and never mapped,
+    are in no process's resident size, so init could not account them); other ABIs are killed."""
+    arch, memfd = _SECCOMP_ARCH[platform.machine()]
+    ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    deny, allow, kill = 0x00050000 | 1, 0x7FFF0000, 0x80000000  # SECCOMP_RET_ERRNO | EPERM, ALLOW, KILL_PROCESS
+    program = [(ld_abs, 0, 0, 4), (jeq, 0, 6, arch), (ld_abs, 0, 0, 0),
+               (jge, 3, 0, 0x40000000),  # the x32 ABI numbers syscalls from here
+               (jeq, 2, 0, memfd), (jeq, 1, 0, 447), (ret, 0, 0, allow), (ret, 0, 0, deny), (ret, 0, 0, kill)]
+    filters = (_SockFilter * len(program))(*(_SockFilter(*i) for i in program))
+    prog = _SockFprog(len(program), filters)
+    _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp filter")
+    return ["no memfd (seccomp)"]
+
+
 # ---------------------------------------------------------------- the program and its supervision
 
 def _set_limits(limits: dict, *, extra_processes: int) -> None:
@@ -298,6 +330,7 @@ def _set_limits(limits: dict, *, extra_processes: int) -> None:
                          (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
                          (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2),
                          (resource.RLIMIT_NPROC, (limits["max_processes"] + extra_processes,) * 2),
+                         (resource.RLIMIT_MSGQUEUE, (0, 0)),  # POSIX message queues: unaccounted memory
                          (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(which, value)
 
