@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -35,10 +36,12 @@ def host_processes_matching(needle: str) -> list[str]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if needle in cmdline and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmdline}")
+        if needle in cmdline and int(pid) != os.getpid() and state != "Z":  # a zombie holds nothing
+            found.append(f"{pid} ({state}): {cmdline}")
     return found
 
 
@@ -224,6 +227,33 @@ def test_pipe_holding_grandchild_does_not_extend_the_wall_limit():
     """, config)
     assert r.status == "wall_timeout", r
     assert_contained(r, marker=marker, wall_seconds=config.wall_seconds)
+
+
+@needs_isolation
+def test_the_program_dies_with_the_trainer():
+    marker = uuid.uuid4().hex
+    trainer = _LOAD_SANDBOX + textwrap.dedent(f"""
+        import os, threading, time
+        program = "import subprocess, sys, time\\n" + \\
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)', '{marker}'], start_new_session=True)\\n" + \\
+            "time.sleep(30)"
+        threading.Thread(target=sandbox.run_sandboxed, args=(program, sandbox.SandboxConfig(wall_seconds=30.0))).start()
+        def started():
+            for p in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    if int(p) != os.getpid() and "{marker}" in open(f"/proc/{{p}}/cmdline").read():
+                        return True
+                except OSError:
+                    pass
+        while not started():
+            time.sleep(0.05)
+        os._exit(0)  # the trainer dies without cleaning up
+    """)
+    subprocess.run([sys.executable, "-c", trainer], timeout=60, check=True)
+    deadline = time.monotonic() + SLACK_SECONDS  # the chain dies one link after the other
+    while (host_processes_matching(marker) or host_processes_matching(_LAUNCHER)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host_processes_matching(marker) == [] and host_processes_matching(_LAUNCHER) == []
 
 
 @needs_isolation

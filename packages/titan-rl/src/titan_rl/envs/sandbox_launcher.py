@@ -146,8 +146,8 @@ def _write_id_maps(pid: int) -> None:
 
 
 def _holder(job: dict, status_fd: int, unshared_w: int, mapped_r: int) -> None:
-    _die_with_parent()
     _check(_libc.unshare(_NAMESPACES), "unshare(user, pid, mount, network, ipc, uts, cgroup namespaces)")
+    _die_with_parent()  # after unshare: changing credentials clears the setting
     os.write(unshared_w, b"1")
     os.close(unshared_w)
     if os.read(mapped_r, 1) != b"1":
@@ -167,6 +167,7 @@ def _init(job: dict, status_fd: int) -> None:
     workdir, stdin_fd = _prepare_workdir(job, chown=two_ids)
     enforced += _drop_privileges(two_ids, job["trainer_uid"])
     enforced += _deny_anonymous_memory_files()
+    _die_with_parent()  # again: dropping privileges cleared it
     _report(status_fd, setup="ok", enforced=enforced, workdir=workdir)
     program = os.fork()
     if program == 0:
@@ -356,7 +357,9 @@ def _supervise(program: int, limits: dict) -> dict:
     total resident memory or CPU time crosses its limit; then kills whatever is left."""
     page, tick = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_CLK_TCK")
     program_status, killed_for, peak = None, None, 0
-    while program_status is None:
+    # The trainer kills the namespace at the wall limit; this is a backstop should it have died.
+    deadline = time.monotonic() + limits["wall_seconds"] + 5.0
+    while program_status is None and time.monotonic() < deadline:
         program_status = _reap(program)
         if program_status is not None:
             break
@@ -370,6 +373,8 @@ def _supervise(program: int, limits: dict) -> dict:
         if killed_for:
             break
         time.sleep(_POLL_SECONDS)
+    if program_status is None and killed_for is None:
+        killed_for = "wall"
     _kill_all()
     while True:
         try:
@@ -449,6 +454,9 @@ def main(job_path: str) -> int:
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
     status_fd = job["status_fd"]
+    _die_with_parent()  # the trainer (its thread that started us waits for us)
+    if os.getppid() != job["trainer_pid"]:
+        return 125  # the trainer died before PR_SET_PDEATHSIG took hold
     if job["isolate"]:
         return run_isolated(job, status_fd)
     return run_unisolated(job, status_fd)
