@@ -10,7 +10,6 @@ import ctypes
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import uuid
 import pytest
 
 from titan_rl.envs import CodeTask, SandboxConfig, code_reward, run_sandboxed
-from titan_rl.envs.sandbox import _LAUNCHER, SandboxUnavailable, sandbox_support
+from titan_rl.envs.sandbox import _LAUNCHER, sandbox_support
 
 SUPPORT = sandbox_support()
 needs_isolation = pytest.mark.skipif(not SUPPORT.isolated, reason=f"this machine cannot isolate: {SUPPORT.problem}")
@@ -394,6 +393,17 @@ def test_correct_solution_scores_one_and_partial_credit_counts():
     task = CodeTask(sandbox=FAST)
     p = task.sample(random.Random(0))
     assert task.reward(p, p.answer) == 1.0 and task.reward(p, "syntax error(") == 0.0
+
+
+@needs_isolation
+def test_concurrent_runs_stay_apart():
+    # Rollout workers score in threads: each run has its own namespaces, directory and limits.
+    from concurrent.futures import ThreadPoolExecutor
+    programs = [f"import time\nopen('mark', 'w').write('{i}')\ntime.sleep(0.2)\nassert open('mark').read() == '{i}'\n"
+                f"def f(x):\n    return x * x + {i % 2}" for i in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        rewards = list(pool.map(lambda p: code_reward(p, CHECKS, config=FAST)[0], programs))
+    assert rewards == [1.0, 0.0] * 3  # a shared directory would fail the asserts: reward 0 everywhere
 
 
 @needs_isolation
