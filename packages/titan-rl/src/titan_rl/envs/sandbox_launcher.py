@@ -244,27 +244,24 @@ def _make_dev(root: str) -> None:
 
 
 def _make_proc(root: str, *, nested_drop: bool) -> list[str]:
-    """/proc of the new PID namespace (only the sandbox's processes), and no nested user namespaces
-    (a program could otherwise mount its own tmpfs, memory outside every limit here)."""
+    """/proc of the new PID namespace (only the sandbox's processes: init accounts them through it),
+    and no memory that no process maps: no nested user namespaces (a program could mount its own
+    tmpfs in one), no System V shared memory or message queues (the IPC namespace's own limits).
+    Any of these refused means the sandbox is refused: each would be a way around the limits."""
     proc = root + "/proc"
     os.mkdir(proc)
     try:
         _mount("proc", proc, "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    except SetupError:  # the kernel refuses a new proc where the host's is partly hidden (containers)
-        _mount("tmpfs", proc, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k")
-        return ["/proc hidden (a fresh one was refused): per-process limits only, no total memory/CPU accounting"]
-    enforced = ["fresh /proc: total memory and CPU of all processes accounted"]
-    # Memory no process maps is not resident, so not accounted: allow none of it (the IPC
-    # namespace is ours; these limits are its own). init's own drop may need one nested user namespace.
-    for key, value, what in (("user/max_user_namespaces", "1" if nested_drop else "0", "no nested user namespaces"),
-                             ("kernel/shmmni", "0", "no System V shared memory"),
-                             ("kernel/msgmni", "0", "no System V message queues")):
+    except SetupError as e:  # e.g. containers whose /proc is partly masked
+        raise SetupError(f"{e}: a fresh /proc for the PID namespace, needed to account its total memory and CPU") from None
+    limits = (("user/max_user_namespaces", "1" if nested_drop else "0", "no nested user namespaces"),
+              ("kernel/shmmni", "0", "no System V shared memory"), ("kernel/msgmni", "0", "no System V message queues"))
+    for key, value, _ in limits:  # init's own drop may need the one nested user namespace
         try:
             _write(f"{proc}/sys/{key}", value)
-            enforced.append(what)
         except OSError as e:
-            enforced.append(f"NOT enforced: {what} ({key}: {e.strerror})")
-    return enforced
+            raise SetupError(f"setting {key} to {value} in the namespace: {e.strerror}") from None
+    return ["fresh /proc: total memory and CPU of all processes accounted"] + [what for _, _, what in limits]
 
 
 def _inside_uid_mapped() -> bool:
