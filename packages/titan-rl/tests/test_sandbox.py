@@ -241,9 +241,8 @@ def test_the_program_dies_with_the_trainer():
     marker = uuid.uuid4().hex
     trainer = _LOAD_SANDBOX + textwrap.dedent(f"""
         import os, threading, time
-        program = "import subprocess, sys, time\\n" + \\
-            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)', '{marker}'], start_new_session=True)\\n" + \\
-            "time.sleep(30)"
+        sleeper = "[sys.executable, '-c', 'import time; time.sleep(30)', '{marker}']"
+        program = f"import subprocess, sys, time\\nsubprocess.Popen({{sleeper}}, start_new_session=True)\\ntime.sleep(30)"
         threading.Thread(target=sandbox.run_sandboxed, args=(program, sandbox.SandboxConfig(wall_seconds=30.0))).start()
         def started():
             for p in filter(str.isdigit, os.listdir("/proc")):

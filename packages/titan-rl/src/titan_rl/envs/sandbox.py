@@ -163,7 +163,8 @@ def _launch(source: str, files: dict[str, str], stdin: str, config: SandboxConfi
         job = {
             "isolate": isolate, "status_fd": status_w, "host_dir": host_dir, "newroot": os.path.join(host_dir, "root"),
             "workdir_name": os.path.basename(host_dir), "files": {**files, "main.py": source}, "main": "main.py",
-            "stdin": stdin, "python": sys.executable, "trainer_uid": os.geteuid(), "trainer_pid": os.getpid(), "expose": _python_paths(),
+            "stdin": stdin, "python": sys.executable, "expose": _python_paths(),
+            "trainer_uid": os.geteuid(), "trainer_pid": os.getpid(),
             "limits": {name: getattr(config, name) for name in (
                 "cpu_seconds", "wall_seconds", "memory_bytes", "file_size_bytes", "scratch_bytes", "max_processes",
                 "max_open_files")},

@@ -175,7 +175,12 @@ def _init(job: dict, status_fd: int) -> None:
     os.close(stdin_fd)
     for fd in (0, 1, 2):  # only the program's processes hold the trainer's pipes
         os.dup2(os.open("/dev/null", os.O_RDWR), fd)
-    _report(status_fd, **_supervise(program, job["limits"]))
+    try:
+        outcome = _supervise(program, job["limits"])
+    except OSError as e:  # after setup: the program's result is lost, not the sandbox
+        _kill_all()
+        outcome = {"returncode": None, "killed_for": None, "supervisor_error": str(e)}
+    _report(status_fd, **outcome)
 
 
 # ---------------------------------------------------------------- the filesystem view
@@ -253,7 +258,8 @@ def _make_proc(root: str, *, nested_drop: bool) -> list[str]:
     try:
         _mount("proc", proc, "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     except SetupError as e:  # e.g. containers whose /proc is partly masked
-        raise SetupError(f"{e}: a fresh /proc for the PID namespace, needed to account its total memory and CPU") from None
+        raise SetupError(f"{e}: a fresh /proc for the PID namespace, needed to account its total memory "
+                         "and CPU") from None
     limits = (("user/max_user_namespaces", "1" if nested_drop else "0", "no nested user namespaces"),
               ("kernel/shmmni", "0", "no System V shared memory"), ("kernel/msgmni", "0", "no System V message queues"))
     for key, value, _ in limits:  # init's own drop may need the one nested user namespace
