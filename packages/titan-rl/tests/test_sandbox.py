@@ -526,3 +526,5 @@ def test_bad_config_is_rejected():
         SandboxConfig(max_processes=0)
     with pytest.raises(ValueError, match="names must be plain"):
         run_sandboxed("", files={"../x": ""})
+    with pytest.raises(ValueError, match="scratch_bytes"):
+        run_sandboxed("", SandboxConfig(scratch_bytes=2**20), stdin="x" * 2**20)

@@ -122,6 +122,10 @@ def run_sandboxed(source: str, config: SandboxConfig | None = None, *, stdin: st
     files = dict(files or {})
     if "main.py" in files or any(os.sep in name or name.startswith(".") for name in files):
         raise ValueError(f"files={sorted(files)}; names must be plain, not hidden, and not 'main.py'")
+    size = sum(len(t.encode()) for t in [source, stdin, *files.values()])
+    if size > config.scratch_bytes // 2:
+        raise ValueError(f"source, stdin and files hold {size} bytes; the sandbox's /tmp holds scratch_bytes="
+                         f"{config.scratch_bytes}: keep them under half of it, or raise scratch_bytes")
     support = sandbox_support()
     if not support.isolated and not config.allow_unisolated:
         raise SandboxUnavailable(
