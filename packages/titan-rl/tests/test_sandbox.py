@@ -1,4 +1,4 @@
-"""The code sandbox: each attack below escaped the audit-hook sandbox; here each one is contained.
+"""The code sandbox: the attacks of issue 27 (which escaped the audit-hook sandbox) and more, each contained.
 
 "Contained" is checked from outside, every time: files outside untouched, no process of the run left
 (the host's process list has neither the program's marker nor the launcher), the trainer and a sentinel
