@@ -130,8 +130,10 @@ def run_sandboxed(source: str, config: SandboxConfig | None = None, *, stdin: st
     if not support.isolated and not config.allow_unisolated:
         raise SandboxUnavailable(
             f"cannot isolate untrusted code on this machine: {support.problem}. The sandbox needs "
-            "unprivileged user namespaces (with PID, mount and network namespaces inside them), "
-            "mount_setattr (Linux >= 5.12) and pivot_root. To run anyway with resource limits only "
+            "unprivileged user namespaces (with PID, mount and network namespaces inside them; see "
+            "sysctls user.max_user_namespaces, kernel.unprivileged_userns_clone, "
+            "kernel.apparmor_restrict_unprivileged_userns, or a container's seccomp profile), a fresh "
+            "/proc, mount_setattr (Linux >= 5.12) and pivot_root. To run anyway with resource limits only "
             "(the program could then read and write what the trainer can, use the network and signal "
             "the trainer), pass SandboxConfig(allow_unisolated=True).")
     start = time.monotonic()
