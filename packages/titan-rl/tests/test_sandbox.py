@@ -22,6 +22,7 @@ import pytest
 
 from titan_rl.envs import CodeTask, SandboxConfig, code_reward, run_sandboxed
 from titan_rl.envs.sandbox import _LAUNCHER, sandbox_support
+from titan_rl.envs.sandbox_cgroup import make_run_cgroup
 
 SUPPORT = sandbox_support()
 needs_isolation = pytest.mark.skipif(not SUPPORT.isolated, reason=f"this machine cannot isolate: {SUPPORT.problem}")
@@ -47,9 +48,21 @@ def host_processes_matching(needle: str) -> list[str]:
 PROGRAM = f"{sys.executable} -I main.py"  # the command line of the program and of its forks
 
 
+def leftover_cgroups() -> list[str]:
+    parents = {os.path.dirname(d) for d in _CGROUP.dirs} if _CGROUP else set()
+    return [os.path.join(p, n) for p in parents for n in os.listdir(p) if n.startswith("titan-sandbox-")]
+
+
+_CGROUP, _ = make_run_cgroup("titan-sandbox-test-probe", memory_bytes=2**30, max_processes=1)
+if _CGROUP:
+    _CGROUP.remove()
+USES_CGROUP = _CGROUP is not None
+
+
 def assert_contained(result, *, wall_seconds: float, marker: str = PROGRAM) -> None:
     for needle in (marker, PROGRAM, _LAUNCHER):
         assert host_processes_matching(needle) == [], f"a process ({needle}) outlived the call"
+    assert leftover_cgroups() == [], "the run's cgroup was left behind"
     assert result.seconds < wall_seconds + SLACK_SECONDS, result
 
 
@@ -260,6 +273,12 @@ def test_the_program_dies_with_the_trainer():
     while (host_processes_matching(marker) or host_processes_matching(_LAUNCHER)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert host_processes_matching(marker) == [] and host_processes_matching(_LAUNCHER) == []
+    # The dead trainer could not remove its run's cgroup: empty, it goes with the next trainer's first
+    # run a minute later; here, now.
+    for d in leftover_cgroups():
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            assert f.read() == "", f"processes left in {d}"
+        os.rmdir(d)
 
 
 @needs_isolation
@@ -277,6 +296,47 @@ def test_total_memory_of_many_processes_is_limited():
     """, config)
     assert r.status == "memory_limit", r
     assert config.memory_bytes < r.peak_memory_bytes < 8 * 100 * 2**20
+    assert_contained(r, wall_seconds=config.wall_seconds)
+    if USES_CGROUP:  # the kernel's own peak: never above the cgroup's limit
+        assert r.enforced[-1].startswith("cgroup v")
+        assert r.peak_memory_bytes <= config.memory_bytes + config.scratch_bytes + 64 * 2**20
+
+
+@pytest.mark.skipif(not USES_CGROUP, reason="the trainer cannot create cgroups on this machine")
+def test_stale_run_cgroups_are_removed_but_not_busy_ones(monkeypatch):
+    import titan_rl.envs.sandbox_cgroup as cgroups
+    stale, _ = make_run_cgroup("titan-sandbox-test-stale", memory_bytes=2**30, max_processes=1)
+    busy, _ = make_run_cgroup("titan-sandbox-test-busy", memory_bytes=2**30, max_processes=1)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    for d in busy.dirs:
+        with open(os.path.join(d, "cgroup.procs"), "w") as f:
+            f.write(str(sleeper.pid))
+    monkeypatch.setattr(cgroups, "STALE_SECONDS", 0.0)
+    fresh, _ = make_run_cgroup("titan-sandbox-test-fresh", memory_bytes=2**30, max_processes=1)
+    assert not any(map(os.path.exists, stale.dirs)) and all(map(os.path.exists, busy.dirs))
+    sleeper.kill()
+    sleeper.wait()
+    busy.remove()
+    fresh.remove()
+    assert leftover_cgroups() == []
+
+
+@needs_isolation
+def test_without_a_writable_cgroup_init_accounting_still_holds(monkeypatch):
+    import titan_rl.envs.sandbox as sandbox_module
+    monkeypatch.setattr(sandbox_module, "make_run_cgroup", lambda *a, **k: (None, "none for this test"))
+    config = SandboxConfig(cpu_seconds=5, wall_seconds=10.0, memory_bytes=128 * 2**20)
+    r = run("""
+        import os, time
+        for _ in range(4):
+            if os.fork() == 0:
+                chunks = [b"x" * (10 * 2**20) for _ in range(6)]
+                time.sleep(30)
+                os._exit(0)
+        time.sleep(30)
+    """, config)
+    assert r.status == "memory_limit" and "no cgroup (none for this test)" in r.enforced[-1], r
+    assert config.memory_bytes < r.peak_memory_bytes < 4 * 60 * 2**20 + 16 * 2**20
     assert_contained(r, wall_seconds=config.wall_seconds)
 
 
@@ -462,9 +522,13 @@ def _in_user_namespace(*, allow_more: bool):
 # Loads sandbox.py by path (not through titan_rl, whose import pulls in torch: seconds per child).
 _LOAD_SANDBOX = f"""
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("sandbox", {os.path.join(os.path.dirname(_LAUNCHER), "sandbox.py")!r})
-sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sandbox)
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+load("titan_rl.envs.sandbox_cgroup", {os.path.join(os.path.dirname(_LAUNCHER), "sandbox_cgroup.py")!r})
+sandbox = load("sandbox", {os.path.join(os.path.dirname(_LAUNCHER), "sandbox.py")!r})
 """
 
 

@@ -11,7 +11,8 @@ The program runs in new user, PID, mount, network, IPC, UTS and cgroup namespace
 - under per-process rlimits (CPU seconds, address space, file size, open files, processes) and, from
   the namespace's init, limits on the total resident memory and CPU time of all its processes (polled
   every 10 ms); memory no process maps (memfd, System V IPC, POSIX queues) cannot be made, so beyond
-  the resident size there is only /tmp's tmpfs and kernel buffers;
+  the resident size there is only /tmp's tmpfs and kernel buffers; where the trainer may create a
+  cgroup (sandbox_cgroup.py), the kernel also caps the run's memory and processes, all of it;
 - with stdout and stderr read incrementally up to `max_output_bytes` each (more kills the program), and
   the whole namespace killed at the end, so no process outlives the call or holds its pipes.
 
@@ -32,6 +33,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Literal
+
+from titan_rl.envs.sandbox_cgroup import make_run_cgroup
 
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 _STATUS_CAP_BYTES = 1 << 20
@@ -166,37 +169,67 @@ def _launch(source: str, files: dict[str, str], stdin: str, config: SandboxConfi
     stdout, stderr, and the status if the call killed the program (wall clock, output size)."""
     status_r, status_w = os.pipe()
     with tempfile.TemporaryDirectory(prefix="titan-sandbox-") as host_dir:
-        job = {
-            "isolate": isolate, "status_fd": status_w, "host_dir": host_dir, "newroot": os.path.join(host_dir, "root"),
-            "workdir_name": os.path.basename(host_dir), "files": {**files, "main.py": source}, "main": "main.py",
-            "stdin": stdin, "python": sys.executable, "expose": _python_paths(),
-            "trainer_uid": os.geteuid(), "trainer_pid": os.getpid(),
-            "limits": {name: getattr(config, name) for name in (
-                "cpu_seconds", "wall_seconds", "memory_bytes", "file_size_bytes", "scratch_bytes", "max_processes",
-                "max_open_files")},
-        }
-        os.mkdir(job["newroot"])
-        job_path = os.path.join(host_dir, "job.json")
-        with open(job_path, "w", encoding="utf-8") as f:
-            json.dump(job, f)
+        cgroup, no_cgroup = (None, "") if not isolate else make_run_cgroup(
+            os.path.basename(host_dir), memory_bytes=config.memory_bytes + config.scratch_bytes,
+            max_processes=config.max_processes)
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, job_path], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
-                                    start_new_session=True)
+            job_path = _write_job(host_dir, source, files, stdin, config, isolate=isolate, status_fd=status_w,
+                                  cgroup_procs=[os.path.join(d, "cgroup.procs") for d in cgroup.dirs] if cgroup else [])
+            try:
+                proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, job_path], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
+                                        start_new_session=True)
+            finally:
+                os.close(status_w)
+            try:
+                streams, killed = _read_pipes(proc, status_r, config, deadline=time.monotonic() + config.wall_seconds)
+            finally:
+                _kill_group(proc)
+                proc.wait()
+                proc.stdout.close()
+                proc.stderr.close()
+            report = _merged_reports(streams["status"])
+            if cgroup is not None:
+                peak, oom_kills = cgroup.peak_and_oom_kills()
+                report["peak_memory_bytes"] = max(report.get("peak_memory_bytes", 0), peak)
+                if oom_kills:
+                    report["killed_for"] = "memory"
         finally:
-            os.close(status_w)
-        try:
-            streams, killed = _read_pipes(proc, status_r, config, deadline=time.monotonic() + config.wall_seconds)
-        finally:
-            _kill_group(proc)
-            proc.wait()
+            if cgroup is not None:
+                cgroup.remove()
+    if "enforced" in report and isolate:
+        report["enforced"].append(cgroup.describe() if cgroup else
+                                  f"no cgroup ({no_cgroup}): the total is init's accounting of resident memory")
+    return report, bytes(streams["stdout"]), bytes(streams["stderr"]), killed
+
+
+def _write_job(host_dir: str, source: str, files: dict[str, str], stdin: str, config: SandboxConfig, *,
+               isolate: bool, status_fd: int, cgroup_procs: list[str]) -> str:
+    """The launcher's instructions, as a file in the run's host directory."""
+    job = {
+        "isolate": isolate, "status_fd": status_fd, "host_dir": host_dir, "newroot": os.path.join(host_dir, "root"),
+        "workdir_name": os.path.basename(host_dir), "files": {**files, "main.py": source}, "main": "main.py",
+        "stdin": stdin, "python": sys.executable, "expose": _python_paths(), "cgroup_procs": cgroup_procs,
+        "trainer_uid": os.geteuid(), "trainer_pid": os.getpid(),
+        "limits": {name: getattr(config, name) for name in (
+            "cpu_seconds", "wall_seconds", "memory_bytes", "file_size_bytes", "scratch_bytes", "max_processes",
+            "max_open_files")},
+    }
+    os.mkdir(job["newroot"])
+    job_path = os.path.join(host_dir, "job.json")
+    with open(job_path, "w", encoding="utf-8") as f:
+        json.dump(job, f)
+    return job_path
+
+
+def _merged_reports(status: bytes) -> dict:
     report: dict = {}
-    for line in streams["status"].decode(errors="replace").splitlines():
+    for line in status.decode(errors="replace").splitlines():
         try:
             report.update(json.loads(line))
         except json.JSONDecodeError:
             pass
-    return report, bytes(streams["stdout"]), bytes(streams["stderr"]), killed
+    return report
 
 
 def _read_pipes(proc: subprocess.Popen, status_r: int, config: SandboxConfig, *,

@@ -165,6 +165,7 @@ def _init(job: dict, status_fd: int) -> None:
     two_ids = _inside_uid_mapped()
     enforced = _build_view(job, nested_drop=not two_ids)
     workdir, stdin_fd = _prepare_workdir(job, chown=two_ids)
+    _write("/proc/self/oom_score_adj", "1000")  # the cgroup's OOM killer takes the sandbox, not the launcher
     enforced += _drop_privileges(two_ids, job["trainer_uid"])
     enforced += _deny_anonymous_memory_files()
     _die_with_parent()  # again: dropping privileges cleared it
@@ -460,6 +461,12 @@ def main(job_path: str) -> int:
     _die_with_parent()  # the trainer (its thread that started us waits for us)
     if os.getppid() != job["trainer_pid"]:
         return 125  # the trainer died before PR_SET_PDEATHSIG took hold
+    try:
+        for procs in job["cgroup_procs"]:  # the trainer made them; everything forked from here is inside
+            _write(procs, str(os.getpid()))
+    except OSError as e:
+        _report(status_fd, setup_error=f"joining the run's cgroup {procs}: {e.strerror}")
+        return 125
     if job["isolate"]:
         return run_isolated(job, status_fd)
     return run_unisolated(job, status_fd)
