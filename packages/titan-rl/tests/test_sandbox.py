@@ -10,6 +10,7 @@ import ctypes
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -319,6 +320,17 @@ def test_stale_run_cgroups_are_removed_but_not_busy_ones(monkeypatch):
     busy.remove()
     fresh.remove()
     assert leftover_cgroups() == []
+
+
+@pytest.mark.skipif(not USES_CGROUP, reason="the trainer cannot create cgroups on this machine")
+def test_run_cgroup_enforces_its_limit_and_counts_oom_kills():
+    cgroup, _ = make_run_cgroup("titan-sandbox-test-oom", memory_bytes=0, max_processes=1)  # the 64 MiB slack
+    joins = [os.path.join(d, "cgroup.procs") for d in cgroup.dirs]
+    code = "import os, sys\nfor p in sys.argv[1:]:\n    open(p, 'w').write(str(os.getpid()))\nb = b'x' * (256 << 20)"
+    proc = subprocess.run([sys.executable, "-c", code, *joins], capture_output=True)
+    peak, oom_kills = cgroup.peak_and_oom_kills()
+    cgroup.remove()
+    assert proc.returncode == -signal.SIGKILL and oom_kills == 1 and 32 * 2**20 < peak <= 64 * 2**20, (proc, peak)
 
 
 @needs_isolation
