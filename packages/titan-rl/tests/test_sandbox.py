@@ -286,7 +286,7 @@ def test_the_program_dies_with_the_trainer():
 def test_total_memory_of_many_processes_is_limited():
     # 8 processes of 100 MiB each against a 256 MiB total: each alone is under the per-process limit.
     config = SandboxConfig(cpu_seconds=5, wall_seconds=10.0, memory_bytes=256 * 2**20)
-    r = run(f"""
+    r = run("""
         import os, sys, time
         for _ in range(8):
             if os.fork() == 0:
