@@ -81,7 +81,8 @@ class Trainer:
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
         self.guard = NonFiniteGuard(self.optimizer, device)
         self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
-        self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)  # before anything writes there
+        # before anything writes there
+        self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
         self.checkpoints = config.checkpoint.build(
             self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None)
         self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
