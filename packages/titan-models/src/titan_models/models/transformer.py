@@ -117,7 +117,7 @@ class Transformer(nn.Module):
 
         Each parameter draws from its own generator seeded by (seed, its name), so the values do
         not depend on which other modules exist: a pipeline stage holding layers 8..15 gets the
-        same weights as the full model. Scheme: embeddings N(0, 1) (N(0, dim^-1/2) when tied);
+        same weights as the full model. Scheme: biases zero; embeddings N(0, 1) (N(0, dim^-1/2) when tied);
         output N(0, dim^-1/2); norms ones (biases zero); projections that write into the residual
         stream (wo, w2) N(0, 0.02 / sqrt(2 * num_layers)); every other matrix N(0, 0.02); normals
         truncated at 3 std.
@@ -127,6 +127,9 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             owner, _, pname = name.rpartition(".")
             leaf = owner.rpartition(".")[2]  # e.g. "attention_norm", "wo", "experts"
+            if pname == "bias" or pname.endswith("_bias"):  # projection biases (gpt-oss) start at zero
+                param.zero_()
+                continue
             if leaf.endswith("norm") or leaf in _NORM_LEAVES:
                 if name.endswith("bias"):
                     param.zero_()
