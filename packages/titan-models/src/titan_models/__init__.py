@@ -1,4 +1,4 @@
-"""Shared model definitions (Llama 3, Qwen3 dense and MoE, DeepSeek-V3), typed configs and Hugging Face weight interop."""
+"""Shared model definitions (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, gpt-oss), typed configs and Hugging Face weight interop."""
 
 __version__ = "0.1.0"
 
@@ -7,12 +7,12 @@ from titan_models.accounting import ParamCount, count_params, flops_per_token
 from titan_models.context import AttentionContext
 from titan_models.flavors import families, flavor, flavors
 from titan_models.hf import from_hf, to_hf
-from titan_models.models import deepseek_v3, llama3, qwen3
+from titan_models.models import deepseek_v3, gpt_oss, llama3, qwen3
 from titan_models.models.transformer import Transformer
 from titan_models.override import override
 from titan_models.parallel_plan import ParallelPlan
 
 __all__ = [
     "AttentionContext", "ParallelPlan", "deepseek_v3", "ParamCount", "Transformer", "__version__", "count_params", "families",
-    "flavor", "flavors", "flops_per_token", "from_hf", "llama3", "override", "qwen3", "to_hf", "transforms",
+    "flavor", "flavors", "flops_per_token", "from_hf", "gpt_oss", "llama3", "override", "qwen3", "to_hf", "transforms",
 ]

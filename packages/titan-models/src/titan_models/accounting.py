@@ -7,7 +7,8 @@ Training FLOPs per token = 6 * N + 6 * seq_len * sum over layers of heads * (qk_
   not). 6 = 2 (multiply-add) * 3 (forward, and backward for activations and for weights).
 - The second term is attention's score and value matmuls (q.k over seq_len keys and p.v), again
   * 2 * 3, not halved for causality (the convention of PaLM's MFU and torchtitan; it is 12 * L * H
-  * head_dim * seq_len when qk and v head dims are equal).
+  * head_dim * seq_len when qk and v head dims are equal). A sliding-window layer (gpt-oss) sees
+  min(seq_len, window) keys per query in place of seq_len; sinks add no matmul.
 - The MTP module (DeepSeek-V3) is excluded unless `include_mtp` (then its active parameters and a
   second pass through the shared output projection are added).
 """
@@ -74,7 +75,9 @@ def flops_per_token(model_or_config: Any, seq_len: int, *, include_mtp: bool = F
         dims = getattr(module, "score_dims", None)
         if dims is not None and (include_mtp or not name.startswith("mtp.")):
             heads, qk_dim, v_dim = dims
-            attention += 6 * seq_len * heads * (qk_dim + v_dim)
+            window = getattr(module, "sliding_window", None)
+            keys = seq_len if window is None else min(seq_len, window)
+            attention += 6 * keys * heads * (qk_dim + v_dim)
     mtp_module = getattr(model, "mtp", None)
     if include_mtp and mtp_module is not None:
         # the MTP block's active parameters, plus a second pass through the shared output projection

@@ -4,12 +4,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from titan_models.models import deepseek_v3, llama3, qwen3
+from titan_models.models import deepseek_v3, gpt_oss, llama3, qwen3
 
 _FAMILIES: dict[str, dict[str, Any]] = {
     "llama3": llama3.FLAVORS,
     "qwen3": qwen3.FLAVORS,
     "deepseek_v3": deepseek_v3.FLAVORS,
+    "gpt_oss": gpt_oss.FLAVORS,
 }
 
 

@@ -9,6 +9,8 @@ Patterns are module paths relative to the model with `*` standing for one path c
 - "output": colwise over the vocabulary for the output projection (a loss may stay sharded).
 - "sequence_parallel": a norm applied to activations sharded along the sequence dimension.
 - "replicate": keep the parameters whole on every rank (small projections, per-head norms).
+- "heads": a module whose parameters are per attention head on dim 0 (gpt-oss's sinks [num_heads]),
+  sharded like the colwise q projection's heads; its forward returns the rank's local heads.
 
 Attention reshapes with an inferred head count, so colwise q/k/v shards run unchanged with
 num_heads / tp local heads.
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TP_STYLES: tuple[str, ...] = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "replicate")
+TP_STYLES: tuple[str, ...] = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "replicate",
+                              "heads")
 
 
 @dataclass(kw_only=True, frozen=True)

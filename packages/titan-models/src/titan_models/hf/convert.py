@@ -16,8 +16,9 @@ from titan_models.hf.llama3 import Llama3Converter
 from titan_models.hf.names import NoHFName
 from titan_models.hf.qwen3 import Qwen3Converter
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
+from titan_models.models.gpt_oss.hf import GptOssConverter
 
-CONVERTERS: tuple[Converter, ...] = (Llama3Converter(), Qwen3Converter(), DeepSeekV3Converter())
+CONVERTERS: tuple[Converter, ...] = (Llama3Converter(), Qwen3Converter(), DeepSeekV3Converter(), GptOssConverter())
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,13 +52,14 @@ def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _load_plan(converter: Converter, config: Any, model: nn.Module) -> dict[str, list[str]]:
-    """titan state name -> HF tensors that hold it (stacked when several; none = zero)."""
+def _load_plan(converter: Converter, config: Any, model: nn.Module, present: set[str]
+               ) -> dict[str, dict[str, tuple[int, ...]]]:
+    """titan state name -> HF tensors that hold it, with their shapes on disk (none = zero)."""
     plan = {}
-    for name in model.state_dict(keep_vars=True):
+    for name, tensor in model.state_dict(keep_vars=True).items():
         if config.tie_embeddings and name == "output.weight":
             continue
-        plan[name] = converter.hf_names(config, name)
+        plan[name] = converter.hf_shapes(config, name, tuple(tensor.shape), present)
     return plan
 
 
@@ -91,11 +93,10 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         config = dataclasses.replace(config, dtype=dtype)
     with torch.device("meta"):
         model = config.build()
-    params = model.state_dict(keep_vars=True)
-    plan = _load_plan(converter, config, model)
+    present = files.names()
+    plan = _load_plan(converter, config, model, present)
 
     expected = {hf_name for names in plan.values() for hf_name in names}
-    present = files.names()
     missing = sorted(expected - present)
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} "
@@ -104,28 +105,23 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     if unexpected:
         raise ValueError(f"{folder}: unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} "
                          f"({len(unexpected)} in all) for {type(config).__name__}")
-    for name, hf_names in plan.items():
-        want = tuple(params[name].shape)
-        per_tensor = want[1:] if len(hf_names) > 1 else want
-        for hf_name in hf_names:
+    for name, shapes in plan.items():
+        for hf_name, want in shapes.items():
             got = files.shape(hf_name)
-            if got != per_tensor:
+            if got != want:
                 raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(got)}, expected "
-                                 f"{list(per_tensor)} (for {name} of {type(config).__name__})")
+                                 f"{list(want)} (for {name} of {type(config).__name__})")
 
     model.to_empty(device=device or "cpu")
     model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, hf_names in plan.items():
-            if not hf_names:
+        for name in plan:
+            source = converter.load(config, name, files, present)
+            if source is None:
                 state[name].zero_()
-                continue
-            if len(hf_names) == 1:
-                source = files.get(hf_names[0])
             else:
-                source = torch.stack([files.get(n) for n in hf_names])
-            state[name].copy_(source)
+                state[name].copy_(source)
     return model
 
 
@@ -141,6 +137,7 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     hf_config = converter.config_to_hf(config)
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # as stored, even after .to()
     entries = []
+    fused: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> the titan tensors written into it
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "output.weight":
             continue
@@ -157,10 +154,13 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
                               "its nonzero values are dropped", stacklevel=2)
             continue
         if len(hf_names) == 1:
-            entries.append((hf_names[0], tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().contiguous()))
+            if hf_names[0] not in fused:
+                entries.append(hf_names[0])  # its place in the file order; resolved below
+            fused.setdefault(hf_names[0], {})[name] = tensor
         else:
             for e, hf_name in enumerate(hf_names):
                 entries.append((hf_name, tuple(tensor.shape[1:]), tensor.dtype, lambda t=tensor, e=e: t[e].cpu().clone()))
+    entries = [_fused_entry(converter, config, e, fused[e]) if isinstance(e, str) else e for e in entries]
     for hf_name, tensor in converter.extra_tensors(model):
         tensor = _full(tensor).detach()
         entries.append((hf_name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().clone()))
@@ -168,6 +168,13 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_safetensors(folder, entries, max_shard_bytes=max_shard_bytes)
+
+
+def _fused_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
+    """The write entry of HF tensor `hf_name`, made from the titan tensors `parts` (usually one)."""
+    name, tensor = next(iter(parts.items()))
+    shape = converter.hf_shapes(config, name, tuple(tensor.shape), set())[hf_name]
+    return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
