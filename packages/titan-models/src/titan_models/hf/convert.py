@@ -10,15 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from titan_models import registry
 from titan_models.hf.converter import Converter
-from titan_models.hf.deepseek_v3 import DeepSeekV3Converter
-from titan_models.hf.llama3 import Llama3Converter
 from titan_models.hf.names import NoHFName
-from titan_models.hf.qwen3 import Qwen3Converter
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
-from titan_models.models.gpt_oss.hf import GptOssConverter
 
-CONVERTERS: tuple[Converter, ...] = (Llama3Converter(), Qwen3Converter(), DeepSeekV3Converter(), GptOssConverter())
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,21 +24,18 @@ def converter_for(hf: dict[str, Any]) -> Converter:
     """The converter for a Hugging Face config dict (by its `architectures`): its `config_from_hf`,
     `config_to_hf` and `hf_names(config, titan_name)` map configs and tensor names both ways."""
     architectures = hf.get("architectures") or []
-    for converter in CONVERTERS:
-        if any(arch in converter.architectures for arch in architectures):
-            return converter
-    supported = sorted(a for c in CONVERTERS for a in c.architectures)
+    for family in registry.families():
+        if family.hf is not None and any(arch in family.hf_architectures for arch in architectures):
+            return family.hf
+    supported = sorted(a for family in registry.families() for a in family.hf_architectures)
     raise ValueError(f"config.json field architectures={architectures} is not supported; supported: {supported}")
 
 
-_converter_for_architecture = converter_for  # the name titan-rl first imported
-
-
 def _converter_for_config(config: Any) -> Converter:
-    for converter in CONVERTERS:
-        if isinstance(config, converter.config_type):
-            return converter
-    raise ValueError(f"no Hugging Face converter for {type(config).__name__}")
+    family = registry.family_of(config)
+    if family.hf is None:
+        raise ValueError(f"model family {family.name!r} has no Hugging Face converter")
+    return family.hf
 
 
 def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:

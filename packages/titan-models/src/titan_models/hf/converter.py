@@ -1,4 +1,4 @@
-"""What each family's Hugging Face converter provides (see hf/llama3.py for the simplest)."""
+"""What each family's Hugging Face converter provides (see models/llama3/hf.py for the simplest)."""
 from __future__ import annotations
 
 import re

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from titan_models.models.gpt_oss.model import GptOssConfig, gpt_oss_moe
+from titan_models.registry import PublishedSize
 
 _VOCAB = 201088  # o200k_harmony, padded
 
@@ -17,4 +18,5 @@ FLAVORS: dict[str, GptOssConfig] = {
 
 # (total, activated) parameters as OpenAI's gpt-oss model card states them; the activated figures leave
 # out the input embedding (a lookup), the unembedding included.
-PUBLISHED_PARAMS: dict[str, tuple[str, str]] = {"20b": ("20.9B", "3.6B"), "120b": ("116.8B", "5.1B")}
+PUBLISHED_PARAMS: dict[str, PublishedSize] = {"20b": PublishedSize(total="20.9B", active="3.6B"),
+                                              "120b": PublishedSize(total="116.8B", active="5.1B")}

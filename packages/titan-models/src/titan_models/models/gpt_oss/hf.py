@@ -146,3 +146,15 @@ class GptOssConverter(Converter):
         if gate.dim() == 3:  # [E, ffn, dim] -> [E, dim, ffn]
             gate, up = gate.transpose(1, 2), up.transpose(1, 2)
         return torch.stack([gate, up], dim=-1).flatten(-2)  # columns gate0, up0, gate1, up1, ...
+
+
+# Tiny random checkpoints for the registry-driven parity tests (case id -> config.json fields): 80-token
+# tests see windows of 8 keys, sinks and routing.
+_TINY = {"model_type": "gpt_oss", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8, "max_position_embeddings": 4096}
+TINY_HF_CONFIGS = {
+    "alternating-yarn": _TINY,
+    "full-then-sliding": _TINY | {"layer_types": ["full_attention", "sliding_attention"],
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+}
