@@ -100,3 +100,39 @@ def test_bad_window_and_backend_raise():
         build_inner_attention("flex", scale=1.0, sliding_window=0)
     with pytest.raises(ValueError, match="backend"):
         AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, backend="bogus").build(32)
+
+
+@pytest.mark.parametrize("backend", ["eager", "flex"])
+def test_heads_split_like_the_plan_sum_to_the_whole(backend):
+    """The plan's tensor-parallel split, run rank by rank in one process: q/k/v rows colwise, sinks
+    sharded with the heads ("heads", dim 0), o columns rowwise; the ranks' partial outputs sum to
+    the unsplit attention (o's bias added once, as a rowwise Linear does)."""
+    from titan_models.components.rope import RopeConfig
+
+    tp, dim, heads, kv_heads, hd = 2, 32, 4, 2, 8
+    full_config = AttentionConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, backend=backend, bias=True,
+                                  sinks=True, sliding_window=5)
+    torch.manual_seed(0)
+    full = full_config.build(dim)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0.0, 0.5)
+    x = torch.randn(2, S, dim)
+    rope = tuple(t.float() for t in RopeConfig(dim=hd).build()(torch.arange(S).expand(2, S)))
+    local_config = AttentionConfig(num_heads=heads // tp, num_kv_heads=kv_heads // tp, head_dim=hd, backend=backend,
+                                   bias=True, sinks=True, sliding_window=5)
+    total = torch.zeros(2, S, dim)
+    with torch.no_grad():
+        for rank in range(tp):
+            local = local_config.build(dim)
+            q_rows = slice(rank * heads // tp * hd, (rank + 1) * heads // tp * hd)
+            kv_rows = slice(rank * kv_heads // tp * hd, (rank + 1) * kv_heads // tp * hd)
+            for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
+                getattr(local, name).weight.copy_(getattr(full, name).weight[rows])
+                getattr(local, name).bias.copy_(getattr(full, name).bias[rows])
+            local.wo.weight.copy_(full.wo.weight[:, q_rows])
+            local.wo.bias.copy_(full.wo.bias if rank == 0 else torch.zeros(dim))
+            local.sinks.weight.copy_(full.sinks.weight.chunk(tp)[rank])
+            total += local(x, rope)
+        want = full(x, rope)
+    assert ((total - want).norm() / want.norm()).item() < 1e-6
