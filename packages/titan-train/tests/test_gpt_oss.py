@@ -1,0 +1,60 @@
+"""gpt-oss through the trainer: the debug recipe learns, FSDP follows the single-process loss curve
+(sequences of 96 tokens, longer than the debug model's 64-key window), the sinks' "heads" TP style
+on gloo ranks equals the unsplit attention, and dist-moe refuses gpt-oss's MoE with a clear error."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import titan_models as tm
+import torch
+import torch.multiprocessing as mp
+
+from titan_train import load_recipe, train
+from titan_train.expert_parallel import use_dist_moe
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import their entry point by module name
+from tt_gpt_oss_ranks import attention_case, attention_rank  # noqa: E402
+
+GPT_OSS = {"model.family": "gpt_oss", "training.seq_len": "96"}
+
+
+def test_gpt_oss_debug_recipe_builds_the_family():
+    config = load_recipe("gpt_oss_debug")
+    assert (config.model.family, config.model.flavor) == ("gpt_oss", "debug")
+
+
+def test_fsdp_follows_single_process(tmp_path, jobs):
+    steps = {"training.steps": "6"}
+    expected = train(jobs.tiny(tmp_path / "single", **GPT_OSS, **steps)).losses
+    assert expected[6] < expected[1] - 0.5, f"the tiny gpt-oss job should learn: {expected}"
+    curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **GPT_OSS, **steps, **{"parallelism.dp_shard": "2"}), 2)
+    assert sorted(curve) == sorted(expected)
+    for step, loss in expected.items():  # tolerance as in test_parallel.py
+        assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
+
+
+def test_dist_moe_refuses_gpt_oss_moe():
+    with torch.device("meta"):
+        model = tm.transforms.num_layers(1)(tm.flavor("gpt_oss", "debug")).build()
+    with pytest.raises(ValueError, match="router_bias.*moe_impl=titan"):
+        use_dist_moe(model, aux_loss_alpha=0.0)
+
+
+def test_heads_style_shards_sinks_with_the_heads():
+    """q/k/v colwise, o rowwise and the sinks sharded by HeadsParallel on 2 gloo ranks give the unsplit output."""
+    attention, x, rope = attention_case()
+    with torch.no_grad():
+        want = attention(x, rope)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        os.environ["OMP_NUM_THREADS"] = "1"
+        mp.start_processes(attention_rank, args=(2, port, out), nprocs=2, start_method="spawn")
+        got = out["tp"]
+    assert ((got - want).norm() / want.norm()).item() < 1e-6

@@ -1,0 +1,42 @@
+"""Entry points of the spawned gloo ranks of test_gpt_oss.py (importable by module name in a fresh process)."""
+from __future__ import annotations
+
+import os
+
+import titan_models as tm
+import torch
+
+
+def attention_rank(rank: int, world: int, port: int, out: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from titan_train.parallelize import HeadsParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    attention, x, rope = attention_case()
+    parallelize_module(attention, init_device_mesh("cpu", (world,)),
+                       {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+                        "wo": RowwiseParallel(), "sinks": HeadsParallel()})
+    assert attention.sinks.weight.to_local().shape == (4 // world,)
+    with torch.no_grad():
+        result = attention(x, rope)
+    if rank == 0:  # rowwise o's output is an async all-reduce result: wait for it before it leaves the rank
+        out["tp"] = torch.tensor(result.tolist())
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def attention_case():
+    torch.manual_seed(0)
+    config = tm.flavor("gpt_oss", "debug").attention_config("sliding_attention")
+    attention = type(config)(**{**config.__dict__, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+                                "sliding_window": 5, "backend": "eager"}).build(32)
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.normal_(0.0, 0.5)
+    x = torch.randn(2, 13, 32)
+    rope = tm.components.rope.RopeConfig(dim=8).build()(torch.arange(13).expand(2, 13))
+    return attention, x, rope
