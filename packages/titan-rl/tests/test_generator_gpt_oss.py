@@ -19,9 +19,10 @@ def tiny_gpt_oss(backend: str):
         model = config.build()
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
+    generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # init leaves biases and sinks near zero: make the sinks matter
         for layer in model.layers.values():
-            layer.attention.sinks.weight.normal_(0.0, 2.0)
+            layer.attention.sinks.weight.normal_(0.0, 2.0, generator=generator)
     return model
 
 
@@ -57,3 +58,57 @@ def test_window_and_sinks_matter_for_decode():
             logprobs = other(seq).log_softmax(-1)[0]
         steps = torch.arange(len(prompt[0]) - 1, seq.shape[1] - 1)
         assert (comp.logprobs - logprobs[steps, seq[0, steps + 1]]).abs().max().item() > 1e-4, change
+
+
+def _trainer_logprobs(model, completions, order, extra_pad, rng, vocab):
+    """Trainer view: one right-padded batch of full sequences in `order`, plus unrelated rows."""
+    from titan_rl import token_logprobs
+
+    seqs = [completions[i].prompt + completions[i].tokens for i in order]
+    seqs += [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(2)]
+    width = max(map(len, seqs)) + extra_pad
+    tokens = torch.full((len(seqs), width), 7, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        tokens[r, :len(s)] = torch.tensor(s)
+    with torch.no_grad():
+        lp = token_logprobs(model, tokens)
+    return {i: lp[r, len(completions[i].prompt) - 1:len(completions[i].prompt) - 1 + len(completions[i].tokens)]
+            for r, i in enumerate(order)}
+
+
+def test_trainer_and_generator_logprobs_are_bitwise_equal_in_batch_invariant_mode():
+    """Sinks, windows and the MoE (router bias, top-k softmax, clamped SwiGLU) in batch-invariant mode:
+    prefill and decode logprobs bitwise equal to the trainer's, in other batch compositions."""
+    import random
+
+    from titan_rl import batch_invariant
+
+    model = batch_invariant(tiny_gpt_oss("flex"))
+    reference = tiny_gpt_oss("flex")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(128) for _ in range(n)] for n in (1, 9, 30, 12)]
+    comps = BuiltinGenerator(model).generate(prompts, SamplingConfig(max_new_tokens=10, seed=1))
+    for order, pad in (([2, 0, 3, 1], 5), ([1, 3], 0)):
+        trainer = _trainer_logprobs(model, comps, order, pad, rng, 128)
+        for i in order:
+            assert torch.equal(trainer[i], comps[i].logprobs), (order, i)
+    # the mode computes the same function: close to the ordinary model's logprobs
+    seq = torch.tensor([prompts[2] + comps[2].tokens])
+    with torch.no_grad():
+        want = reference(seq).log_softmax(-1)[0, len(prompts[2]) - 1:-1].gather(1, seq[0, len(prompts[2]):, None])
+    assert (want[:, 0] - comps[2].logprobs).abs().max().item() < 1e-4
+
+
+def test_batch_invariant_gradients_match_the_ordinary_model():
+    """The trainer's backward in the mode (sinks via the eager recompute, the MoE's own autograd)."""
+    from titan_rl import batch_invariant, token_logprobs
+
+    model, reference = batch_invariant(tiny_gpt_oss("flex")), tiny_gpt_oss("flex")
+    tokens = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(2))
+    token_logprobs(model, tokens).sum().backward()
+    reference(tokens).log_softmax(-1)[:, :-1].gather(2, tokens[:, 1:, None]).sum().backward()
+    grads = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        assert grads[name].grad is not None, name
+        if param.grad.norm() > 0:
+            assert ((grads[name].grad - param.grad).norm() / param.grad.norm()).item() < 1e-5, name

@@ -41,15 +41,16 @@ def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor,
                     sinks: torch.Tensor | None) -> torch.Tensor:
     """q [b, s, hq, d], k/v [b, s_kv, hkv, d], mask bool broadcastable to [b, hq, s, s_kv], sinks [hq]
-    or None -> [b, s, hq, d_v]. Scores in the inputs' dtype, the softmax in float32."""
+    or None -> [b, s, hq, d_v]. Scores in the inputs' dtype, the softmax in float32 (float64 inputs: float64)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)).float() * scale  # [b, hq, s, s_kv]
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    scores = (q @ k.transpose(-1, -2)).to(softmax_dtype) * scale  # [b, hq, s, s_kv]
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
-        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        sink = sinks.to(softmax_dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink], dim=-1)
     probs = scores.softmax(dim=-1)
     if sinks is not None:
