@@ -23,8 +23,11 @@ def attention_rank(rank: int, world: int, port: int, out: dict) -> None:
     assert attention.sinks.weight.to_local().shape == (4 // world,)
     with torch.no_grad():
         result = attention(x, rope)
-    if rank == 0:  # rowwise o's output is an async all-reduce result: wait for it before it leaves the rank
-        out["tp"] = torch.tensor(result.tolist())
+    # rowwise o's output is an async all-reduce: every rank waits for it before the group goes away
+    local = torch.tensor(result.tolist())
+    if rank == 0:
+        out["tp"] = local
+    dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from titan_models.model_config import check_model_config
+
 if TYPE_CHECKING:
     from titan_models.accounting import ParamCount
     from titan_models.hf.converter import Converter
@@ -24,6 +26,19 @@ class PublishedSize:
 
     total: str
     active: str | None = None  # MoE models: parameters one token uses
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyHFCase:
+    """A tiny random Hugging Face checkpoint the registry-driven parity tests build with transformers
+    (`transformers.AutoConfig.for_model(**config)`, then `auto_class.from_config`), compare with in float32
+    both ways, and load with `from_hf`. A family gives plain config dicts unless it needs the other fields."""
+
+    config: Mapping[str, Any]  # config.json fields, with model_type and architectures
+    auto_class: str = "AutoModelForCausalLM"  # composite checkpoints: e.g. "AutoModelForImageTextToText"
+    shifted_positions: bool = True  # also compare at positions that do not start at 0
+    # adjusts the randomly initialised reference before it is saved (e.g. fills an index table)
+    prepare: Callable[[Any], None] | None = None
 
 
 def main_and_active(counts: ParamCount) -> tuple[int, int]:
@@ -41,22 +56,38 @@ class Family:
     # (total, active) of a ParamCount as the publisher counts them, compared with `published_sizes`
     count_as_published: Callable[[ParamCount], tuple[int, int]] = main_and_active
     hf: Converter | None = None  # the Hugging Face converter (config and tensor names both ways)
+    # generation through the model's own definition (titan-rl's KV cache): every layer mixes tokens with an
+    # attention whose `inner` the cache replaces, under the causal mask alone (no sliding window, no
+    # recurrent state); tests/test_families.py checks incremental decoding for the families that say so
+    kv_cache_generation: bool = True
     # vLLM architecture titan-rl registers -> the Hugging Face architecture whose config and weights it reads
     vllm_architectures: Mapping[str, str] = field(default_factory=dict)
-    # test hook: case id -> tiny Hugging Face config.json fields (with model_type) for the parity tests
-    tiny_hf_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # test hook: case id -> a tiny checkpoint for the parity tests, as a TinyHFCase or just its config dict
+    # (config.json fields with model_type and architectures); stored as TinyHFCase
+    tiny_hf_configs: Mapping[str, TinyHFCase | Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def hf_architectures(self) -> tuple[str, ...]:
         return self.hf.architectures if self.hf is not None else ()
 
     def __post_init__(self) -> None:
+        cases = {k: v if isinstance(v, TinyHFCase) else TinyHFCase(config=v) for k, v in self.tiny_hf_configs.items()}
+        object.__setattr__(self, "tiny_hf_configs", cases)  # frozen: set once, here
+        for case_id, case in cases.items():
+            if not {"model_type", "architectures"} <= set(case.config):
+                raise ValueError(f"family {self.name!r}: tiny_hf_configs[{case_id!r}] needs model_type and "
+                                 f"architectures")
         if getattr(self.config_type, "family", None) != self.name:
             raise ValueError(f"family {self.name!r}: {self.config_type.__name__}.family must be {self.name!r} "
                              f"(a ClassVar), got {getattr(self.config_type, 'family', None)!r}")
         wrong = sorted(n for n, c in self.flavors.items() if type(c) is not self.config_type)
         if wrong:
             raise ValueError(f"family {self.name!r}: flavors {wrong} are not {self.config_type.__name__}")
+        if "debug" not in self.flavors:
+            raise ValueError(f"family {self.name!r} has no 'debug' flavor (a tiny model the tests and CPU demos "
+                             f"build); it has {sorted(self.flavors)}")
+        for config in self.flavors.values():
+            check_model_config(config)
         unknown = sorted(set(self.published_sizes) - set(self.flavors))
         if unknown:
             raise ValueError(f"family {self.name!r}: published_sizes names unknown flavors {unknown}")
@@ -99,7 +130,10 @@ def family(name: str) -> Family:
 
 
 def family_of(config: Any) -> Family:
-    """The family whose config type `config` is."""
+    """The family whose config type `config` is (or, for a subclass of a family's config, that family)."""
+    for record in _REGISTRY.values():
+        if type(config) is record.config_type:
+            return record
     for record in _REGISTRY.values():
         if isinstance(config, record.config_type):
             return record

@@ -73,7 +73,10 @@ class TitanForCausalLM(nn.Module):
             from titan_rl.vllm.attention_backend import TitanBatchInvariantBackend
             backend = TitanBatchInvariantBackend
             batch_invariant(model)
-        head_dim = config.resolved_head_dim
+        if config.qk_head_dim != config.v_head_dim:
+            raise ValueError(f"the vLLM adapter runs attention with one head width; {type(config).__name__} has "
+                             f"qk_head_dim={config.qk_head_dim}, v_head_dim={config.v_head_dim}")
+        head_dim = config.qk_head_dim
         self.attn_layers = nn.ModuleList()
         for i in range(config.num_layers):
             attn = Attention(config.num_heads, head_dim, head_dim ** -0.5, num_kv_heads=config.num_kv_heads,

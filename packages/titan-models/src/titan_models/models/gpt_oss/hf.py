@@ -150,7 +150,7 @@ class GptOssConverter(Converter):
 
 # Tiny random checkpoints for the registry-driven parity tests (case id -> config.json fields): 80-token
 # tests see windows of 8 keys, sinks and routing.
-_TINY = {"model_type": "gpt_oss", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32,
+_TINY = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
          "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8, "max_position_embeddings": 4096}
 TINY_HF_CONFIGS = {

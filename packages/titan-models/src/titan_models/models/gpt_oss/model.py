@@ -3,6 +3,7 @@ alternating with full ones (`layer_types`), a MoE in every layer (router with bi
 the top-k logits, clamped SwiGLU experts with biases), YaRN RoPE, RMSNorm."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -13,6 +14,7 @@ from titan_models.components.ffn import ClampedSwiGLU
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig, YarnRopeScaling
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, ParallelPlan, decoder_plan
 
@@ -33,7 +35,7 @@ def _default_yarn() -> YarnRopeScaling:
 
 
 @dataclass(kw_only=True)
-class GptOssConfig:
+class GptOssConfig(ModelConfigBase):
     """`layer_types[i]` is "sliding_attention" (the last `sliding_window` keys) or "full_attention";
     None means alternating, sliding first (Hugging Face's default)."""
 
@@ -59,6 +61,24 @@ class GptOssConfig:
     @property
     def resolved_head_dim(self) -> int:  # same accessor as Llama3Config
         return self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        """No dense layers: the experts' hidden width, the FFN width a plan would split."""
+        return self.moe.expert_dim
+
+    def with_num_layers(self, n: int) -> "GptOssConfig":
+        """The first n layers, their sliding/full schedule included."""
+        types = None if self.layer_types is None else tuple(self.layer_types[:n])
+        return dataclasses.replace(self, num_layers=n, layer_types=types)
 
     @property
     def resolved_layer_types(self) -> tuple[str, ...]:

@@ -45,9 +45,9 @@ class Llama3Converter(Converter):
         return hf_names(name, DENSE_LAYER)
 
 
-_TINY = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+_TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
 # Tiny random checkpoints the registry-driven parity tests build with transformers (case id -> config.json
 # fields). The Llama 3 RoPE case's original context (8) is shorter than the test sequences, so every
 # branch of its frequency rule is exercised.
