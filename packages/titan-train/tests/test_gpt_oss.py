@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import titan_models as tm
 import torch
 import torch.multiprocessing as mp
 
+import titan_models as tm
 from titan_train import load_recipe, train
 from titan_train.expert_parallel import use_dist_moe
 

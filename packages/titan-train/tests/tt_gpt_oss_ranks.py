@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 
-import titan_models as tm
 import torch
+
+import titan_models as tm
 
 
 def attention_rank(rank: int, world: int, port: int, out: dict) -> None:
