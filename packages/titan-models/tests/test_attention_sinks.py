@@ -136,3 +136,20 @@ def test_heads_split_like_the_plan_sum_to_the_whole(backend):
             total += local(x, rope)
         want = full(x, rope)
     assert ((total - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention (sinks through its lse) runs on CUDA")
+@pytest.mark.parametrize("packed", [False, True], ids=["one-doc", "packed"])
+def test_compiled_flex_sinks_and_window_match_eager_on_gpu(packed):
+    """The fused kernel: forward and the gradient through the returned log-sum-exp, fp32 on the GPU."""
+    q, k, v, sinks, docs = (t.cuda() for t in _inputs(3))
+    context = AttentionContext(document_ids=docs) if packed else None
+    grads = {}
+    for backend in ("flex", "eager"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        inner = build_inner_attention(backend, scale=D**-0.5, sliding_window=6)
+        out = inner(*leaves[:3], context=context, sinks=leaves[3])
+        out.square().sum().backward()
+        grads[backend] = [out.detach()] + [t.grad for t in leaves]
+    for got, want in zip(grads["flex"], grads["eager"]):
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
