@@ -133,6 +133,7 @@ def gpt_oss_debug() -> TrainConfig:
     config = llama3_debug()
     config.job.folder = "runs/gpt_oss_debug"
     config.model = ModelConfig(family="gpt_oss", flavor="debug", vocab_size=384)
+    config.training.moe_bias_update_rate = 0.0  # gpt-oss routes without a selection bias (HF has no place for it)
     return config
 
 
