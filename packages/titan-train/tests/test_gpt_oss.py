@@ -68,3 +68,14 @@ def test_heads_style_shards_sinks_with_the_heads():
         mp.start_processes(attention_rank, args=(2, port, out), nprocs=2, start_method="spawn")
         got = out["tp"]
     assert ((got - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_a_head_count_tp_cannot_split_names_the_field():
+    from titan_train.parallelize import check_tp_divisibility
+
+    with torch.device("meta"):
+        model = tm.flavor("gpt_oss", "debug").build()  # 4 heads, 2 kv heads
+    with pytest.raises(ValueError, match="tp=3 does not divide the model's num_heads=4"):
+        check_tp_divisibility(model, 3, 96)
+    with pytest.raises(ValueError, match="tp=4 does not divide the model's num_kv_heads=2"):
+        check_tp_divisibility(model, 4, 96)
