@@ -11,18 +11,18 @@ from titan_rl import BuiltinGenerator, SamplingConfig
 WINDOW = 8
 
 
-def tiny_gpt_oss(backend: str):
+def tiny_gpt_oss(backend: str, device: str = "cpu"):
     config = tm.gpt_oss.GptOssConfig(vocab_size=128, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                                      moe=tm.gpt_oss.gpt_oss_moe(num_experts=4, top_k=2, expert_dim=32),
                                      sliding_window=WINDOW, max_seq_len=512, attention=backend)
     with torch.device("meta"):
         model = config.build()
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.init_weights(seed=0)
-    generator = torch.Generator().manual_seed(1)
+    sinks = torch.randn(len(model.layers), 4, generator=torch.Generator().manual_seed(1)) * 2.0
     with torch.no_grad():  # init leaves biases and sinks near zero: make the sinks matter
-        for layer in model.layers.values():
-            layer.attention.sinks.weight.normal_(0.0, 2.0, generator=generator)
+        for layer, values in zip(model.layers.values(), sinks):
+            layer.attention.sinks.weight.copy_(values)
     return model
 
 
@@ -67,24 +67,29 @@ def _trainer_logprobs(model, completions, order, extra_pad, rng, vocab):
     seqs = [completions[i].prompt + completions[i].tokens for i in order]
     seqs += [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(2)]
     width = max(map(len, seqs)) + extra_pad
-    tokens = torch.full((len(seqs), width), 7, dtype=torch.long)
+    tokens = torch.full((len(seqs), width), 7, dtype=torch.long, device=next(model.parameters()).device)
     for r, s in enumerate(seqs):
-        tokens[r, :len(s)] = torch.tensor(s)
+        tokens[r, :len(s)] = torch.tensor(s, device=tokens.device)
     with torch.no_grad():
         lp = token_logprobs(model, tokens)
     return {i: lp[r, len(completions[i].prompt) - 1:len(completions[i].prompt) - 1 + len(completions[i].tokens)]
             for r, i in enumerate(order)}
 
 
-def test_trainer_and_generator_logprobs_are_bitwise_equal_in_batch_invariant_mode():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="the GPU run of the same check"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trainer_and_generator_logprobs_are_bitwise_equal_in_batch_invariant_mode(device):
     """Sinks, windows and the MoE (router bias, top-k softmax, clamped SwiGLU) in batch-invariant mode:
     prefill and decode logprobs bitwise equal to the trainer's, in other batch compositions."""
     import random
 
     from titan_rl import batch_invariant
 
-    model = batch_invariant(tiny_gpt_oss("flex"))
-    reference = tiny_gpt_oss("flex")
+    model = batch_invariant(tiny_gpt_oss("flex", device))
+    reference = tiny_gpt_oss("flex", device)
     rng = random.Random(0)
     prompts = [[rng.randrange(128) for _ in range(n)] for n in (1, 9, 30, 12)]
     comps = BuiltinGenerator(model).generate(prompts, SamplingConfig(max_new_tokens=10, seed=1))
@@ -93,10 +98,10 @@ def test_trainer_and_generator_logprobs_are_bitwise_equal_in_batch_invariant_mod
         for i in order:
             assert torch.equal(trainer[i], comps[i].logprobs), (order, i)
     # the mode computes the same function: close to the ordinary model's logprobs
-    seq = torch.tensor([prompts[2] + comps[2].tokens])
+    seq = torch.tensor([prompts[2] + comps[2].tokens], device=device)
     with torch.no_grad():
         want = reference(seq).log_softmax(-1)[0, len(prompts[2]) - 1:-1].gather(1, seq[0, len(prompts[2]):, None])
-    assert (want[:, 0] - comps[2].logprobs).abs().max().item() < 1e-4
+    assert (want[:, 0].cpu() - comps[2].logprobs.cpu()).abs().max().item() < 1e-4
 
 
 def test_batch_invariant_gradients_match_the_ordinary_model():
