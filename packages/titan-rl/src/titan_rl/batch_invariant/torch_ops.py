@@ -145,7 +145,7 @@ class _Attention(torch.autograd.Function):
         if sinks is None:
             grads = sdpa_attention_grad(q, k, v, q_positions, kv_len, ctx.scale, grad, window=ctx.window)
             return (*grads, None, None, None, None, None)
-        gq, gk, gv, gsinks = _eager_sink_grad(q, k, v, sinks, q_positions, kv_len, ctx.scale, ctx.window, grad)
+        gq, gk, gv, gsinks = eager_sink_grad(q, k, v, sinks, q_positions, kv_len, ctx.scale, ctx.window, grad)
         return gq, gk, gv, None, None, None, None, gsinks
 
 
@@ -160,7 +160,7 @@ def sdpa_attention_grad(q, k, v, q_positions, kv_len, scale, grad, *, window=Non
         return torch.autograd.grad(out, (q, k, v), grad)
 
 
-def _eager_sink_grad(q, k, v, sinks, q_positions, kv_len, scale, window, grad):
+def eager_sink_grad(q, k, v, sinks, q_positions, kv_len, scale, window, grad):
     """Gradients for q, k, v and the sinks through titan-models' eager sink attention (same mask)."""
     from titan_models.components.sinks import eager_attention
 
