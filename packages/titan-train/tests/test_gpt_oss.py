@@ -79,3 +79,12 @@ def test_a_head_count_tp_cannot_split_names_the_field():
         check_tp_divisibility(model, 3, 96)
     with pytest.raises(ValueError, match="tp=4 does not divide the model's num_kv_heads=2"):
         check_tp_divisibility(model, 4, 96)
+
+
+def test_context_parallel_refuses_windows_and_sinks():
+    from titan_train.context_parallel import apply_context_parallel
+
+    with torch.device("meta"):
+        model = tm.flavor("gpt_oss", "debug").build()
+    with pytest.raises(ValueError, match="sliding windows or attention sinks.*layers.0.attention.inner"):
+        apply_context_parallel(model, group=None)
