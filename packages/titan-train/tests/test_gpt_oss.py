@@ -1,6 +1,6 @@
 """gpt-oss through the trainer: the debug recipe learns, FSDP and a 2-stage pipeline follow the
 single-process loss curve (sequences of 96 tokens, longer than the debug model's 64-key window), the
-sinks' "heads" TP style on gloo ranks equals the unsplit attention, and dist-moe refuses gpt-oss's MoE
+sinks' "headwise" TP style on gloo ranks equals the unsplit attention, and dist-moe refuses gpt-oss's MoE
 with a clear error."""
 from __future__ import annotations
 
