@@ -55,7 +55,7 @@ def test_dist_moe_refuses_gpt_oss_moe():
 
 
 def test_heads_style_shards_sinks_with_the_heads():
-    """q/k/v colwise, o rowwise and the sinks sharded by HeadsParallel on 2 gloo ranks give the unsplit output."""
+    """q/k/v colwise, o rowwise and the sinks "headwise" on 2 gloo ranks give the unsplit output."""
     attention, x, rope = attention_case()
     with torch.no_grad():
         want = attention(x, rope)
