@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from titan_rl import Completion, SamplingConfig
 from titan_rl.envs import SingleTurn, SortingTask
 
 from titan_train.rl import RLJobConfig, run_rl
 from titan_train.rl.rollouts import SEED_STRIDE, ShardedRollouts
+from titan_train_ranks import spawn_ranks
 
 REQUIRED_METRICS = ("step", "reward_mean", "kl", "staleness", "dropped_samples_total", "logprob_mismatch_max",
                     "gen_tokens_per_s", "train_tokens_per_s", "loss", "completion_len")
@@ -126,7 +126,7 @@ def two_ranks(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(2, port, str(folder)), nprocs=2, start_method="fork")
+    spawn_ranks(_rank_main, 2, (2, port, str(folder)))
     return folder
 
 
