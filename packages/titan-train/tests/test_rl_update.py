@@ -22,13 +22,13 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import titan_rl
 from titan_train.config import ModelConfig
 from titan_train.model_setup import model_config
 from titan_train.rl.policy import build_copy, build_policy, export_weights, initial_weights
 from titan_train.rl.update import PolicyUpdate
+from titan_train_ranks import spawn_ranks
 
 LR = 1e-3
 CASES = {
@@ -121,7 +121,7 @@ def two_rank_results(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(2, port, out), nprocs=2, start_method="fork")
+    spawn_ranks(_rank_main, 2, (2, port, out))
     return torch.load(out)
 
 
