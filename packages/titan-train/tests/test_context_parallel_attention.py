@@ -13,6 +13,8 @@ import socket
 
 import pytest
 import torch
+from titan_train_ranks import spawn_ranks
+
 import titan_models as tm
 from titan_models.components.attention import SDPAttention
 from titan_train.context_parallel import (
@@ -23,7 +25,6 @@ from titan_train.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from titan_train_ranks import spawn_ranks
 
 B, S, HQ, HKV, D, DV = 2, 24, 4, 2, 8, 6
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan_train_ranks import spawn_ranks
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli_args import apply_override
 from titan_train.optimizers import build_optimizer
-from titan_train_ranks import spawn_ranks
 
 STEPS = 10
 TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",

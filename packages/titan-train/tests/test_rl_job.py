@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan_train_ranks import spawn_ranks
+
 from titan_rl import Completion, SamplingConfig
 from titan_rl.envs import SingleTurn, SortingTask
 from titan_train.rl import RLConfig, run_rl
 from titan_train.rl.rollouts import SEED_STRIDE, ShardedRollouts
-from titan_train_ranks import spawn_ranks
 
 REQUIRED_METRICS = ("step", "reward_mean", "kl", "staleness", "dropped_samples_total", "logprob_mismatch_max",
                     "gen_tokens_per_s", "train_tokens_per_s", "loss", "completion_len")

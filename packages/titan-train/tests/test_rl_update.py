@@ -22,13 +22,13 @@ import socket
 
 import pytest
 import torch
+from titan_train_ranks import spawn_ranks
 
 import titan_rl
 from titan_train.config import ModelConfig
 from titan_train.model_setup import model_config
 from titan_train.rl.policy import build_copy, build_policy, export_weights, initial_weights
 from titan_train.rl.update import PolicyUpdate
-from titan_train_ranks import spawn_ranks
 
 LR = 1e-3
 CASES = {

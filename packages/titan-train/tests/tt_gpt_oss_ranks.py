@@ -11,9 +11,8 @@ import titan_models as tm
 def attention_rank(rank: int, world: int, port: int, out: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     # what apply_tensor_parallel does for a "headwise" module (the whole gpt-oss model cannot be split:
     # the trainer has no tensor parallelism for MoE experts)
