@@ -87,7 +87,7 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         model = config.build()
     params = model.state_dict(keep_vars=True)
     present = files.names()
-    plan = _located(_load_plan(converter, config, model), converter.text_prefix(present))
+    plan = _located(_load_plan(converter, config, model), converter.checkpoint_prefixes(present))
 
     expected = {source_name(source) for sources in plan.values() for source in sources}
     missing = sorted(expected - present)
@@ -127,13 +127,18 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     return model
 
 
-def _located(plan: dict[str, list], prefix: str) -> dict[str, list]:
-    """The plan with the decoder's `model.` names moved under `prefix` (composite checkpoints)."""
-    if prefix == "model.":
+def _located(plan: dict[str, list], prefixes: dict[str, str]) -> dict[str, list]:
+    """The plan with its causal-LM names moved to where the checkpoint keeps them (composite checkpoints):
+    a name starting with a key of `prefixes` gets that key replaced by its value."""
+    moves = {old: new for old, new in prefixes.items() if old != new}
+    if not moves:
         return plan
 
     def move(name: str) -> str:
-        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+        for old, new in moves.items():
+            if name.startswith(old):
+                return new + name.removeprefix(old)
+        return name
 
     return {titan: [Rows(move(s.hf_name), s.rows) if isinstance(s, Rows) else move(s) for s in sources]
             for titan, sources in plan.items()}

@@ -51,6 +51,11 @@ class Converter:
         folder; composite (multimodal) checkpoints override this (e.g. "model.language_model.")."""
         return "model."
 
+    def checkpoint_prefixes(self, tensor_names: set[str]) -> dict[str, str]:
+        """Name prefixes of the causal-LM layout (`hf_names`' "model.", "lm_head.") -> where this
+        checkpoint keeps them; by default only the decoder moves, to `text_prefix`."""
+        return {"model.": self.text_prefix(tensor_names)}
+
     def reported(self, config: Any, hf_name: str) -> bool:
         """HF tensors present but not part of the titan model (another tower, an MTP head): loaded
         into nothing and listed in a warning by from_hf, rather than refused as unexpected."""
