@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan_models import registry
-from titan_models.hf.converter import Converter, Rows, source_name
+from titan_models.hf.converter import Converter, Reshaped, Rows, source_name
 from titan_models.hf.names import NoHFName
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
@@ -119,6 +119,8 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
                 if rows.hf_name not in fused:
                     fused = {rows.hf_name: files.get(rows.hf_name)}
                 source = fused[rows.hf_name][list(rows.rows)]
+            elif len(sources) == 1 and isinstance(sources[0], Reshaped):
+                source = files.get(sources[0].hf_name).reshape(state[name].shape)
             elif len(sources) == 1:
                 source = files.get(sources[0])
             else:
@@ -140,8 +142,12 @@ def _located(plan: dict[str, list], prefixes: dict[str, str]) -> dict[str, list]
                 return new + name.removeprefix(old)
         return name
 
-    return {titan: [Rows(move(s.hf_name), s.rows) if isinstance(s, Rows) else move(s) for s in sources]
-            for titan, sources in plan.items()}
+    def moved(source):
+        if isinstance(source, str):
+            return move(source)
+        return dataclasses.replace(source, hf_name=move(source.hf_name))
+
+    return {titan: [moved(s) for s in sources] for titan, sources in plan.items()}
 
 
 def _by_prefix(names: list[str]) -> str:
@@ -163,6 +169,10 @@ def _check_shapes(folder: Path, config: Any, name: str, want: tuple[int, ...], s
                 raise ValueError(f"{folder}: tensor {source.hf_name!r} has shape {list(got)}, expected "
                                  f"[{max(source.rows) + 1}+, {', '.join(map(str, want[1:]))}] with rows for "
                                  f"{name} {list(want)} of {type(config).__name__}")
+        elif isinstance(source, Reshaped):  # same elements, the shape on disk
+            if got != source.shape or torch.Size(got).numel() != torch.Size(want).numel():
+                raise ValueError(f"{folder}: tensor {source.hf_name!r} has shape {list(got)}, expected "
+                                 f"{list(source.shape)} (for {name} {list(want)} of {type(config).__name__})")
         elif got != per_tensor:
             raise ValueError(f"{folder}: tensor {source!r} has shape {list(got)}, expected "
                              f"{list(per_tensor)} (for {name} of {type(config).__name__})")
@@ -198,6 +208,10 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
             continue
         if len(hf_names) == 1 and isinstance(hf_names[0], Rows):
             fused_parts.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
+        elif len(hf_names) == 1 and isinstance(hf_names[0], Reshaped):
+            shape = hf_names[0].shape
+            entries.append((hf_names[0].hf_name, shape, tensor.dtype,
+                            lambda t=tensor, shape=shape: t.cpu().reshape(shape).contiguous()))
         elif len(hf_names) == 1:
             entries.append((hf_names[0], tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().contiguous()))
         else:

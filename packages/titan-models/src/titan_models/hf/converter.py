@@ -24,11 +24,20 @@ class Rows:
         return Rows(hf_name, tuple(range(start, stop)))
 
 
-HFSource = Union[str, Rows]  # what `hf_names` lists: a whole tensor, or rows of one
+@dataclass(frozen=True)
+class Reshaped:
+    """A Hugging Face tensor holding the titan tensor's elements in another shape (e.g. Kimi Linear's
+    `A_log` [1, 1, H, 1] for titan's [H]): loaded and written with a reshape."""
+
+    hf_name: str
+    shape: tuple[int, ...]  # the shape on disk
+
+
+HFSource = Union[str, Rows, Reshaped]  # what `hf_names` lists: a whole tensor, rows of one, or a reshaped one
 
 
 def source_name(source: HFSource) -> str:
-    return source.hf_name if isinstance(source, Rows) else source
+    return source if isinstance(source, str) else source.hf_name
 
 
 class Converter:
