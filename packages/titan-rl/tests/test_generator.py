@@ -159,10 +159,10 @@ def test_moe_models_are_refused_in_batch_invariant_mode():
         batch_invariant(model)
 
 
-@pytest.mark.parametrize("family, flavor", [("qwen3_5", "debug"), ("qwen3_next", "debug")])
+@pytest.mark.parametrize("family, flavor", [("qwen3_5", "debug"), ("qwen3_next", "debug"), ("kimi_linear", "debug")])
 def test_linear_attention_state_through_prefill_and_decode_matches_a_full_forward(family, flavor):
-    # Gated DeltaNet layers carry conv + delta-rule state from a right-padded prefill (prompts up to
-    # 70 tokens, past the 64-token chunk) through decode; the logits must be a full forward's.
+    # Gated DeltaNet / Kimi Delta Attention layers carry conv + delta-rule state from a right-padded prefill
+    # (prompts up to 70 tokens, past the 64-token chunk) through decode; the logits must be a full forward's.
     import titan_models as tm
     config = tm.flavor(family, flavor)
     with torch.device("meta"):
@@ -180,9 +180,15 @@ def test_linear_attention_state_through_prefill_and_decode_matches_a_full_forwar
             assert (expected - comp.logprobs).abs().max() < 1e-4, (prompt[:3], expected, comp.logprobs)
 
 
-def test_linear_attention_models_are_refused_in_batch_invariant_mode():
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_linear_attention_models_are_refused_in_batch_invariant_mode(family):
+    import dataclasses
+
     import titan_models as tm
+    config = tm.flavor(family, "debug")
+    if family == "kimi_linear":  # its debug flavor is MoE (refused for that first): every layer dense here
+        config = dataclasses.replace(config, mlp_layer_types=("dense",) * config.num_layers)
     with torch.device("meta"):
-        model = tm.flavor("qwen3_5", "debug").build()
+        model = config.build()
     with pytest.raises(ValueError, match="linear-attention"):
         batch_invariant(model)
