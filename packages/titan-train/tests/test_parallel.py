@@ -58,10 +58,12 @@ def test_torchrun_runs_the_command_on_gloo_ranks(tmp_path, cli, jobs):
         assert curve[step] == pytest.approx(loss, rel=1e-4)
 
 
-def test_fsdp_follows_single_process_for_a_linear_attention_model(tmp_path, jobs):
-    # Qwen3.5 debug cut to 2 layers: one Gated DeltaNet layer (its conv / decay parameters read
-    # directly in the forward) and one gated-attention layer, at 80 tokens (past the 64-token chunk).
-    job = {"model.family": "qwen3_5", "model.flavor": "debug", "model.vocab_size": "384", "training.seq_len": "80",
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_fsdp_follows_single_process_for_a_linear_attention_model(tmp_path, jobs, family):
+    # The debug model cut to 2 layers: one Gated DeltaNet layer (Kimi: Kimi Delta Attention; its conv / decay
+    # parameters read directly in the forward) and one attention layer (Qwen3.5: gated attention; Kimi:
+    # RoPE-free MLA with an MoE), at 80 tokens (past the 64-token chunk).
+    job = {"model.family": family, "model.flavor": "debug", "model.vocab_size": "384", "training.seq_len": "80",
            "training.steps": "6"}
     expected = train(jobs.tiny(tmp_path / "single", **job)).losses
     curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **job, **{"parallelism.dp_shard": "2"}), 2)

@@ -104,6 +104,16 @@ def qwen3_5_debug() -> TrainConfig:
     return config
 
 
+@register_recipe("kimi_linear_debug")
+def kimi_linear_debug() -> TrainConfig:
+    """The main job on the debug Kimi Linear (Kimi Delta Attention and RoPE-free MLA alternating, a dense first
+    layer then 8-expert MoE), on a CPU."""
+    config = llama3_debug()
+    config.job.folder = "runs/kimi_linear_debug"
+    config.model = ModelConfig(family="kimi_linear", flavor="debug", vocab_size=384)
+    return config
+
+
 @register_recipe("qwen3_next_debug")
 def qwen3_next_debug() -> TrainConfig:
     """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8-expert MoE with a gated shared expert)."""
