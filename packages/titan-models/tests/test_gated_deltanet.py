@@ -157,3 +157,24 @@ def test_right_padding_leaves_the_state_at_the_last_valid_token():
         for row, n in enumerate(lengths.tolist()):
             whole = layer(torch.cat([x[row:row + 1, :n], step[row:row + 1]], dim=1))
             assert rel_err(after[row], whole[0, -1:]) < 1e-5, row
+
+
+
+def test_the_delta_rule_runs_without_autocast(monkeypatch):
+    import titan_models.components.gated_deltanet as gdn
+
+    seen = []
+    for name in ("chunked_delta_rule", "recurrent_delta_rule"):
+        original = getattr(gdn, name)
+
+        def recording(*args, _original=original, **kwargs):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(gdn, name, recording)
+    layer = _layer(seed=3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(1, 70, 32))  # chunked
+        layer(torch.randn(1, 1, 32))  # recurrent
+    assert out.dtype == torch.bfloat16  # the projections around it follow autocast
+    assert seen == [False, False]  # the triangular solve and state products stay float32

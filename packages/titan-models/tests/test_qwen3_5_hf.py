@@ -137,3 +137,13 @@ def test_bad_configs_name_the_field_or_tensor(tmp_path):
         tm.transforms.num_layers(2)(tm.flavor("qwen3_5", "debug")).__class__(
             **{**vars(tm.flavor("qwen3_5", "debug")), "layer_types": ("linear_attention", "mamba") * 2}).build()
 
+
+
+def test_composite_text_config_fields_are_type_checked(tmp_path):
+    save_hf(dense_config(), tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    composite = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                 "text_config": hf | {"linear_num_value_heads": "4"}}
+    (tmp_path / "config.json").write_text(json.dumps(composite))
+    with pytest.raises(ValueError, match="text_config: field linear_num_value_heads is \"4\""):
+        tm.from_hf(tmp_path)

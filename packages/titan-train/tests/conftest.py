@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from titan_train import TrainConfig, load_recipe
-from titan_train.overrides import apply_override
+from titan_train.cli_args import apply_override
 
 # Forked ranks must not inherit a busy OpenMP pool; one thread per process also keeps runs reproducible.
 torch.set_num_threads(1)

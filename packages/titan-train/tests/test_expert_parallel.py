@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_checkpointing import Checkpointer
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli import main
+from titan_train.cli_args import apply_override
 from titan_train.expert_parallel import resolve_moe_impl
-from titan_train.overrides import apply_override
+from torch_checkpointing import Checkpointer
 
 STEPS = 10
 TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",
@@ -96,6 +96,17 @@ def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_referen
     resumed = train(moe_job("qwen3_moe_debug_ep", moved, **SINGLE, **{"checkpoint.resume": "true"}))
     assert resumed.start_step == 5 and sorted(resumed.losses) == list(range(6, STEPS + 1))
     assert_follows(curve(moved), want, range(6, STEPS + 1))
+
+
+def test_ep2_qwen3_next_with_a_gated_shared_expert_follows_titan_moe(tmp_path, jobs):
+    # dist-moe's layer with the sigmoid-gated shared expert (its own dense FSDP unit), experts over 2 ranks,
+    # against titan-models' MoE in one process; 80 tokens take the Gated DeltaNet past its 64-token chunk.
+    job = {"training.seq_len": "80", "training.steps": "6"}
+    single = moe_job("qwen3_next_debug_ep", tmp_path / "single", **SINGLE, **job)
+    assert resolve_moe_impl(single) == "titan"
+    train(single)
+    jobs.on_ranks(moe_job("qwen3_next_debug_ep", tmp_path / "ep2", **{"parallelism.ep": "2"}, **job), 2)
+    assert_follows(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
 
 
 def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tmp_path, jobs):

@@ -17,7 +17,7 @@ import pytest
 
 from titan_train import train
 from titan_train.cli import main, parse_args
-from titan_train.overrides import ConfigError
+from titan_train.cli_args import ConfigError
 from titan_train.sharding_impl import check_sharding_choices, parse_placements, placement_rule
 
 STEPS = 10

@@ -88,3 +88,40 @@ def test_schedules():
     assert lr_factor(100, steps, cosine) == pytest.approx(0.0, abs=1e-12)
     sqrt = LRScheduleConfig(kind="wsd", warmup_steps=0, decay_fraction=0.5, decay_shape="sqrt")
     assert lr_factor(74, steps, sqrt) == pytest.approx(1 - (25 / 50) ** 0.5)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_vocab_parallel_loss_matches_one_process(world):
+    """The vocabulary sharded over gloo ranks (max and sums all-reduced) gives one process's loss and
+    gradients, in float64 (F.cross_entropy on the whole logits as reference)."""
+    import socket
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the worker by this path
+    from vocab_parallel_ranks import rank_main, vocab_parallel_inputs
+
+    h, w, y = vocab_parallel_inputs()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = F.cross_entropy((h_ref @ w_ref.t()).reshape(-1, 40), y.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    want.backward()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    rows = 40 // world
+    for rank, (loss, grad_h, grad_w) in results.items():
+        loss, grad_h, grad_w = (torch.tensor(x, dtype=torch.float64) for x in (loss, grad_h, grad_w))
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad_h, h_ref.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad_w, w_ref.grad[rank * rows:(rank + 1) * rows], rtol=1e-12, atol=1e-12)

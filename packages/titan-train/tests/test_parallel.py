@@ -103,11 +103,11 @@ def _local_values_rank(rank: int, port: int, out) -> None:
 
     import torch
     import torch.distributed as dist
-    from titan_models.components.gated_deltanet import DecayGate
-    from titan_models.components.norms import ZeroCenteredRMSNorm
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
+    from titan_models.components.gated_deltanet import DecayGate
+    from titan_models.components.norms import ZeroCenteredRMSNorm
     from titan_train.parallelize import _compute_on_local_values
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -133,6 +133,7 @@ def test_replicated_and_headwise_parameters_get_the_whole_gradient():
 
     import torch
     import torch.multiprocessing as mp
+
     from titan_models.components.gated_deltanet import DecayGate
     from titan_models.components.norms import ZeroCenteredRMSNorm
 

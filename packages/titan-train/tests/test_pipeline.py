@@ -16,10 +16,10 @@ import shutil
 import typing
 
 import pytest
-import titan_models as tm
 import torch
 from torch.distributed.pipelining import PipelineStage
 
+import titan_models as tm
 from titan_train import ParallelismConfig, train
 from titan_train.pipeline import SCHEDULES, check_pipeline, keep_rank_part, plan_layout
 
@@ -98,8 +98,8 @@ def references(tmp_path_factory, jobs):
     """The single-process curves of the tiny job with (layers, batch size) as the parallel runs."""
     curves = {}
     for layers, batch in (("2", "4"), ("4", "4"), ("4", "8")):
-        curves[layers, batch] = train(jobs.tiny(tmp_path_factory.mktemp(f"single{layers}x{batch}"),
-                                                **{**STEPS, "model.num_layers": layers, "training.batch_size": batch})).losses
+        job = {**STEPS, "model.num_layers": layers, "training.batch_size": batch}
+        curves[layers, batch] = train(jobs.tiny(tmp_path_factory.mktemp(f"single{layers}x{batch}"), **job)).losses
     return curves
 
 
@@ -117,8 +117,10 @@ V_ON_GLOO = hasattr(PipelineStage, "_is_same_rank")  # older pipelining sends to
     # Zero bubble under FSDP: the last stage runs its whole backward at once (see Pipeline.finish).
     (4, {"parallelism.pp": "2", "parallelism.dp_shard": "2", "parallelism.pp_schedule": "InterleavedZeroBubble",
          "model.num_layers": "4", "training.batch_size": "8"}),
+    # The last stage's loss is the vocabulary-parallel CausalLMLoss under tensor parallelism.
+    (4, {"parallelism.pp": "2", "parallelism.tp": "2"}),
 ], ids=["pp2-1f1b", "pp2-interleaved1f1b", "pp2-interleaved-zero-bubble", "pp2-zbv", "pp2xfsdp2",
-        "pp2xfsdp2-zero-bubble"])
+        "pp2xfsdp2-zero-bubble", "pp2xtp2"])
 def test_pipeline_follows_single_process(references, tmp_path, jobs, nproc, layout):
     expected = references[(layout.get("model.num_layers", "2"), layout.get("training.batch_size", "4"))]
     curve = jobs.on_ranks(jobs.tiny(tmp_path, **{**STEPS, **layout}), nproc)

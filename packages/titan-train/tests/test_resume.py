@@ -9,10 +9,12 @@ import signal
 import subprocess
 
 import pytest
-from torch_checkpointing import Checkpointer
+import torch
 
 from titan_train import NonFiniteLossError, train
 from titan_train.cli import main
+from titan_train.trainer import Trainer
+from torch_checkpointing import Checkpointer
 
 STEPS, INTERVAL, KILL_AFTER = 14, 4, 6
 
@@ -66,6 +68,25 @@ def test_non_finite_loss_stops_the_run_without_a_bad_checkpoint(tmp_path, cli, j
     out, err = capsys.readouterr()
     assert f"resuming after step {bad - 1}" in out
     assert "titan-train: stopped: non-finite" in err and f"at step {bad}" in err
+
+
+def test_non_finite_step_is_skipped_on_the_device_and_named_at_the_read_back(tmp_path, jobs):
+    """Fused AdamW skips updates on the device (found_inf): reading back every 4 steps instead of every
+    step stops at the same first non-finite step, and neither it nor a later step was applied (the weights
+    stay finite; an applied NaN gradient would make them NaN)."""
+    job = {"training.steps": "10", "optimizer.lr": "1e6", "lr_schedule.warmup_steps": "0",
+           "optimizer.implementation": "fused"}
+    with pytest.raises(NonFiniteLossError) as every_step:
+        train(jobs.tiny(tmp_path / "every", **job))
+    trainer = Trainer(jobs.tiny(tmp_path / "batched", **job, **{"metrics.log_interval": "4"}), torch.device("cpu"))
+    assert trainer.guard.on_device
+    with pytest.raises(NonFiniteLossError) as batched:
+        trainer.run()
+    bad = every_step.value.step
+    assert batched.value.step == bad and f"at step {bad}" in str(batched.value)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    metrics = [json.loads(line)["step"] for line in (tmp_path / "batched" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [s for s in range(4, bad, 4)]
 
 
 def test_resume_in_another_layout(tmp_path, jobs):

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from titan_train.cli import main
-from titan_train.overrides import field_types, section_types
-from titan_train.rl import RL_RECIPES, RLJobConfig
+from titan_train.cli_args import field_types, section_types
+from titan_train.rl import RL_RECIPES, RLConfig
 from titan_train.rl.cli import parse_rl_args
 
 
@@ -21,7 +21,7 @@ def test_rl_help_lists_every_field_with_type_and_default(capsys):
     assert main(["rl", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: titan-train rl")
-    for section, cls in section_types(RLJobConfig()).items():
+    for section, cls in section_types(RLConfig()).items():
         for name in field_types(cls):
             assert f"--{section}.{name} " in out, f"--{section}.{name} missing from rl --help"
     assert "--algorithm.name {grpo,dapo,gspo}  (default: 'grpo')" in out
@@ -55,7 +55,7 @@ def test_rl_overrides_are_typed_and_applied():
     (["--algorithm.group_size", "many"], ["--algorithm.group_size expects int, got 'many'"]),
     (["--generator.batch_invariant", "maybe"], ["--generator.batch_invariant expects bool"]),
     (["--recipe", "rl_sortnig"], ["unknown recipe 'rl_sortnig'", "did you mean rl_sorting", "valid: "]),
-    (["--recipe", "titan_train.recipes:llama3_debug"], ["returned TrainConfig, not a RLJobConfig"]),
+    (["--recipe", "titan_train.recipes:llama3_debug"], ["returned TrainConfig, not a RLConfig"]),
     (["--training.steps"], ["--training.steps needs a value"]),
     # The job's own checks, before anything is built:
     (["--rollout.prompts_per_step", "0"], ["rollout.prompts_per_step must be >= 1, got 0"]),
@@ -90,12 +90,12 @@ def test_rl_recipes_list_and_print(capsys):
     assert printed["training"]["steps"] == 7 and printed["rollout"]["max_policy_lag"] == 1
     assert printed["algorithm"]["name"] == "dapo" and printed["generator"]["batch_invariant"] is True
     for name, recipe in RL_RECIPES.items():  # every recipe is a complete, well-typed config
-        assert isinstance(recipe(), RLJobConfig), name
+        assert isinstance(recipe(), RLConfig), name
         assert set(dataclasses.asdict(recipe())) == set(printed)
 
 
-def my_rl_recipe() -> RLJobConfig:
-    config = RLJobConfig()
+def my_rl_recipe() -> RLConfig:
+    config = RLConfig()
     config.training.steps = 3
     return config
 

@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from titan_rl import Completion, SamplingConfig
 from titan_rl.envs import SingleTurn, SortingTask
-
-from titan_train.rl import RLJobConfig, run_rl
+from titan_train.rl import RLConfig, run_rl
 from titan_train.rl.rollouts import SEED_STRIDE, ShardedRollouts
 
 REQUIRED_METRICS = ("step", "reward_mean", "kl", "staleness", "dropped_samples_total", "logprob_mismatch_max",
                     "gen_tokens_per_s", "train_tokens_per_s", "loss", "completion_len")
 
 
-def small_job(folder: Path, **changes) -> RLJobConfig:
-    config = RLJobConfig()
+def small_job(folder: Path, **changes) -> RLConfig:
+    config = RLConfig()
     config.job.folder = str(folder)
     config.metrics.progress = False
     for dotted, value in changes.items():
@@ -91,6 +91,7 @@ class InstantGenerator:
 
 def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
     import torch.distributed as dist
+
     from titan_rl import ByteTokenizer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

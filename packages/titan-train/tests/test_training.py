@@ -72,7 +72,6 @@ def test_plans_a_model_cannot_take_are_errors():
     import dataclasses
 
     import titan_models as tm
-
     from titan_train.model_setup import build_on_meta
     from titan_train.parallelize import check_tp_divisibility
 
@@ -90,7 +89,7 @@ def test_plans_a_model_cannot_take_are_errors():
 @pytest.mark.parametrize("recipe", ["qwen3_5_debug", "qwen3_next_debug", "kimi_linear_debug"])
 def test_linear_attention_debug_recipes_train_on_cpu(tmp_path, recipe):
     from titan_train import load_recipe
-    from titan_train.overrides import apply_override
+    from titan_train.cli_args import apply_override
 
     config = load_recipe(recipe)
     # 2 layers keep one Gated DeltaNet (Kimi: KDA) and one attention layer; 80 tokens pass the 64-token chunk.

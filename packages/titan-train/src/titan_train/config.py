@@ -6,7 +6,16 @@ against its type (`--section.field value`). A recipe is a Python function return
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+if TYPE_CHECKING:  # the components' modules import torch and the parallel libraries: only when built
+    import torch
+    import torch.nn as nn
+
+    from .checkpoint import RunCheckpoints
+    from .metrics import MetricsWriter
+    from .parallelizer import Parallelizer
 
 # (parameter-name pattern, placement) pairs for flexshard; see ParallelismConfig.flexshard_placements.
 PlacementRules = tuple[tuple[str, str], ...]
@@ -47,7 +56,9 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class TrainingConfig:
+class StepConfig:
+    """The `training` section: how many optimizer steps, and what each one takes and computes."""
+
     steps: int = 100
     """Optimizer steps to run (a resumed run continues up to this count)."""
     batch_size: int = 8
@@ -75,6 +86,19 @@ class TrainingConfig:
     """MoE aux-loss-free balancing: after each optimizer step, expert_bias += rate * sign(mean load - load),
     with the loads counted over the step's whole global batch (0 disables)."""
 
+    def check(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.gc_interval < 0:
+            raise ValueError(f"training.gc_interval must be >= 0 (0: automatic collection), got {self.gc_interval}")
+
+    def precision(self, device: torch.device) -> str:
+        """mixed_precision with auto resolved: bf16 on cuda, fp32 on cpu."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        return "bf16" if device.type == "cuda" else "fp32"
+
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
@@ -100,6 +124,13 @@ class OptimizerConfig:
     muon_adjust_lr: Literal["spectral", "match_adamw_rms", "none"] = "spectral"
     """muon: per-matrix learning-rate scale: sqrt(max(1, rows/cols)), 0.2 sqrt(max(rows, cols)), or 1."""
 
+    def build(self, model: nn.Module, *, device: torch.device,
+              param_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
+        """The optimizer over `model`'s trainable parameters (optimizers.py)."""
+        from .optimizers import build_optimizer
+
+        return build_optimizer(self, model, device=device, param_dtype=param_dtype)
+
 
 @dataclass(kw_only=True)
 class LRScheduleConfig:
@@ -112,6 +143,19 @@ class LRScheduleConfig:
     """wsd only: the shape of the final decay."""
     min_lr_ratio: float = 0.0
     """The final learning rate as a fraction of the peak."""
+
+    def check(self) -> None:
+        from .lr_schedule import validate
+
+        validate(self)
+
+    def build(self, optimizer: torch.optim.Optimizer, *, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """The schedule as a LambdaLR over `optimizer` (lr_schedule.py's factor of the peak rate)."""
+        import torch
+
+        from .lr_schedule import lr_factor
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, self))
 
 
 @dataclass(kw_only=True)
@@ -132,6 +176,26 @@ class DataConfig:
     """Attention never crosses a document boundary inside a packed sequence."""
     shuffle: bool = True
     """Visit documents in a seeded random order (a new order each epoch)."""
+
+    @property
+    def random(self) -> bool:
+        return self.source == "random"
+
+    def build_tokenizer(self) -> Any:
+        """The tokenizer of a text source (None for random tokens, which need none)."""
+        from .data import build_tokenizer
+
+        return None if self.random else build_tokenizer(self.tokenizer)
+
+    def build(self, tokenizer: Any, *, vocab_size: int, seq_len: int, seed: int) -> Any:
+        """The loader of the global token stream (every rank reads all of it and keeps its rows)."""
+        from .data import PackedLoader, RandomTokenLoader, open_documents
+
+        if self.random:
+            return RandomTokenLoader(vocab_size, seq_len=seq_len, seed=seed)
+        documents = open_documents(self.source, format=self.format, text_field=self.text_field, split=self.split)
+        return PackedLoader(documents, tokenizer, seq_len=seq_len, seed=seed, shuffle=self.shuffle,
+                            document_masking=self.document_masking)
 
 
 @dataclass(kw_only=True)
@@ -174,6 +238,13 @@ class ParallelismConfig:
     """flexshard: all-gather the block:RxC parameters as fp8 e4m3 with one scale per tile (about half the
     bytes of bf16); needs at least one block placement."""
 
+    def build(self, run: TrainConfig, *, world_size: int, device: torch.device) -> Parallelizer:
+        """The run's layout on `world_size` ranks (degrees checked against the rest of `run`, the mesh),
+        which then builds the parallelized model (parallelizer.py)."""
+        from .parallelizer import Parallelizer
+
+        return Parallelizer(run, world_size=world_size, device=device)
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -186,6 +257,18 @@ class CheckpointConfig:
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
 
+    def check(self) -> None:
+        if self.interval < 0 or self.keep_last < 0:
+            raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+
+    def build(self, folder: Path, *, adapt: Callable[[dict], dict] | None = None) -> RunCheckpoints | None:
+        """The run's checkpoints in `folder` (None when neither saving nor resuming)."""
+        if self.interval == 0 and not self.resume:
+            return None
+        from .checkpoint import RunCheckpoints  # torch-checkpointing is only needed when checkpointing
+
+        return RunCheckpoints(folder, keep_last=self.keep_last, async_save=self.async_save, adapt=adapt)
+
 
 @dataclass(kw_only=True)
 class MetricsConfig:
@@ -195,6 +278,15 @@ class MetricsConfig:
     """Write TensorBoard event files beside metrics.jsonl."""
     progress: bool = True
     """Show the progress bar on rank 0."""
+
+    def check(self) -> None:
+        if self.log_interval < 1:
+            raise ValueError(f"metrics.log_interval must be >= 1, got {self.log_interval}")
+
+    def build(self, folder: Path, *, start_step: int) -> MetricsWriter:
+        from .metrics import MetricsWriter
+
+        return MetricsWriter(folder, tensorboard=self.tensorboard, start_step=start_step)
 
 
 @dataclass(kw_only=True)
@@ -216,9 +308,11 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    """The whole configuration of a `titan-train` run (what a recipe returns), one section per field."""
+
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
+    training: StepConfig = field(default_factory=StepConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -227,3 +321,11 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+
+    def check(self) -> None:
+        """The checks of each section that need nothing but the section (the layout's come with
+        parallelism.build)."""
+        self.training.check()
+        self.lr_schedule.check()
+        self.checkpoint.check()
+        self.metrics.check()

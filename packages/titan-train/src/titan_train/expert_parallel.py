@@ -10,24 +10,24 @@ neighbours and every rank keeps its coordinates (dp_shard index = dp_shard_mod_e
                             dp_shard_mod_ep (x dp_replicate), the data-parallel ranks that hold the same experts
     router gate             replicated (plain tensor); its gradient is summed over the data-parallel ranks here
 
-Gradient scale. The trainer scales each rank's loss by dp / (global token count), so that averaging
-over the dp ranks gives the global mean. An expert shard's gradient already sums the contributions of
-all ep ranks whose tokens it served (the all-to-all's backward), so after FSDP's average over the
-remaining dp / ep ranks it is ep times too large: `finish_gradients` divides it by ep. (FSDP's own
+Gradient scale (decided in Parallelizer.loss_scale). The trainer scales each rank's loss by dp / (global
+token count), so that averaging over the dp ranks gives the global mean. An expert shard's gradient
+already sums the contributions of all ep ranks whose tokens it served (the all-to-all's backward), so
+after FSDP's average over the remaining dp / ep ranks it is ep times too large: `finish_gradients`
+divides it by ep. (FSDP's own
 gradient divide factor would do it inside the reduction, but with a group of one rank and sum-only
 reductions, which gloo needs, torch 2.14 divides twice.)
 
 FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
 `experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
-(called as a module) are their own unit over the dense data-parallel mesh; the router gate, read
-directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
+and their sigmoid gate, if any (called as modules), are their own units over the dense data-parallel
+mesh; the router gate, read directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept
+whole on every rank.
 """
 from __future__ import annotations
 
 import warnings
 
-import dist_moe
-import titan_models as tm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -35,8 +35,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+import dist_moe
+import titan_models as tm
+
 from .config import TrainConfig
-from .parallelize import _matching
+from .parallelize import matching_modules
 
 
 def resolve_moe_impl(config: TrainConfig) -> str:
@@ -61,7 +64,7 @@ def resolve_moe_impl(config: TrainConfig) -> str:
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The MoE modules the model's parallel plan names (e.g. layers.*.moe), in model order."""
-    names = [n for pattern in model.parallel_plan.moe for n in _matching(model, pattern)]
+    names = [n for pattern in model.parallel_plan.moe for n in matching_modules(model, pattern)]
     return [model.get_submodule(n) for n in sorted(set(names), key=names.index)]
 
 
@@ -70,7 +73,7 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float) -> list[str]:
     shapes (tm.override checks them), so weights, init and checkpoints carry over. Returns their names."""
     replaced: list[str] = []
     for pattern in model.parallel_plan.moe:
-        if not _matching(model, pattern):
+        if not matching_modules(model, pattern):
             continue  # e.g. mtp.layer.moe on a model without multi-token prediction
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
@@ -104,14 +107,16 @@ def data_parallel_groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup]:
 class ExpertParallel:
     """Experts split over ep, FSDP-sharded over the rest of data parallel; see the module docstring."""
 
-    def __init__(self, moes: list[nn.Module], mesh: DeviceMesh, ep: int):
+    def __init__(self, moes: list[nn.Module], mesh: DeviceMesh, ep: int, *, grad_divisor: int):
+        """grad_divisor: what the expert gradients are divided by after the step's backward (the
+        Parallelizer's expert_grad_divisor, decided with the loss scale)."""
         for moe in moes:
             if not isinstance(moe, dist_moe.MoE):
                 raise ValueError(f"parallelism.ep={ep} needs dist-moe's MoE layers (model.moe_impl=dist_moe), "
                                  f"found {type(moe).__name__}")
         if not moes:
             raise ValueError(f"parallelism.ep={ep}, but the model has no MoE layers to split")
-        self.moes, self.ep = moes, ep
+        self.moes, self.ep, self.grad_divisor = moes, ep, grad_divisor
         self.mesh = mesh
         self.expert_mesh = split_dp_shard(mesh, ep)
         if hasattr(DeviceMesh, "_flatten"):
@@ -143,21 +148,22 @@ class ExpertParallel:
         # hook, but the Transformer block adds the MoE output out of place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
         for moe in self.moes:
-            if moe.shared_experts is not None:
-                fully_shard(moe.shared_experts, mesh=dense_mesh, mp_policy=policy,
-                            reshard_after_forward=reshard_after_forward)
+            # the shared experts and their gate (Qwen3-Next / Qwen3.5) see every rank's tokens: dense units
+            for shared in (moe.shared_experts, getattr(moe, "shared_gate", None)):
+                if shared is not None:
+                    fully_shard(shared, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
             fully_shard(moe, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                         ignored_params={moe.router.gate.weight})
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
-        """After the step's last backward: expert gradients divided by ep, and the replicated router gates'
-        gradients averaged over the data-parallel ranks (like every other gradient, each rank's carries dp x
-        its own tokens' share)."""
+        """After the step's last backward: expert gradients divided by grad_divisor (ep), and the replicated
+        router gates' gradients averaged over the data-parallel ranks (like every other gradient, each rank's
+        carries dp x its own tokens' share)."""
         experts = [w.grad for moe in self.moes for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)
                    if w.grad is not None]
         if experts:
-            torch._foreach_div_(experts, float(self.ep))
+            torch._foreach_div_(experts, float(self.grad_divisor))
         grads = [moe.router.gate.weight.grad for moe in self.moes if moe.router.gate.weight.grad is not None]
         if not grads:
             return

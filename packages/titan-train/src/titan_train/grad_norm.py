@@ -8,6 +8,7 @@ combined. With one mesh (or none) this is exactly torch's get_total_norm.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -31,13 +32,16 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 
-def scale_to_max_norm(with_grad: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+def scale_to_max_norm(with_grad: list[torch.Tensor], max_norm: float, norm: torch.Tensor, *,
+                      read_norm: bool = True) -> None:
     """Scale the gradients of `with_grad`, whose global norm is `norm`, so that it is at most `max_norm`.
 
-    The norm is read on the host (the step reads it right after anyway): when it is within the bound,
-    torch's coefficient max_norm / (norm + 1e-6) would be clamped to 1, and skipping that multiplication
-    saves a pass over every gradient on most steps. A non-finite norm is left for the caller to refuse."""
-    if max_norm <= 0 or not float(norm) + 1e-6 > max_norm:
+    read_norm: read the norm on the host (where the step reads it right after anyway): when it is within
+    the bound, torch's coefficient max_norm / (norm + 1e-6) would be clamped to 1, and skipping that
+    multiplication saves a pass over every gradient on most steps. Without, the clamped coefficient
+    multiplies every gradient on the device (by exactly 1 within the bound: the same values, no sync).
+    A non-finite norm is left for the caller to refuse."""
+    if max_norm <= 0 or (read_norm and not float(norm) + 1e-6 > max_norm):
         return
     by_mesh: dict[object, list[torch.Tensor]] = {}  # DTensor refuses one foreach call across meshes
     for p in with_grad:
@@ -46,10 +50,16 @@ def scale_to_max_norm(with_grad: list[torch.Tensor], max_norm: float, norm: torc
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
 
 
-def clip_by_total_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_by_total_norm(params: list[torch.Tensor], max_norm: float, *, sum_over: dist.ProcessGroup | None = None,
+                       read_norm: bool = True) -> torch.Tensor:
     """Scale the gradients of `params` so their global norm is at most `max_norm` (0: leave them); returns the
-    norm before clipping."""
+    norm before clipping. sum_over: a group whose ranks hold other parameters (pipeline stages): the squared
+    norms of its ranks are summed. read_norm: see scale_to_max_norm."""
     with_grad = [p for p in params if p.grad is not None]
     norm = total_norm([p.grad for p in with_grad])
-    scale_to_max_norm(with_grad, max_norm, norm)
+    if sum_over is not None:
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=sum_over)
+        norm = squared.sqrt()
+    scale_to_max_norm(with_grad, max_norm, norm, read_norm=read_norm)
     return norm

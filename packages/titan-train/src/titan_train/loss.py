@@ -8,11 +8,12 @@ plus their saved softmax (at 16k tokens and a 128k vocabulary that is 1 GiB inst
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .data import IGNORE_INDEX
 
@@ -44,6 +45,29 @@ def _chunk_loss_and_grad_fusable(logits: torch.Tensor, target: torch.Tensor, val
     columns = torch.arange(work.shape[1], device=work.device)
     softmax = torch.exp(work - logsumexp[:, None])
     grad = torch.where(columns[None, :] == target[:, None], softmax - 1, softmax) * valid[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+def _vocab_parallel_chunk(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, *, vocab_start: int,
+                          group: dist.ProcessGroup, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """_chunk_loss_and_grad for logits [C, V / tp] holding this rank's columns vocab_start.. of the
+    vocabulary: the row maximum and the sums of exp and of the target's logit are all-reduced over `group`,
+    so the loss (the whole vocabulary's) is the same on every rank; the gradient is this rank's columns."""
+    work = logits.to(acc)
+    local = target - vocab_start
+    mine = (local >= 0) & (local < work.shape[1])                  # the target column lives on this rank
+    local = torch.where(mine, local, 0)
+    row_max = work.amax(dim=-1)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    work.sub_(row_max[:, None])
+    picked = work.gather(1, local[:, None]).squeeze(1) * mine
+    sums = torch.stack([work.exp().sum(dim=-1), picked])           # [2, C]: sum of exp, shifted target logit
+    dist.all_reduce(sums, group=group)
+    logsumexp = sums[0].log()                                      # shifted by row_max, as `picked`
+    loss = ((logsumexp - sums[1]) * valid).sum()
+    grad = work.sub_(logsumexp[:, None]).exp_()                    # softmax, this rank's columns
+    grad[torch.arange(len(target), device=target.device), local] -= mine.to(acc)
+    grad *= valid[:, None]
     return loss, grad.to(logits.dtype)
 
 
@@ -88,14 +112,19 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                compiled: bool, triton: bool) -> torch.Tensor:
-        # hidden [N, d], weight [V, d], labels [N] -> summed loss over non-ignored labels (fp32 scalar)
+                compiled: bool, triton: bool, vocab_group: dist.ProcessGroup | None) -> torch.Tensor:
+        # hidden [N, d], weight [V, d], labels [N] -> summed loss over non-ignored labels (fp32 scalar).
+        # vocab_group: weight is this rank's rows [V / tp, d] of a vocabulary sharded over the group; the
+        # loss is then the whole vocabulary's and the hidden states' gradient this rank's partial sum.
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums: fp32 (fp64 for fp64 inputs)
         compute = _compute_dtype(hidden)
         # Products run explicitly in the compute dtype: an fp32 accumulation GEMM would be ~15x slower on GPUs.
         h_all, w = hidden.to(compute), weight.to(compute)
-        if triton and hidden.is_cuda and acc == torch.float32:
+        if vocab_group is not None:
+            chunk_fn = partial(_vocab_parallel_chunk, vocab_start=dist.get_rank(vocab_group) * weight.shape[0],
+                               group=vocab_group, acc=acc)
+        elif triton and hidden.is_cuda and acc == torch.float32:
             from .kernels.cross_entropy import cross_entropy_chunk_triton as chunk_fn
         else:
             chunk_fn = partial(_compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad, acc=acc)
@@ -126,38 +155,28 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # scaled and cast to the weight's dtype (bf16 under mixed_precision=bf16_params) in one pass
         grad_weight = torch.mul(grad_weight, grad_loss,
                                 out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device))
-        return grad_hidden, grad_weight, None, None, None, None
-
-
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (a replicated weight used by ranks that
-    each saw different tokens)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place; autograd owns `grad`
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                               chunk: int = 4096, compiled: bool = False, triton: bool = False) -> torch.Tensor:
+                               chunk: int = 4096, compiled: bool = False, triton: bool = False,
+                               vocab_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight.T, labels), ignoring IGNORE_INDEX labels.
 
     hidden [..., d], weight [V, d], labels [...] (same leading shape as hidden). compiled: fuse each
     chunk's softmax and gradient with torch.compile (two passes over the logits instead of about six).
     triton: on CUDA, kernels/cross_entropy.py's kernel instead (one online log-sum-exp pass and one
     gradient pass, the gradient written over the logits).
+    vocab_group (vocabulary parallel): `weight` is this rank's consecutive share [V / tp, d] of the
+    vocabulary (rank r holds rows r V / tp ..), every rank of the group passes the same hidden states and
+    labels; each chunk's row maximum and exp / target sums are all-reduced (compiled and triton do not
+    apply). Returns the whole vocabulary's loss on every rank; the gradient of `hidden` is this rank's
+    partial sum (sum it over the group), that of `weight` this rank's rows.
     """
     if chunk < 1:
         raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk}")
     return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk,
-                                          compiled, triton)
+                                          compiled, triton, vocab_group)
 
 
 class CausalLMLoss(nn.Module):
@@ -166,18 +185,31 @@ class CausalLMLoss(nn.Module):
     forward(tokens [b, s], labels [b, s], document_ids [b, s] | None, positions [b, s] | None) -> summed loss of
     this rank's tokens. positions default to arange(s); context parallelism passes the global positions of
     the tokens a rank holds.
-    Under tensor parallelism the final hidden states are sequence-sharded; each rank scores its own slice
-    of the sequence with the (replicated) output weight, so no vocab-parallel softmax exchange is needed.
+    Under tensor parallelism the output projection is vocabulary-parallel (the plan's "output" style: the
+    weight Shard(0) over tp): the sequence-sharded final hidden states are all-gathered, every tp rank
+    scores the whole sequence over its share of the vocabulary, the softmax's maximum and sums are
+    all-reduced, and the hidden states' partial gradients are reduce-scattered back to the sequence shards.
+    The loss is then the same on every tp rank (the trainer counts it once).
     """
 
-    def __init__(self, model: nn.Module, *, chunk: int = 4096, context_factory=None):
+    def __init__(self, model: nn.Module, *, chunk: int = 4096, context_factory: Callable | None = None,
+                 tp_group: dist.ProcessGroup | None = None, compiled: bool = False, triton: bool = False):
+        """context_factory: document ids [b, s] -> the model's AttentionContext (document masking), None for
+        none. tp_group: the tensor-parallel group the model is (to be) sharded over. compiled: fuse each loss
+        chunk with torch.compile (compile.enabled). triton: on CUDA, the Triton loss kernel instead
+        (training.fused_kernels)."""
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.context_factory = context_factory
-        self.tp_group = None  # set by the tensor-parallel plan
-        self.compiled = False  # fuse each loss chunk with torch.compile (set with compile.enabled)
-        self.triton = False  # on CUDA, the Triton loss kernel instead (set with training.fused_kernels)
+        self.tp_group = tp_group
+        self.compiled = compiled
+        self.triton = triton
+
+    def with_model(self, model: nn.Module) -> CausalLMLoss:
+        """The same loss over another model (a pipeline stage's share of this one)."""
+        return CausalLMLoss(model, chunk=self.chunk, context_factory=self.context_factory, tp_group=self.tp_group,
+                            compiled=self.compiled, triton=self.triton)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):
@@ -187,12 +219,13 @@ class CausalLMLoss(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         hidden = self.model.hidden_states(tokens, positions=positions, context=context)  # [b, s, d]
         weight = self.model.output.weight
-        assert self.tp_group is None or isinstance(hidden, DTensor), "TP expects sequence-sharded hidden states"
-        if isinstance(hidden, DTensor):  # Shard(1) under TP
-            hidden = hidden.to_local()  # [b, s / tp, d]: this rank's sequence slice
-            rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
-            labels = labels.chunk(size, dim=1)[rank]
-        if isinstance(weight, DTensor):
-            weight = _SumGradOverGroup.apply(weight.to_local(), self.tp_group)
+        vocab_group = None
+        if self.tp_group is not None:
+            assert isinstance(hidden, DTensor) and isinstance(weight, DTensor), \
+                "TP expects sequence-sharded hidden states and a vocabulary-sharded output weight"
+            # [b, s / tp, d] Shard(1) -> [b, s, d] on every tp rank; its gradient, each rank's partial sum,
+            # is reduce-scattered back to the sequence shards.
+            hidden = hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+            weight, vocab_group = weight.to_local(), self.tp_group  # [V / tp, d]: this rank's vocabulary rows
         return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled,
-                                          triton=self.triton)
+                                          triton=self.triton, vocab_group=vocab_group)

@@ -6,6 +6,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 import titan_models as tm
 
 from .config import ModelConfig
@@ -46,7 +47,7 @@ def build_on_meta(model_cfg) -> nn.Module:
         return model_cfg.build()
 
 
-def _initial_state(model_cfg, *, seed: int, hf_path: str) -> dict[str, torch.Tensor]:
+def initial_state(model_cfg, *, seed: int, hf_path: str) -> dict[str, torch.Tensor]:
     """The full initial weights on CPU: init_weights(seed), or a Hugging Face folder's tensors."""
     if hf_path:
         return tm.from_hf(hf_path, dtype=model_cfg.dtype).state_dict()
@@ -68,17 +69,13 @@ def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int,
     if not distributed:
         if hf_path:
             model.init_buffers()
-            model.load_state_dict(_initial_state(model_cfg, seed=seed, hf_path=hf_path))
+            model.load_state_dict(initial_state(model_cfg, seed=seed, hf_path=hf_path))
         else:
             model.init_weights(seed=seed)
         return
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        full = _initial_state(model_cfg, seed=seed, hf_path=hf_path)
-    # Buffers (RoPE frequencies) are not in the broadcast: every rank recomputes them.
-    for module in model.modules():
-        reset = getattr(module, "reset_buffers", None)
-        if reset is not None:
-            reset()
+        full = initial_state(model_cfg, seed=seed, hf_path=hf_path)
+    model.init_buffers()  # buffers (RoPE frequencies) are not in the broadcast: every rank recomputes them
     load_full_state(model, full)  # set_model_state_dict(broadcast_from_rank0), or piecewise for flexshard
 

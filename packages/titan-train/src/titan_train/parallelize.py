@@ -14,27 +14,31 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
 )
 
 from .config import ActivationCheckpointConfig
-from .loss import CausalLMLoss
 
 
-def _matching(model: nn.Module, pattern: str) -> list[str]:
+def matching_modules(model: nn.Module, pattern: str) -> list[str]:
     """Module paths of `model` matching `pattern` (`*` stands for one path component)."""
     depth = pattern.count(".")
     return [name for name, _ in model.named_modules()
             if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
 
 
-def _tp_style(style: str, pattern: str) -> ParallelStyle | None:
+def _tp_style(style: str, pattern: str) -> ParallelStyle:
     """The torch ParallelStyle for one of titan-models' TP_STYLES (residual stream sharded on the sequence).
 
-    "output" maps to None: the output weight stays whole on every TP rank and each rank scores its
-    own sequence slice (CausalLMLoss), which needs no vocabulary-parallel softmax exchange.
+    "output" is colwise over the vocabulary: the output weight is Shard(0) over the tp ranks. Its forward
+    never runs (CausalLMLoss reads the weight into its vocabulary-parallel fused loss), so its input and
+    output layouts do not matter.
     """
     if style == "colwise":
         return ColwiseParallel()
@@ -45,7 +49,7 @@ def _tp_style(style: str, pattern: str) -> ParallelStyle | None:
     if style == "sequence_parallel":
         return SequenceParallel()
     if style == "output":
-        return None
+        return ColwiseParallel(use_local_output=False)
     raise ValueError(f"tensor-parallel style {style!r} of {pattern!r} is not supported by this trainer yet "
                      "(supported: colwise, rowwise, embedding, output, sequence_parallel, replicate, headwise)")
 
@@ -119,13 +123,20 @@ def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
                          "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
 
 
-def apply_tensor_parallel(loss_module: CausalLMLoss, tp_mesh: DeviceMesh) -> None:
-    """Shard `loss_module.model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`."""
-    model = loss_module.model
+def _check_vocab_divisible(model: nn.Module, names: list[str], tp: int) -> None:
+    for name in names:
+        vocab = model.get_submodule(name).weight.shape[0]
+        if vocab % tp:
+            raise ValueError(f"parallelism.tp={tp} does not divide the vocabulary ({vocab}) that the "
+                             f"vocabulary-parallel loss shards {name} over; set model.vocab_size to a multiple of tp")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard `model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`."""
     plan: dict[str, ParallelStyle] = {}
     gathered_parents: set[str] = set()
     for pattern, style_name in model.parallel_plan.tensor_parallel.items():
-        names = _matching(model, pattern)
+        names = matching_modules(model, pattern)
         if not names:
             continue  # e.g. `output` removed from a pipeline stage
         if style_name in ("replicate", "headwise"):
@@ -134,10 +145,8 @@ def apply_tensor_parallel(loss_module: CausalLMLoss, tp_mesh: DeviceMesh) -> Non
                                          Replicate() if style_name == "replicate" else Shard(0))
             continue
         style = _tp_style(style_name, pattern)
-        if style is None:
-            for name in names:  # whole on every rank: a replicated DTensor
-                distribute_module(model.get_submodule(name), tp_mesh)
-            continue
+        if style_name == "output":
+            _check_vocab_divisible(model, names, tp_mesh.size())
         for name in names:
             plan[name] = style
             if style_name == "colwise":
@@ -149,7 +158,6 @@ def apply_tensor_parallel(loss_module: CausalLMLoss, tp_mesh: DeviceMesh) -> Non
     if leftovers:
         raise ValueError(f"the model's parallel plan leaves parameters without a tensor-parallel style: "
                          f"{', '.join(leftovers[:5])}")
-    loss_module.tp_group = tp_mesh.get_group()
 
 
 def _op_sac_policy():
@@ -205,15 +213,14 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=False)
 
 
-def apply_fsdp(loss_module: CausalLMLoss, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
+def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
                reshard_after_forward: bool) -> None:
-    """fully_shard each block, then the root (embeddings, final norm, output) through the loss wrapper,
-    whose forward is what FSDP's hooks see. param_dtype=bf16 gives bf16 compute with fp32 master weights
-    and fp32 gradient reduction."""
+    """fully_shard each block, then `root` (the loss wrapper, or a pipeline stage) for what is left
+    (embeddings, final norm, output): the root's forward is what FSDP's hooks see. param_dtype=bf16 gives
+    bf16 compute with fp32 master weights and fp32 gradient reduction."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    blocks = list(loss_module.model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(loss_module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

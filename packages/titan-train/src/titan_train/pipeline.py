@@ -28,18 +28,19 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+
+import titan_models as tm
 
 from .config import ParallelismConfig
-from .grad_norm import scale_to_max_norm, total_norm
-from .loss import _SumGradOverGroup, fused_linear_cross_entropy
-from .model_setup import _initial_state
+from .grad_norm import clip_by_total_norm
+from .loss import CausalLMLoss
+from .model_setup import initial_state
+from .parallelize import apply_fsdp
 
 # Schedule name -> (class name in torch.distributed.pipelining, stage placement, stages per rank it takes).
 SCHEDULES: dict[str, tuple[str, str, str]] = {
@@ -188,57 +189,46 @@ class PipelineStageModule(nn.Module):
     """One stage: embeddings (first stage), a run of blocks, and on the last stage the final norm and the
     fused output projection + cross-entropy. Its modules are the rank model's own (shared, not copied).
 
+    The stage is a titan-models Transformer of its own over those modules (`tok_embeddings`, `norm` and
+    `output` None where the stage lacks them), so it runs the model's own forward (`hidden_states`), and
+    its last stage the trainer's own loss (a CausalLMLoss over that Transformer, tensor parallel included).
+
     forward(x, *, labels, positions, document_ids=None): x is tokens [b, s] on the first stage, else the
     previous stage's hidden states [b, s, d] ([b, s / tp, d] under sequence parallel); returns hidden
     states, or on the last stage the summed loss of this microbatch's tokens (a 0-dim fp32 tensor).
     """
 
-    def __init__(self, model: nn.Module, layer_names: tuple[str, ...], *, first: bool, last: bool, chunk: int,
-                 tp_group=None, context_factory: Callable | None = None, compiled_loss: bool = False,
-                 triton_loss: bool = False, autocast_dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, layer_names: tuple[str, ...], *, first: bool, last: bool,
+                 loss: CausalLMLoss, autocast_dtype: torch.dtype | None = None):
         super().__init__()
-        self.tok_embeddings = model.tok_embeddings if first else None
-        self.rope = model.rope
-        self.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
-        self.chunk, self.tp_group, self.context_factory = chunk, tp_group, context_factory
-        self.compiled_loss, self.triton_loss, self.autocast_dtype = compiled_loss, triton_loss, autocast_dtype
+        with torch.device("meta"):  # its own embedding and output (1 x 1) are replaced right away
+            stage = tm.Transformer(config=model.config, vocab_size=1, dim=1, blocks=[],
+                                   norm=model.norm if last else None, rope=model.rope, tie_embeddings=False,
+                                   parallel_plan=model.parallel_plan)
+        stage.tok_embeddings = model.tok_embeddings if first else None
+        stage.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
+        stage.output = model.output if last else None
+        self.transformer = stage
+        self.loss = loss.with_model(stage) if last else None
+        self.context_factory, self.autocast_dtype = loss.context_factory, autocast_dtype
 
     def forward(self, x: torch.Tensor, *, labels: torch.Tensor, positions: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         autocast = (torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
         with autocast:
+            if self.loss is not None:
+                return self.loss(x, labels, document_ids, positions)
             context = self.context_factory(document_ids) if self.context_factory is not None else None
-            h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-            rope = tuple(t.to(h.dtype) for t in self.rope(positions))  # as titan-models casts them once
-            for block in self.layers.values():
-                h = block(h, rope, context=context)
-            if self.output is None:
-                return h
-            return self._loss(self.norm(h), labels)
-
-    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # As CausalLMLoss: under tensor parallelism each rank scores its own sequence slice with the whole
-        # (replicated) output weight, whose gradient is summed over the tp group.
-        weight = self.output.weight
-        if isinstance(hidden, DTensor):  # Shard(1) under sequence parallel
-            hidden = hidden.to_local()
-            labels = labels.chunk(dist.get_world_size(self.tp_group), dim=1)[dist.get_rank(self.tp_group)]
-        if isinstance(weight, DTensor):
-            weight = _SumGradOverGroup.apply(weight.to_local(), self.tp_group)
-        return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled_loss,
-                                          triton=self.triton_loss)
+            return self.transformer.hidden_states(x, positions=positions, context=context)
 
 
 class Pipeline:
     """This rank's stages and the schedule that runs them; `step` is one optimizer step's forward/backward."""
 
-    def __init__(self, model: nn.Module, layout: PipelineLayout, *, schedule: str, microbatches: int,
-                 mesh: DeviceMesh, device: torch.device, chunk: int, tp_group=None,
-                 context_factory: Callable | None = None, compiled_loss: bool = False, triton_loss: bool = False,
-                 autocast_dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, layout: PipelineLayout, *, schedule: str, loss: CausalLMLoss,
+                 microbatches: int, mesh: DeviceMesh, device: torch.device, autocast_dtype: torch.dtype | None = None):
+        """loss: the rank model's CausalLMLoss, whose settings the last stage's loss takes."""
         import torch.distributed.pipelining as pipelining
 
         self.group = mesh["pp"].get_group()
@@ -254,9 +244,7 @@ class Pipeline:
         self.num_stages = num_stages = len(layout.stages)
         self.stage_indices = layout.stages_of(self.pp_rank)
         self.modules = [PipelineStageModule(model, layout.stages[s], first=s == 0, last=s == num_stages - 1,
-                                            chunk=chunk, tp_group=tp_group, context_factory=context_factory,
-                                            compiled_loss=compiled_loss, triton_loss=triton_loss,
-                                            autocast_dtype=autocast_dtype)
+                                            loss=loss, autocast_dtype=autocast_dtype)
                         for s in self.stage_indices]
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.has_first, self.has_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
@@ -267,16 +255,10 @@ class Pipeline:
 
     def apply_fsdp(self, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None, reshard_after_forward: bool) -> None:
         """fully_shard each stage's blocks, then the stage module as its own root (embeddings, norm, output)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         self.fsdp = True
         for module in self.modules:
-            blocks = list(module.layers.values())
-            for i, block in enumerate(blocks):
-                fully_shard(block, mesh=dp_mesh, mp_policy=policy,
-                            reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-            fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            apply_fsdp(module, list(module.transformer.layers.values()), dp_mesh, param_dtype=param_dtype,
+                       reshard_after_forward=reshard_after_forward)
 
     def finish(self) -> None:
         """Wrap the (materialized, possibly sharded) stage modules in PipelineStages and build the schedule."""
@@ -327,15 +309,10 @@ class Pipeline:
                                       model_order=list(self.layout.parameter_order))
         return state
 
-    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float, *, read_norm: bool = True) -> torch.Tensor:
         """Clip by the norm over every stage's gradients: each pp rank's norm over its own stages, reduced
         over the pp group (squares summed). Returns that global norm (before clipping)."""
-        with_grad = [p for p in params if p.grad is not None]
-        squared = total_norm([p.grad for p in with_grad]).float() ** 2
-        dist.all_reduce(squared, group=self.group)
-        norm = squared.sqrt()
-        scale_to_max_norm(with_grad, max_norm, norm)
-        return norm
+        return clip_by_total_norm(params, max_norm, sum_over=self.group, read_norm=read_norm)
 
 
 @functools.cache
@@ -377,11 +354,8 @@ def materialize_rank_part(model: nn.Module, model_cfg, *, device: torch.device, 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
-    full = _initial_state(model_cfg, seed=seed, hf_path=hf_path) if dist.get_rank() == 0 else {}
-    for module in model.modules():  # buffers (RoPE frequencies) are recomputed, not broadcast
-        reset = getattr(module, "reset_buffers", None)
-        if reset is not None:
-            reset()
+    full = initial_state(model_cfg, seed=seed, hf_path=hf_path) if dist.get_rank() == 0 else {}
+    model.init_buffers()  # buffers (RoPE frequencies) are recomputed, not broadcast
     expected = set(model.state_dict())
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                strict=False))

@@ -10,11 +10,20 @@ import os
 import sys
 from collections.abc import Callable
 
+from .cli_args import ConfigError, close_matches
 from .config import (
-    ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DataConfig, JobConfig, LRScheduleConfig,
-    ModelConfig, OptimizerConfig, ParallelismConfig, TrainConfig, TrainingConfig,
+    ActivationCheckpointConfig,
+    CheckpointConfig,
+    CompileConfig,
+    DataConfig,
+    JobConfig,
+    LRScheduleConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    StepConfig,
+    TrainConfig,
 )
-from .overrides import ConfigError, _close
 
 Recipe = Callable[[], TrainConfig]
 _RECIPES: dict[str, Recipe] = {}
@@ -54,11 +63,11 @@ def load_recipe(spec: str, *, registry: dict[str, Callable] | None = None, confi
         fn = getattr(module, attr, None)
         if not callable(fn):
             public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-            raise ConfigError(f"--recipe {spec}: {module_name} has no function {attr!r}{_close(attr, public)}")
+            raise ConfigError(f"--recipe {spec}: {module_name} has no function {attr!r}{close_matches(attr, public)}")
     elif spec in registry:
         fn = registry[spec]
     else:
-        raise ConfigError(f"unknown recipe {spec!r}{_close(spec, sorted(registry))} "
+        raise ConfigError(f"unknown recipe {spec!r}{close_matches(spec, sorted(registry))} "
                           "(or give package.module:function)")
     config = fn()
     if not isinstance(config, config_type):
@@ -73,7 +82,7 @@ def llama3_debug() -> TrainConfig:
         job=JobConfig(folder="runs/llama3_debug"),
         # The byte tokenizer uses 259 ids; 384 (3 x 128) keeps the output matmul aligned and small.
         model=ModelConfig(family="llama3", flavor="debug", vocab_size=384),
-        training=TrainingConfig(steps=100, batch_size=8, seq_len=128, max_grad_norm=1.0),
+        training=StepConfig(steps=100, batch_size=8, seq_len=128, max_grad_norm=1.0),
         optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.1),
         lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=10, decay_fraction=0.3),
         data=DataConfig(source="stdlib", tokenizer="byte"),
@@ -86,7 +95,7 @@ def llama3_1b() -> TrainConfig:
     return TrainConfig(
         job=JobConfig(folder="runs/llama3_1b", device="cuda"),
         model=ModelConfig(family="llama3", flavor="1B", attention="flex"),
-        training=TrainingConfig(steps=1000, batch_size=8, seq_len=4096, mixed_precision="bf16"),
+        training=StepConfig(steps=1000, batch_size=8, seq_len=4096, mixed_precision="bf16"),
         optimizer=OptimizerConfig(lr=3e-4),
         lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=100, decay_fraction=0.2),
         checkpoint=CheckpointConfig(interval=500),
@@ -116,7 +125,7 @@ def kimi_linear_debug() -> TrainConfig:
 
 @register_recipe("qwen3_next_debug")
 def qwen3_next_debug() -> TrainConfig:
-    """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8-expert MoE with a gated shared expert)."""
+    """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8 experts + gated shared one)."""
     config = llama3_debug()
     config.job.folder = "runs/qwen3_next_debug"
     config.model = ModelConfig(family="qwen3_next", flavor="debug", vocab_size=384)
@@ -135,8 +144,15 @@ def _debug_moe_ep(family: str, flavor: str, folder: str) -> TrainConfig:
 
 @register_recipe("qwen3_moe_debug_ep")
 def qwen3_moe_debug_ep() -> TrainConfig:
-    """The debug Qwen3-MoE (8 experts, top-2) with its experts split over 2 ranks: torchrun --nproc-per-node 2 (or 4)."""
+    """The debug Qwen3-MoE (8 experts, top-2) with its experts split over 2 ranks: torchrun --nproc-per-node 2
+    (or 4)."""
     return _debug_moe_ep("qwen3", "debug_moe", "runs/qwen3_moe_debug_ep")
+
+
+@register_recipe("qwen3_next_debug_ep")
+def qwen3_next_debug_ep() -> TrainConfig:
+    """The debug Qwen3-Next (Gated DeltaNet; 8 experts top-2 + a gated shared expert), expert parallelism 2."""
+    return _debug_moe_ep("qwen3_next", "debug", "runs/qwen3_next_debug_ep")
 
 
 @register_recipe("deepseek_v3_debug_ep")
@@ -147,11 +163,13 @@ def deepseek_v3_debug_ep() -> TrainConfig:
 
 @register_recipe("llama3_debug_muon")
 def llama3_debug_muon() -> TrainConfig:
-    """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no communication."""
+    """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no
+    communication."""
     config = llama3_debug()
     config.job.folder = "runs/llama3_debug_muon"
     config.optimizer = OptimizerConfig(name="muon", muon_lr=0.05, lr=2e-3, weight_decay=0.1)
     # Attention and MLP matrices owned whole (Muon orthogonalises them where they live); embeddings, norms
     # and the output head (AdamW's) row-sharded as fully_shard would.
-    config.parallelism = ParallelismConfig(fsdp_impl="flexshard", flexshard_placements=(("layers.*.w*.weight", "owned"),))
+    config.parallelism = ParallelismConfig(fsdp_impl="flexshard",
+                                           flexshard_placements=(("layers.*.w*.weight", "owned"),))
     return config

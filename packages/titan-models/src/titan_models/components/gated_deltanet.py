@@ -380,11 +380,14 @@ class GatedDeltaNet(nn.Module):
             g = g * valid.view(*valid.shape, *[1] * (g.dim() - 2))
             beta = beta * valid[..., None]
         initial = None if state is None else state.recurrent
-        if seq == 1:
-            out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
-        else:
-            out, final = chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial,
-                                            chunk_size=cfg.chunk_size)
+        # The delta rule stays in float32 under autocast too (its triangular solve and state products
+        # lose too much in bf16); the projections around it follow autocast.
+        with torch.autocast(x.device.type, enabled=False):
+            if seq == 1:
+                out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
+            else:
+                out, final = chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial,
+                                                chunk_size=cfg.chunk_size)
         out = self.norm(out.to(x.dtype), z.reshape(batch, seq, -1, cfg.value_head_dim))
         return self.wo(out.reshape(batch, seq, -1)), GatedDeltaNetState(conv=history, recurrent=final)
 

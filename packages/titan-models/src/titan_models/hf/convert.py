@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan_models import registry
-from titan_models.hf.converter import Converter, Reshaped, Rows, source_name
+from titan_models.hf.converter import Converter, Reshaped, Rows, check_field_types, source_name
 from titan_models.hf.names import NoHFName
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
@@ -56,12 +56,20 @@ def _load_plan(converter: Converter, config: Any, model: nn.Module) -> dict[str,
 
 
 def _read_folder(folder: Path) -> tuple[Any, Converter, SafetensorsFolder]:
-    if not (folder / "config.json").exists():
+    path = folder / "config.json"
+    if not path.exists():
         raise ValueError(f"{folder} has no config.json")
-    hf = json.loads((folder / "config.json").read_text())
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    check_field_types(hf, str(path))
     converter = converter_for(hf)
     files = SafetensorsFolder(folder)
-    config = converter.config_from_hf(hf, files.names())
+    try:
+        config = converter.config_from_hf(hf, files.names())
+    except KeyError as e:  # a field the converter reads with hf[...]
+        raise ValueError(f"{path} has no field {e.args[0]!r}, which {type(converter).__name__} needs") from None
     return dataclasses.replace(config, dtype=_checkpoint_dtype(hf)), converter, files
 
 

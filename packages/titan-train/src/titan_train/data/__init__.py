@@ -4,5 +4,6 @@ from .random_tokens import RandomTokenLoader, random_rows
 from .sources import open_documents
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
-__all__ = ["IGNORE_INDEX", "Batch", "ByteTokenizer", "HFTokenizer", "PackedLoader", "RandomTokenLoader", "build_tokenizer",
+__all__ = ["IGNORE_INDEX", "Batch", "ByteTokenizer", "HFTokenizer", "PackedLoader", "RandomTokenLoader",
+           "build_tokenizer",
            "open_documents", "random_rows"]

@@ -40,6 +40,7 @@ class PackedLoader:
             raise ValueError("the data source holds no documents")
         if seq_len < 1:
             raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+        _check_has_tokens(documents, tokenizer)
         self.documents, self.tokenizer = documents, tokenizer
         self.seq_len, self.seed, self.shuffle, self.document_masking = seq_len, seed, shuffle, document_masking
         self.epoch = self.position = self.offset = 0  # the stream's cursor: document `position` of `epoch`'s order
@@ -48,9 +49,18 @@ class PackedLoader:
 
     # --- position -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "offset": self.offset}
+        # The stream's size and vocabulary are saved with the cursor: the cursor means nothing in another one.
+        return {"epoch": self.epoch, "position": self.position, "offset": self.offset,
+                "documents": len(self.documents), "vocab_size": self.tokenizer.vocab_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = (int(state["documents"]), int(state["vocab_size"]))
+        if saved != (len(self.documents), self.tokenizer.vocab_size):
+            raise ValueError(
+                f"the checkpoint was written reading {saved[0]} documents with a {saved[1]}-token vocabulary, but "
+                f"data.source and data.tokenizer now give {len(self.documents)} documents and "
+                f"{self.tokenizer.vocab_size} tokens; resume with the data the run started with, or start a "
+                "new run in another job.folder")
         self.epoch, self.position, self.offset = int(state["epoch"]), int(state["position"]), int(state["offset"])
         self._order = self._doc = None
 
@@ -65,6 +75,10 @@ class PackedLoader:
                     self._order = torch.arange(len(self.documents))
             tokens = self.tokenizer.encode(self.documents[int(self._order[self.position])])
             self._doc = np.append(tokens, self.tokenizer.eos_id)
+            if self.offset >= len(self._doc):  # only a cursor from another stream gets here
+                raise ValueError(f"the data position (epoch {self.epoch}, document {self.position}, token "
+                                 f"{self.offset}) lies past that document's {len(self._doc)} tokens: the "
+                                 "checkpoint was written reading other data")
         return self._doc
 
     def _advance_document(self) -> None:
@@ -102,3 +116,19 @@ class PackedLoader:
             labels[ids_np[:, 1:] != ids_np[:, :-1]] = IGNORE_INDEX
         ids = torch.from_numpy(ids_np[:, :-1].copy()) if self.document_masking else None
         return Batch(torch.from_numpy(tokens_np[:, :-1].copy()), torch.from_numpy(labels), ids)
+
+
+_PROBED_DOCUMENTS = 1000
+
+
+def _check_has_tokens(documents: Documents, tokenizer: Tokenizer) -> None:
+    """ValueError when the first documents (up to 1000, the whole corpus when it is that small) all
+    tokenize to nothing: the run would train on end-of-document tokens alone (its loss 0 under document
+    masking)."""
+    probed = min(len(documents), _PROBED_DOCUMENTS)
+    for i in range(probed):
+        if len(tokenizer.encode(documents[i])):
+            return
+    whole = "all" if probed == len(documents) else "the first"
+    raise ValueError(f"the data source holds no tokens to train on: {whole} {probed} documents are empty "
+                     f"(of {len(documents)}); check data.source and data.text_field")

@@ -7,7 +7,7 @@ import importlib.util
 import titan_rl
 from titan_rl.envs import ArithmeticTask, CountdownTask, SortingTask, Task
 
-from .config import EnvConfig, RLAlgorithmConfig, RLJobConfig, RolloutConfig
+from .config import EnvConfig, RLAlgorithmConfig, RLConfig, RolloutConfig
 
 ALGORITHMS = {"grpo": titan_rl.grpo, "dapo": titan_rl.dapo, "gspo": titan_rl.gspo}
 
@@ -36,7 +36,7 @@ def make_sampling(config: RolloutConfig, *, eos_id: int) -> titan_rl.SamplingCon
                                    top_p=config.top_p, stop_token_ids=(eos_id,))
 
 
-def validate(config: RLJobConfig, *, world_size: int) -> None:
+def validate(config: RLConfig, *, world_size: int) -> None:
     """Raise ValueError naming the field for every value the job cannot run with."""
     positive = {
         "pretrain.batch_size": config.pretrain.batch_size, "pretrain.seq_len": config.pretrain.seq_len,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ..cli import finish, help_text, parse_args, run_actions
-from ..overrides import ConfigError
+from ..cli_args import ConfigError
+from ..command import finish, help_text, parse_args, run_actions
 from ..recipes import recipes
-from .config import RLJobConfig
+from .config import RLConfig
 from .recipes import DEFAULT_RL_RECIPE, RL_RECIPES
 
 USAGE = """usage: titan-train rl [--recipe NAME | --recipe package.module:function] [--SECTION.FIELD VALUE ...]
@@ -22,8 +22,8 @@ ranks and each rank generates its share of the rollouts.
 """
 
 
-def parse_rl_args(argv: Sequence[str]) -> tuple[RLJobConfig, set[str]]:
-    return parse_args(argv, registry=RL_RECIPES, config_type=RLJobConfig, default=DEFAULT_RL_RECIPE)
+def parse_rl_args(argv: Sequence[str]) -> tuple[RLConfig, set[str]]:
+    return parse_args(argv, registry=RL_RECIPES, config_type=RLConfig, default=DEFAULT_RL_RECIPE)
 
 
 def main(argv: Sequence[str], *, from_command_line: bool = False) -> int:

@@ -2,7 +2,7 @@
 
 Same conventions as TrainConfig: keyword-only dataclass sections whose fields all have a type, a
 default and a docstring, so `titan-train rl --help` lists them and `--section.field value` is checked
-against the type. An RL recipe is a Python function returning an `RLJobConfig`.
+against the type. An RL recipe is a Python function returning an `RLConfig`.
 """
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-
 @dataclass(kw_only=True)
-class RLRunConfig:
+class RLJobConfig:
+    """The `job` section of an RL run (as JobConfig of a training run)."""
+
     folder: str = "runs/rl_sorting"
     """Where rl_metrics.jsonl, rl_curve.csv, rl_summary.json and pretrain/ (examples, metrics) go."""
     seed: int = 0
@@ -114,7 +115,9 @@ class GeneratorConfig:
 
 
 @dataclass(kw_only=True)
-class RLTrainingConfig:
+class RLStepConfig:
+    """The `training` section of an RL run: steps and the policy's optimizer."""
+
     steps: int = 100
     """RL steps (one rollout batch and `minibatches` optimizer steps each)."""
     lr: float = 3e-4
@@ -145,14 +148,16 @@ class RLMetricsConfig:
 
 
 @dataclass(kw_only=True)
-class RLJobConfig:
-    job: RLRunConfig = field(default_factory=RLRunConfig)
+class RLConfig:
+    """The whole configuration of a `titan-train rl` run (what an RL recipe returns)."""
+
+    job: RLJobConfig = field(default_factory=RLJobConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     algorithm: RLAlgorithmConfig = field(default_factory=RLAlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    training: RLTrainingConfig = field(default_factory=RLTrainingConfig)
+    training: RLStepConfig = field(default_factory=RLStepConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: RLMetricsConfig = field(default_factory=RLMetricsConfig)

@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import titan_rl
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import titan_rl
+
 from ..model_setup import build_on_meta
-
-
-def _reset_buffers(model: nn.Module) -> None:
-    # Buffers (RoPE frequencies) are computed, not loaded: to_empty left them uninitialised.
-    for module in model.modules():
-        reset = getattr(module, "reset_buffers", None)
-        if reset is not None:
-            reset()
 
 
 def initial_weights(model_cfg, *, seed: int) -> dict[str, torch.Tensor]:
@@ -51,7 +44,7 @@ def build_policy(model_cfg, full_state: dict[str, torch.Tensor], *, device: torc
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
-    _reset_buffers(model)
+    model.init_buffers()  # buffers (RoPE frequencies) are computed, not loaded: to_empty left them uninitialised
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed))
     return model
@@ -66,7 +59,7 @@ def build_copy(model_cfg, weights: dict[str, torch.Tensor], *, device: torch.dev
                batch_invariant: bool) -> nn.Module:
     """An unsharded, frozen model holding `weights` (a generator's model, the KL reference)."""
     model = build_on_meta(model_cfg).to_empty(device=device)
-    _reset_buffers(model)
+    model.init_buffers()
     if batch_invariant:
         titan_rl.batch_invariant(model)
     with torch.no_grad():

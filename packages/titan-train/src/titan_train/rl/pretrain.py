@@ -14,17 +14,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from titan_rl.envs import Task
 
 from ..config import (
-    CheckpointConfig, DataConfig, JobConfig, LRScheduleConfig, MetricsConfig, ModelConfig, OptimizerConfig,
-    TrainConfig, TrainingConfig,
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    LRScheduleConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    StepConfig,
+    TrainConfig,
 )
 from ..trainer import Trainer, TrainResult
-from .config import RLJobConfig
+from .config import RLConfig
 
 
-def policy_model_config(config: RLJobConfig) -> ModelConfig:
+def policy_model_config(config: RLConfig) -> ModelConfig:
     p = config.policy
     return ModelConfig(family=p.family, flavor=p.flavor, num_layers=p.num_layers, vocab_size=p.vocab_size,
                        attention=p.attention, init_seed=p.init_seed)
@@ -44,12 +52,12 @@ def write_examples(task: Task, path: Path, *, examples: int, seed: int) -> None:
     tmp.replace(path)
 
 
-def pretrain_config(config: RLJobConfig, data: Path) -> TrainConfig:
+def pretrain_config(config: RLConfig, data: Path) -> TrainConfig:
     p = config.pretrain
     return TrainConfig(
         job=JobConfig(folder=str(data.parent), seed=config.job.seed, device=config.job.device),
         model=policy_model_config(config),
-        training=TrainingConfig(steps=p.steps, batch_size=p.batch_size, seq_len=p.seq_len, max_grad_norm=1.0),
+        training=StepConfig(steps=p.steps, batch_size=p.batch_size, seq_len=p.seq_len, max_grad_norm=1.0),
         optimizer=OptimizerConfig(lr=p.lr, weight_decay=0.1),
         lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=p.warmup_steps, decay_fraction=0.3),
         data=DataConfig(source=str(data), tokenizer="byte"),
@@ -59,7 +67,7 @@ def pretrain_config(config: RLJobConfig, data: Path) -> TrainConfig:
     )
 
 
-def pretrain(config: RLJobConfig, task: Task, device: torch.device) -> tuple[dict[str, torch.Tensor], TrainResult]:
+def pretrain(config: RLConfig, task: Task, device: torch.device) -> tuple[dict[str, torch.Tensor], TrainResult]:
     """Run the supervised phase; returns (the model's full state dict on rank 0, {} elsewhere; the result)."""
     data = Path(config.job.folder) / "pretrain" / "data.jsonl"
     rank = dist.get_rank() if dist.is_initialized() else 0

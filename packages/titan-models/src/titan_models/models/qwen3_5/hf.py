@@ -21,7 +21,7 @@ from typing import Any
 from titan_models.components.layer_types import LINEAR_ATTENTION
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import ZeroCenteredRMSNormConfig
-from titan_models.hf.converter import Converter, HFSource, Rows, dtype_name, require
+from titan_models.hf.converter import Converter, HFSource, Rows, check_field_types, dtype_name, require
 from titan_models.hf.names import DENSE_LAYER, QK_NORM, NoHFName, layer_names
 from titan_models.hf.rope_config import read_rope
 from titan_models.models.qwen3_5.model import LAYER_TYPES, HybridConfig, Qwen3_5Config
@@ -123,6 +123,8 @@ class Qwen3_5Converter(HybridConverter):
 
     def config_from_hf(self, hf: dict[str, Any], tensor_names: set[str]) -> Qwen3_5Config:
         text = hf.get("text_config") or hf
+        if text is not hf:  # a composite checkpoint: its text settings are checked like a top-level config
+            check_field_types(text, "config.json field text_config")
         moe = None
         if any("Moe" in arch for arch in hf.get("architectures", [])):
             moe = MoEConfig(num_experts=text["num_experts"], top_k=text["num_experts_per_tok"],

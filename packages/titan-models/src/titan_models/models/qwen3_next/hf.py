@@ -34,12 +34,10 @@ class Qwen3NextConverter(HybridConverter):
     config_type = Qwen3NextConfig
 
     def config_from_hf(self, hf: dict[str, Any], tensor_names: set[str]) -> Qwen3NextConfig:
-        moe = None
-        if hf.get("num_experts", 512) > 0:
-            moe = qwen3_next_moe(experts=hf.get("num_experts", 512), top_k=hf.get("num_experts_per_tok", 10),
-                                 expert_dim=hf.get("moe_intermediate_size", 512),
-                                 shared_dim=hf.get("shared_expert_intermediate_size", 512),
-                                 norm_topk_prob=hf.get("norm_topk_prob", True))
+        moe = qwen3_next_moe(experts=hf.get("num_experts") or 512, top_k=hf.get("num_experts_per_tok", 10),
+                             expert_dim=hf.get("moe_intermediate_size", 512),
+                             shared_dim=hf.get("shared_expert_intermediate_size", 512),
+                             norm_topk_prob=hf.get("norm_topk_prob", True))
         return Qwen3NextConfig(**read_hybrid_fields(hf), ffn_dim=hf.get("intermediate_size", 5632), moe=moe,
                                moe_every=hf.get("decoder_sparse_step", 1),
                                dense_layers=tuple(hf.get("mlp_only_layers") or ()),
@@ -51,7 +49,7 @@ class Qwen3NextConverter(HybridConverter):
               "mlp_only_layers": list(config.dense_layers)}
         moe = config.moe
         if moe is None:
-            return hf | {"num_experts": 0}
+            raise ValueError("Qwen3NextForCausalLM is a MoE model; this Qwen3NextConfig has moe=None")
         if (moe.score_func != "softmax" or not moe.shared_expert_gate or not moe.shared_width or moe.n_group > 1
                 or moe.route_scale != 1.0):
             raise ValueError("Qwen3NextForCausalLM routes by softmax top-k with one gated shared expert; this MoE "

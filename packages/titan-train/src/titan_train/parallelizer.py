@@ -1,0 +1,208 @@
+"""The run's layout and the parallelized model it builds: `ParallelismConfig.build` makes a Parallelizer.
+
+The Parallelizer checks the degrees against the rest of the recipe (before anything is allocated) and
+builds the mesh; `build_model` then takes a titan-models config to a model that is built on meta,
+cut to this rank's pipeline stages, wrapped (context, tensor and expert parallel, activation
+checkpointing, compile, FSDP) and given weights that do not depend on the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import titan_models as tm
+
+from .config import TrainConfig
+from .context_parallel import apply_context_parallel, check_context_parallel
+from .expert_parallel import (
+    ExpertBiasUpdate,
+    ExpertParallel,
+    data_parallel_groups,
+    prepare_moe_layers,
+    resolve_moe_impl,
+)
+from .loss import CausalLMLoss
+from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
+from .model_setup import build_on_meta, materialize
+from .parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_tensor_parallel,
+    check_tp_divisibility,
+    keep_activations_in,
+)
+from .pipeline import Pipeline, PipelineLayout, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
+from .sharding_impl import apply_flexshard, check_sharding_choices
+
+
+@dataclass(kw_only=True)
+class ParallelModel:
+    """What build_model returns: this rank's model and the wrappers a step runs it through."""
+
+    model: nn.Module
+    """The rank model (all of it, or this rank's pipeline stages), parallelized and materialized."""
+    loss: CausalLMLoss
+    """model + fused loss in one forward (what FSDP wraps when there is no pipeline)."""
+    pipeline: Pipeline | None
+    expert_parallel: ExpertParallel | None
+    expert_bias: ExpertBiasUpdate
+    autocast: bool
+    """Run the forward under bf16 autocast (mixed_precision=bf16 without FSDP, whose policy casts instead)."""
+
+
+class Parallelizer:
+    """Degrees, mesh and this rank's coordinates for `run` on `world_size` ranks."""
+
+    def __init__(self, run: TrainConfig, *, world_size: int, device: torch.device):
+        self.run, self.device = run, device
+        t, par = run.training, run.parallelism
+        self.degrees = degrees = resolve_degrees(par, world_size)
+        if t.batch_size % (degrees.dp * t.grad_accum_steps):
+            raise ValueError(f"training.batch_size={t.batch_size} must be divisible by the data-parallel degree "
+                             f"({degrees.dp}) x training.grad_accum_steps ({t.grad_accum_steps})")
+        check_sharding_choices(run, dp_replicate=degrees.dp_replicate, tp=degrees.tp, ep=degrees.ep)
+        if t.mixed_precision == "bf16_params":
+            _check_bf16_params(run, world_size)
+        resolve_moe_impl(run)
+        self.pp_settings = None
+        if degrees.pp > 1:
+            self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
+                                              grad_accum_steps=t.grad_accum_steps, compiled=run.compile.enabled)
+        if degrees.cp > 1:
+            check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
+        self.mesh = build_mesh(degrees, device)
+        self.dp_rank = dp_rank(self.mesh, degrees)
+        self.precision = t.precision(device)
+        self.compute_dtype = torch.bfloat16 if self.precision in ("bf16", "bf16_params") else torch.float32
+        self.fsdp = degrees.dp * degrees.cp > 1  # cp ranks share the gradient reduction
+
+    def loss_scale(self, scored_tokens: int) -> float:
+        """The factor each rank's summed loss is multiplied by before its backward: the one place the
+        gradient scale of a layout is decided.
+
+        The objective is the mean over the global batch's `scored_tokens`, so the gradients are the same
+        whatever the layout. FSDP averages gradients over the dp x cp ranks (each saw other tokens), so
+        the factor is dp x cp / scored_tokens. Expert shards (ep > 1) are the exception it cannot cover:
+        their gradient already sums the ep ranks whose tokens they served (the all-to-all's backward) before
+        FSDP averages over the remaining dp / ep, so it comes out ep times too large, and
+        ExpertParallel.finish_gradients divides it by `expert_grad_divisor` (given at construction)."""
+        return self.degrees.dp * self.degrees.cp / max(scored_tokens, 1)
+
+    @property
+    def expert_grad_divisor(self) -> int:
+        """See loss_scale."""
+        return self.degrees.ep
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype of the model's own parameters where it is not fp32 (bf16_params: the optimizer keeps
+        the fp32 masters)."""
+        return torch.bfloat16 if self.precision == "bf16_params" else None
+
+    def build_model(self, model_cfg, *, document_masking: bool) -> ParallelModel:
+        """This rank's parallelized model of `model_cfg`, with weights independent of the layout."""
+        run, t = self.run, self.run.training
+        model = build_on_meta(model_cfg)
+        layout = self._keep_rank_part(model)
+        moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
+        if layout is not None and moes and t.moe_bias_update_rate > 0:
+            raise ValueError("parallelism.pp > 1 with MoE layers: the expert-bias update does not count the "
+                             "pipeline's microbatches yet; set training.moe_bias_update_rate 0")
+        fused = t.fused_kernels and self.device.type == "cuda"
+        if fused:  # before any wrapper, on titan-models' own FeedForwards
+            from .kernels.swiglu import use_fused_swiglu
+
+            use_fused_swiglu(model)
+        loss = CausalLMLoss(
+            model, chunk=t.loss_chunk_size, compiled=run.compile.enabled, triton=fused,
+            context_factory=(lambda ids: tm.AttentionContext(document_ids=ids)) if document_masking else None,
+            tp_group=self.mesh["tp"].get_group() if self.degrees.tp > 1 else None)
+        # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
+        autocast = self.precision == "bf16" and not self.fsdp  # FSDP casts through its policy
+        if autocast:  # bf16 activations as under FSDP
+            keep_activations_in(model, self.compute_dtype)
+        if not dist.is_initialized():
+            # init_weights seeds each parameter by its name: run it before wrappers rename blocks.
+            materialize(model, model_cfg, device=self.device, seed=run.model.init_seed, distributed=False,
+                        hf_path=run.model.hf_path)
+        expert_parallel = self._wrap(model, moes)
+        pipeline = None
+        if layout is not None:
+            pipeline = Pipeline(model, layout, schedule=self.pp_settings.schedule, loss=loss,
+                                microbatches=self.pp_settings.microbatches, mesh=self.mesh, device=self.device,
+                                autocast_dtype=torch.bfloat16 if autocast else None)
+        if self.fsdp:
+            self._shard(loss, pipeline, expert_parallel)
+        self._materialize(model, model_cfg, pipeline)
+        expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=data_parallel_groups(self.mesh))
+        return ParallelModel(model=model, loss=loss, pipeline=pipeline, expert_parallel=expert_parallel,
+                             expert_bias=expert_bias, autocast=autocast)
+
+    def _keep_rank_part(self, model: nn.Module) -> PipelineLayout | None:
+        """Under pipeline parallelism keep this rank's stages only (names unchanged), still on meta."""
+        if self.pp_settings is None:
+            return None
+        layout = plan_layout(model, pp=self.degrees.pp, schedule=self.pp_settings.schedule,
+                             stages_per_rank=self.pp_settings.stages_per_rank)
+        keep_rank_part(model, layout, self.mesh.get_local_rank("pp"))
+        return layout
+
+    def _wrap(self, model: nn.Module, moes: list[nn.Module]) -> ExpertParallel | None:
+        """Context, tensor and expert parallel, activation checkpointing and compile, in the order each
+        wrapper expects to find the model (parallelize.py)."""
+        if self.degrees.cp > 1:
+            apply_context_parallel(model, self.mesh["cp"].get_group())
+        if self.degrees.tp > 1:
+            check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
+            apply_tensor_parallel(model, self.mesh["tp"])
+        expert_parallel = None
+        if self.degrees.ep > 1:
+            expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
+        apply_activation_checkpointing(model, self.run.activation_checkpoint)
+        if self.run.compile.enabled:
+            apply_compile(model)
+        return expert_parallel
+
+    def _shard(self, loss: CausalLMLoss, pipeline: Pipeline | None, expert_parallel: ExpertParallel | None) -> None:
+        """FSDP/HSDP over the data-parallel (x cp) mesh: MoE layers first (the blocks' units then leave them
+        out), then the pipeline's stages, or the blocks and the loss wrapper as root."""
+        par = self.run.parallelism
+        dp_mesh = fsdp_mesh(self.mesh, self.degrees)
+        param_dtype = self.compute_dtype if self.precision == "bf16" else None
+        if expert_parallel is not None:
+            expert_parallel.apply_fsdp(dp_mesh, param_dtype=param_dtype,
+                                       reshard_after_forward=par.reshard_after_forward)
+        if pipeline is not None:
+            pipeline.apply_fsdp(dp_mesh, param_dtype=param_dtype, reshard_after_forward=par.reshard_after_forward)
+        elif par.fsdp_impl == "flexshard":
+            apply_flexshard(loss, dp_mesh, par, param_dtype=param_dtype)
+        else:
+            apply_fsdp(loss, list(loss.model.layers.values()), dp_mesh, param_dtype=param_dtype,
+                       reshard_after_forward=par.reshard_after_forward)
+
+    def _materialize(self, model: nn.Module, model_cfg, pipeline: Pipeline | None) -> None:
+        m = self.run.model
+        if pipeline is not None:
+            materialize_rank_part(model, model_cfg, device=self.device, seed=m.init_seed, hf_path=m.hf_path)
+            pipeline.finish()
+        elif dist.is_initialized():
+            # Sharded while still on meta: each rank allocates only its shards, then copies them out
+            # of rank 0's full initialisation.
+            materialize(model, model_cfg, device=self.device, seed=m.init_seed, distributed=True, hf_path=m.hf_path)
+
+
+def _check_bf16_params(run: TrainConfig, world_size: int) -> None:
+    t = run.training
+    if world_size > 1:
+        raise ValueError("training.mixed_precision=bf16_params is for one device; with several ranks use "
+                         "bf16 (FSDP's bf16 policy gives the same arithmetic)")
+    if t.grad_accum_steps > 1:
+        raise ValueError("training.mixed_precision=bf16_params would sum microbatch gradients in bf16; use "
+                         "grad_accum_steps=1 or mixed_precision=bf16")
+    if run.optimizer.name != "adamw":
+        raise ValueError("training.mixed_precision=bf16_params keeps its master weights in AdamW; use "
+                         "optimizer.name=adamw, or mixed_precision=bf16 with muon")
