@@ -161,6 +161,12 @@ def deepseek_v3_debug_ep() -> TrainConfig:
     return _debug_moe_ep("deepseek_v3", "debug", "runs/deepseek_v3_debug_ep")
 
 
+@register_recipe("kimi_linear_debug_ep")
+def kimi_linear_debug_ep() -> TrainConfig:
+    """The debug Kimi Linear (KDA + RoPE-free MLA; shared + 8 routed experts) with expert parallelism 2."""
+    return _debug_moe_ep("kimi_linear", "debug", "runs/kimi_linear_debug_ep")
+
+
 @register_recipe("llama3_debug_muon")
 def llama3_debug_muon() -> TrainConfig:
     """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no
