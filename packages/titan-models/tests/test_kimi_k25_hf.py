@@ -84,7 +84,15 @@ def test_a_stored_head_is_kept_under_the_tied_default_as_transformers_does(tmp_p
 
 
 def test_kimi_k26_flavor_writes_a_deepseek_v3_config_and_has_kimi_k2s_shape():
+    import time
+
     config = tm.flavor("deepseek_v3", "kimi-k2.6")
+    with torch.device("meta"):  # the first build in a process pays a one-off setup (~15 s on a busy CPU)
+        tm.flavor("deepseek_v3", "debug").build()
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = config.build()
+    assert time.perf_counter() - start < 10 and model.layers["1"].moe.experts.w1.shape == (384, 2048, 7168)
     hf = tm.family("deepseek_v3").hf.config_to_hf(config)
     assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["n_routed_experts"] == 384
     counts = tm.count_params(config)

@@ -185,7 +185,17 @@ def test_configs_the_checkpoint_cannot_hold_are_refused():
         dataclasses.replace(debug, mlp_layer_types=("dense",)).build()
 
 
-def test_48b_counts_as_transformers_builds_it():
+def test_48b_builds_on_meta_in_seconds_and_counts_as_transformers_builds_it():
+    import time
+
+    with torch.device("meta"):  # the first build in a process pays a one-off setup (~15 s on a busy CPU)
+        tm.flavor("kimi_linear", "debug").build()
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = tm.flavor("kimi_linear", "48B-A3B").build()
+    assert time.perf_counter() - start < 10
     # transformers 5.20's KimiLinearForCausalLM from the release config (linear_attn_config schedule), counted
     # on the meta device: 49,122,675,072 parameters.
-    assert tm.count_params(tm.flavor("kimi_linear", "48B-A3B")).total == 49_122_675_072
+    assert tm.count_params(model).total == 49_122_675_072
+    assert model.layers["3"].attention.wkv_b.weight.shape == (32 * 256, 512)  # MLA at 1-indexed layer 4
+    assert model.layers["0"].attention.decay.dt_bias.shape == (32 * 128,)  # per-channel decay
