@@ -113,6 +113,16 @@ def qwen3_5_debug() -> TrainConfig:
     return config
 
 
+@register_recipe("kimi_linear_debug")
+def kimi_linear_debug() -> TrainConfig:
+    """The main job on the debug Kimi Linear (Kimi Delta Attention and RoPE-free MLA alternating, a dense first
+    layer then 8-expert MoE), on a CPU."""
+    config = llama3_debug()
+    config.job.folder = "runs/kimi_linear_debug"
+    config.model = ModelConfig(family="kimi_linear", flavor="debug", vocab_size=384)
+    return config
+
+
 @register_recipe("qwen3_next_debug")
 def qwen3_next_debug() -> TrainConfig:
     """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8 experts + gated shared one)."""
@@ -149,6 +159,12 @@ def qwen3_next_debug_ep() -> TrainConfig:
 def deepseek_v3_debug_ep() -> TrainConfig:
     """The debug DeepSeek-V3 (MLA, shared + 8 routed experts) with expert parallelism 2: torchrun, 2 or 4 ranks."""
     return _debug_moe_ep("deepseek_v3", "debug", "runs/deepseek_v3_debug_ep")
+
+
+@register_recipe("kimi_linear_debug_ep")
+def kimi_linear_debug_ep() -> TrainConfig:
+    """The debug Kimi Linear (KDA + RoPE-free MLA; shared + 8 routed experts) with expert parallelism 2."""
+    return _debug_moe_ep("kimi_linear", "debug", "runs/kimi_linear_debug_ep")
 
 
 @register_recipe("gpt_oss_debug")
