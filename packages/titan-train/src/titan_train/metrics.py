@@ -40,7 +40,9 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, folder: Path, *, tensorboard: bool, start_step: int = 0):
+    def __init__(self, folder: Path, *, tensorboard: bool, start_step: int = 0, sinks: list | None = None):
+        """sinks: more writers of each record (write(record), close()), e.g. tracking.WandbSink."""
+        self.sinks = list(sinks or [])
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
         # A run resumed after step N keeps the records up to N (a killed run may have logged steps past
@@ -69,8 +71,12 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()

@@ -3,6 +3,7 @@ metrics, progress, checkpoint/resume and a stop on a non-finite loss."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -16,13 +17,14 @@ import titan_models as tm
 from .cli_args import check_types
 from .config import TrainConfig
 from .context_parallel import local_indices, shard_sequence
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, Batch
 from .grad_norm import clip_by_total_norm
 from .metrics import memory_gib, peak_flops
 from .model_setup import model_config
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
 from .process_group import process_group, select_device
 from .progress import ProgressBar
+from .saved_config import save_config
 
 
 @dataclass
@@ -31,6 +33,8 @@ class TrainResult:
     """step -> global mean loss, for the steps this call ran."""
     start_step: int = 0
     """The step the run resumed from (0 for a fresh run)."""
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    """step -> validation loss, for the steps that evaluated."""
     tokens_per_s: float = 0.0
     """Mean throughput over the steps after the first (which includes warm-up)."""
     folder: Path = Path(".")
@@ -64,16 +68,29 @@ class Trainer:
         self.model_cfg = model_config(config.model, vocab_needed=vocab_needed)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
                                         seed=config.job.seed)
+        self.validator = config.validation.build(config.data, self.tokenizer, seq_len=t.seq_len,
+                                                 batch_size=t.batch_size, seed=config.job.seed)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
         self.parallel = self.layout.build_model(
             self.model_cfg, document_masking=config.data.document_masking and not config.data.random)
         self.model, self.loss_module, self.pipeline = self.parallel.model, self.parallel.loss, self.parallel.pipeline
+        if config.checkpoint.initial_load:  # before a resume, which loads over it (LoRA: the adapters only)
+            from .initial_weights import load_initial_weights
+
+            load_initial_weights(self.model, config.checkpoint.initial_load, pipeline=self.pipeline)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.layout.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
         self.guard = NonFiniteGuard(self.optimizer, device)
         self.checkpoints = config.checkpoint.build(
-            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None)
+            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
+            trainable_only=self.layout.adapters is not None)
+        self.profiler = config.profiling.build(self.folder, rank=self.rank, device=device)
+        if config.checkpoint.export_hf_at_end and self.pipeline is not None:
+            raise ValueError("checkpoint.export_hf_at_end with parallelism.pp > 1: export the last checkpoint with "
+                             "titan-train export --job.folder DIR --out HF_DIR instead")
+        if self.rank == 0:
+            save_config(config, self.folder)  # what titan-train export rebuilds the model from
         self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
         self.peak = peak_flops(device)
 
@@ -92,14 +109,8 @@ class Trainer:
         # whatever the layout; FSDP averages gradients over dp x cp ranks, so scale by that to get the sum.
         scored = int((batch.labels != IGNORE_INDEX).sum())
         scale = self.degrees.dp * self.degrees.cp / max(scored, 1)
-        rows = t.batch_size // self.degrees.dp
-        local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
-        positions = None
-        if self.degrees.cp > 1:  # this cp rank's two load-balanced chunks of every sequence
-            cp_rank = self.mesh.get_local_rank("cp")
-            local = type(local)(*shard_sequence(cp_rank, self.degrees.cp, local.tokens, local.labels,
-                                                local.document_ids))
-            positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
+        local, positions = self._local_rows(batch)
+        rows = local.tokens.shape[0]
         micro_rows = rows // t.grad_accum_steps
         if self.pipeline is not None:  # the schedule splits the rows into microbatches, FSDP reduces once
             if positions is None:
@@ -137,6 +148,37 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
 
+    def _local_rows(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:
+        """This rank's rows of the global batch on the device (under cp: its chunks of each sequence, and
+        their positions)."""
+        t = self.config.training
+        rows = t.batch_size // self.degrees.dp
+        local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        positions = None
+        if self.degrees.cp > 1:  # this cp rank's two load-balanced chunks of every sequence
+            cp_rank = self.mesh.get_local_rank("cp")
+            local = type(local)(*shard_sequence(cp_rank, self.degrees.cp, local.tokens, local.labels,
+                                                local.document_ids))
+            positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
+        return local, positions
+
+    @torch.no_grad()
+    def summed_loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of a global batch over every rank's tokens, forward only (validation)."""
+        local, positions = self._local_rows(batch)
+        if self.pipeline is not None:
+            if positions is None:
+                positions = torch.arange(local.tokens.shape[1], device=self.device).expand_as(local.tokens)
+            loss_sum = self.pipeline.evaluate(local.tokens, local.labels, positions, local.document_ids)
+        else:
+            with self._autocast():
+                loss_sum = self.loss_module(local.tokens, local.labels, local.document_ids, positions).float()
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum)
+            if self.degrees.tp > 1:
+                loss_sum /= self.degrees.tp
+        return loss_sum
+
     def _clip_gradients(self) -> torch.Tensor:
         # On the guard's device path the norm is not read on the host (no sync): the coefficient is clamped
         # to 1 on the device instead, which multiplies gradients within the bound by exactly 1.
@@ -148,12 +190,18 @@ class Trainer:
     # --- the run ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         config, t = self.config, self.config.training
-        start = 0
+        start, load_step = 0, config.checkpoint.load_step
+        if load_step and (self.checkpoints is None or load_step not in self.checkpoints.steps()):
+            committed = self.checkpoints.steps() if self.checkpoints is not None else []
+            raise ValueError(f"checkpoint.load_step={load_step} is not a committed checkpoint in "
+                             f"{self.folder / 'checkpoints'} (committed: {committed or 'none'})")
         if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
-            start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device)
+            start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device,
+                                             step=load_step or None)
         result = TrainResult(start_step=start, folder=self.folder)
         is_main = self.rank == 0
-        metrics = config.metrics.build(self.folder, start_step=start) if is_main else None
+        metrics = (config.metrics.build(self.folder, start_step=start, run_config=dataclasses.asdict(config))
+                   if is_main else None)
         bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
         if is_main:
             self._announce(start)
@@ -166,16 +214,22 @@ class Trainer:
             for step in range(start + 1, t.steps + 1):
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
+                self.profiler.before(step)
                 loss, grad_norm = self.train_step(step)
+                self.profiler.after(step)
                 if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
                     gc.collect(1)
                 pending.append(_PendingStep(step, lr, loss, grad_norm, time.perf_counter() - began))
-                log = step % config.metrics.log_interval == 0 or step == t.steps
+                evaluate = self.validator is not None and self.validator.due(step, t.steps)
+                log = step % config.metrics.log_interval == 0 or step == t.steps or evaluate
                 interval = config.checkpoint.interval
                 save = self.checkpoints is not None and interval and (step % interval == 0 or step == t.steps)
                 if log or save:  # the only host syncs of the loop; a non-finite step stops the run here
                     record = self._read_back(pending, result, timing, first=start + 1)
                     pending = []
+                    if evaluate:
+                        record.update(self.validator.evaluate(self.summed_loss))
+                        result.eval_losses[step] = record["eval_loss"]
                     if log and is_main:
                         metrics.write(record)
                         bar.update(step, loss=record["loss"], tokens_per_s=record["tokens_per_s"], mfu=record["mfu"],
@@ -186,13 +240,22 @@ class Trainer:
         finally:
             if collect_automatically:
                 gc.enable()
+            self.profiler.close()
             bar.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()
             if metrics is not None:
                 metrics.close()
         result.tokens_per_s = timing.tokens / timing.seconds if timing.seconds else 0.0
+        if config.checkpoint.export_hf_at_end:
+            from .export import export_trained
+
+            export_trained(self.model, config, self.folder / "hf")
         if is_main:
+            if config.metrics.plot and (self.folder / "metrics.jsonl").is_file():
+                from .plot import write_plot
+
+                write_plot(self.folder / "metrics.jsonl", self.folder / "metrics.png")
             self._summarize(result)
         return result
 
