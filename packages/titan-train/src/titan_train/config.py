@@ -162,7 +162,7 @@ class LRScheduleConfig:
 class DataConfig:
     source: str = "stdlib"
     """stdlib (Python's own library sources, no download), random (uniform random tokens over the model's
-    vocabulary, for benchmarks), or a path: a text/jsonl/parquet file, a folder of them, or a Hugging Face
+    vocabulary, for benchmarks), arithmetic_chat (generated conversations, for data.chat), or a path: a text/jsonl/parquet file, a folder of them, or a Hugging Face
     dataset saved with save_to_disk."""
     format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
     """auto: from the source (stdlib, file extension, or a folder holding state.json/dataset_dict.json)."""

@@ -310,12 +310,12 @@ class Pipeline:
             kwargs["document_ids"] = document_ids
         args = (tokens,) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        if hasattr(self.schedule, "eval"):
-            self.schedule.eval(*args, target=labels, losses=losses, **kwargs)
+        if hasattr(self.schedule, "eval"):  # outputs are 0-dim losses: not merged (return_outputs reaches step)
+            self.schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         else:  # torch without Schedule.eval: the same switch it makes
             has_backward, self.schedule._has_backward = self.schedule._has_backward, False
             try:
-                self.schedule.step(*args, target=labels, losses=losses, **kwargs)
+                self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             finally:
                 self.schedule._has_backward = has_backward
         if not losses:

@@ -154,6 +154,10 @@ def open_documents(source: str, *, format: str = "auto", text_field: str = "text
     """The documents of `data.source` in `data.format` (see DataConfig)."""
     if source == "stdlib" and format in ("auto", "stdlib"):
         return stdlib_documents()
+    if source == "arithmetic_chat":  # generated conversations (data.chat)
+        from .arithmetic_chat import ArithmeticChat
+
+        return ArithmeticChat()
     path = Path(source)
     if not path.exists():
         raise ValueError(f"data.source {source!r} does not exist (give 'stdlib' or a file/folder path)")
