@@ -67,7 +67,9 @@ class RunCheckpoints:
     @staticmethod
     def model_options_for(*, trainable_only: bool) -> StateDictOptions | None:
         """How the model entry is read and written: all of it, or its trainable parameters only (LoRA)."""
-        return StateDictOptions(ignore_frozen_params=True) if trainable_only else None
+        # strict=False: a load fills the trainable parameters and leaves the frozen ones (which the state
+        # lacks) alone; torch-checkpointing still refuses a checkpoint that lacks one of the state's tensors.
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
 
     def state(self, model: nn.Module, optimizer, scheduler, loader, step: int, device: torch.device) -> dict[str, Any]:
         state = {"model": ModelState(model, options=self.model_options), "optimizer": OptimizerState(model, optimizer),

@@ -195,6 +195,11 @@ class Trainer:
             committed = self.checkpoints.steps() if self.checkpoints is not None else []
             raise ValueError(f"checkpoint.load_step={load_step} is not a committed checkpoint in "
                              f"{self.folder / 'checkpoints'} (committed: {committed or 'none'})")
+        later = [s for s in self.checkpoints.steps() if s > load_step] if load_step else []
+        if later and config.checkpoint.interval:
+            raise ValueError(f"checkpoint.load_step={load_step} with later checkpoints {later} in {self.folder}: the "
+                             "resumed run would save over them; set checkpoint.interval 0, or start another "
+                             "job.folder with checkpoint.initial_load")
         if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
             start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device,
                                              step=load_step or None)
