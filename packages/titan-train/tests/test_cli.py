@@ -11,7 +11,7 @@ import pytest
 
 from titan_train import TrainConfig, load_recipe
 from titan_train.cli import main, parse_args
-from titan_train.cli_args import field_types, section_types
+from titan_train.cli_args import ConfigError, apply_override, check_types, describe_fields, field_types, section_types
 
 REQUIRED_FLAGS = ["--training.steps", "--training.batch_size", "--training.seq_len", "--job.folder",
                   "--parallelism.dp_replicate", "--parallelism.dp_shard", "--parallelism.tp", "--parallelism.pp",
@@ -40,12 +40,14 @@ def test_overrides_are_typed_and_applied():
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--training.stpes", "3"], ["unknown field --training.stpes", "did you mean training.steps", "valid: training.steps"]),
+    (["--training.stpes", "3"],
+     ["unknown field --training.stpes", "did you mean training.steps", "valid: training.steps"]),
     (["--trainin.steps", "3"], ["unknown section in --trainin.steps", "did you mean training", "valid: "]),
     (["--training.steps", "three"], ["--training.steps expects int, got 'three'"]),
     (["--optimizer.lr", "fast"], ["--optimizer.lr expects float, got 'fast'"]),
     (["--data.shuffle", "maybe"], ["--data.shuffle expects bool"]),
-    (["--lr_schedule.kind", "cos"], ["'cos' is not a valid choice", "did you mean cosine", "valid: wsd, cosine, constant"]),
+    (["--lr_schedule.kind", "cos"],
+     ["'cos' is not a valid choice", "did you mean cosine", "valid: wsd, cosine, constant"]),
     (["--recipe", "llama3_debgu"], ["unknown recipe 'llama3_debgu'", "did you mean llama3_debug", "valid: "]),
     (["--recipe", "no_such_module_xyz:fn"], ["cannot import module 'no_such_module_xyz'"]),
     (["--recipe", "titan_train.recipes:nope"], ["has no function 'nope'", "valid: "]),
@@ -103,3 +105,39 @@ def test_recipe_from_a_file_in_the_working_directory(tmp_path, monkeypatch):
     assert config.training.steps == 2
     with pytest.raises(ValueError, match="returned int, not a TrainConfig"):
         parse_args(["--recipe", "team_recipes_xyz:wrong"])
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Experts:
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Model:
+    flavor: str = "debug"
+    moe: _Experts = dataclasses.field(default_factory=_Experts)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Tree:
+    model: _Model = dataclasses.field(default_factory=_Model)
+
+
+def test_sections_nest_to_any_depth():
+    """A dataclass-typed field is a section: flags, type checks, suggestions and help reach through it."""
+    tree = _Tree()
+    apply_override(tree, "model.moe.num_experts", "4")
+    assert tree.model.moe.num_experts == 4
+    with pytest.raises(ConfigError, match=r"unknown field --model.moe.num_expert \(did you mean model.moe.num_experts"):
+        apply_override(tree, "model.moe.num_expert", "4")
+    with pytest.raises(ConfigError, match="--model.moe.num_experts expects int"):
+        apply_override(tree, "model.moe.num_experts", "four")
+    with pytest.raises(ConfigError, match="model.flavor is a str field, not a section"):
+        apply_override(tree, "model.flavor.size", "1")
+    with pytest.raises(ConfigError, match="valid: model.moe.num_experts"):
+        apply_override(tree, "model.moe", "1")
+    assert ("--model.moe.num_experts", "int", "4", "Routed experts per MoE layer.") in describe_fields(tree)
+    tree.model.moe.num_experts = "4"
+    with pytest.raises(ConfigError, match="model.moe.num_experts = '4' does not fit int"):
+        check_types(tree)

@@ -14,11 +14,16 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 import titan_models as tm
 from titan_models.components.attention import SDPAttention
-
 from titan_train.context_parallel import (
-    RingAttention, _Pairing, chunk_size, local_indices, shard_sequence, unshard_sequence,
+    RingAttention,
+    _Pairing,
+    chunk_size,
+    local_indices,
+    shard_sequence,
+    unshard_sequence,
 )
 
 B, S, HQ, HKV, D, DV = 2, 24, 4, 2, 8, 6

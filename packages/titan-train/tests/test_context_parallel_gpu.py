@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import titan_models as tm
 import torch
 import torch.distributed as dist
-from titan_models.components.attention import SDPAttention
 
+import titan_models as tm
+from titan_models.components.attention import SDPAttention
 from titan_train import train
 from titan_train.context_parallel import RingAttention
 

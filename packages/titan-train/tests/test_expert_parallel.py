@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_checkpointing import Checkpointer
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli import main
-from titan_train.expert_parallel import resolve_moe_impl
 from titan_train.cli_args import apply_override
+from titan_train.expert_parallel import resolve_moe_impl
+from torch_checkpointing import Checkpointer
 
 STEPS = 10
 TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",

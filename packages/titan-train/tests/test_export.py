@@ -39,7 +39,8 @@ def test_export_is_loaded_by_transformers_with_equal_logits(trained, tmp_path, c
             "tokenizer_config.json"} <= names
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    tokens = torch.tensor([tokenizer("def main():\n    return sorted(items, key=len)  # longest last\n" * 2)["input_ids"]])
+    text = "def main():\n    return sorted(items, key=len)  # longest last\n" * 2
+    tokens = torch.tensor([tokenizer(text)["input_ids"]])
     assert tokens.shape[1] > 64 and tokens.max() < 256  # the byte tokenizer's ids through transformers
     with torch.no_grad():
         expected, got = model(tokens), hf(input_ids=tokens).logits

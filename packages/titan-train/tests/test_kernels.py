@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import titan_models as tm
 import torch
 import torch.nn.functional as F
 
+import titan_models as tm
 from titan_train import train
 from titan_train.kernels.swiglu import FusedSwiGLUFeedForward, swiglu, swiglu_backward, use_fused_swiglu
 

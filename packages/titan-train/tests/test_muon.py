@@ -20,8 +20,8 @@ import torch
 import torch.multiprocessing as mp
 
 from titan_train import TrainConfig, load_recipe, train
-from titan_train.optimizers import build_optimizer
 from titan_train.cli_args import apply_override
+from titan_train.optimizers import build_optimizer
 
 STEPS = 10
 TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",
@@ -44,9 +44,9 @@ def curve(folder: Path) -> dict[int, tuple[float, float]]:
 
 def _rank_main(rank: int, world: int, port: int, config: TrainConfig, report: str) -> None:
     """One rank of the run, with every optimizer step's collectives counted (flexshard.CollectiveCounter)."""
-    import flexshard
     import torch.distributed as dist
 
+    import flexshard
     from titan_train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

@@ -16,10 +16,10 @@ import shutil
 import typing
 
 import pytest
-import titan_models as tm
 import torch
 from torch.distributed.pipelining import PipelineStage
 
+import titan_models as tm
 from titan_train import ParallelismConfig, train
 from titan_train.pipeline import SCHEDULES, check_pipeline, keep_rank_part, plan_layout
 
@@ -98,8 +98,8 @@ def references(tmp_path_factory, jobs):
     """The single-process curves of the tiny job with (layers, batch size) as the parallel runs."""
     curves = {}
     for layers, batch in (("2", "4"), ("4", "4"), ("4", "8")):
-        curves[layers, batch] = train(jobs.tiny(tmp_path_factory.mktemp(f"single{layers}x{batch}"),
-                                                **{**STEPS, "model.num_layers": layers, "training.batch_size": batch})).losses
+        job = {**STEPS, "model.num_layers": layers, "training.batch_size": batch}
+        curves[layers, batch] = train(jobs.tiny(tmp_path_factory.mktemp(f"single{layers}x{batch}"), **job)).losses
     return curves
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from titan_rl import Completion, SamplingConfig
 from titan_rl.envs import SingleTurn, SortingTask
-
 from titan_train.rl import RLConfig, run_rl
 from titan_train.rl.rollouts import SEED_STRIDE, ShardedRollouts
 
@@ -91,6 +91,7 @@ class InstantGenerator:
 
 def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
     import torch.distributed as dist
+
     from titan_rl import ByteTokenizer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -21,10 +21,10 @@ import os
 import socket
 
 import pytest
-import titan_rl
 import torch
 import torch.multiprocessing as mp
 
+import titan_rl
 from titan_train.config import ModelConfig
 from titan_train.model_setup import model_config
 from titan_train.rl.policy import build_copy, build_policy, export_weights, initial_weights

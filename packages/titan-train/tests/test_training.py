@@ -72,7 +72,6 @@ def test_plans_a_model_cannot_take_are_errors():
     import dataclasses
 
     import titan_models as tm
-
     from titan_train.model_setup import build_on_meta
     from titan_train.parallelize import check_tp_divisibility
 

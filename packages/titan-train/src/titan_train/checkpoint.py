@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+
 from torch_checkpointing import Checkpointer, ModelState, OptimizerState
 
 ENTRIES = ("model", "optimizer", "scheduler", "data", "rng", "step")
@@ -24,7 +25,8 @@ def check_exclude(patterns: tuple[str, ...]) -> None:
     """checkpoint.exclude: each pattern must match one of the state's entries."""
     for pattern in patterns:
         if not fnmatch.filter(ENTRIES, pattern):
-            raise ValueError(f"checkpoint.exclude: {pattern!r} matches no checkpoint entry; entries: {', '.join(ENTRIES)}")
+            raise ValueError(f"checkpoint.exclude: {pattern!r} matches no checkpoint entry; entries: "
+                             f"{', '.join(ENTRIES)}")
 
 
 class RNGState:

@@ -162,7 +162,8 @@ class LRScheduleConfig:
 class DataConfig:
     source: str = "stdlib"
     """stdlib (Python's own library sources, no download), random (uniform random tokens over the model's
-    vocabulary, for benchmarks), arithmetic_chat (generated conversations, for data.chat), or a path: a text/jsonl/parquet file, a folder of them, or a Hugging Face
+    vocabulary, for benchmarks), arithmetic_chat (generated conversations, for data.chat), or a path: a
+    text/jsonl/parquet file, a folder of them, or a Hugging Face
     dataset saved with save_to_disk."""
     format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
     """auto: from the source (stdlib, file extension, or a folder holding state.json/dataset_dict.json)."""
@@ -309,7 +310,8 @@ class CheckpointConfig:
         if self.load_step < 0:
             raise ValueError(f"checkpoint.load_step must be >= 0 (0: the newest), got {self.load_step}")
         if self.load_step and not self.resume:
-            raise ValueError(f"checkpoint.load_step={self.load_step} resumes from that step: set checkpoint.resume true")
+            raise ValueError(f"checkpoint.load_step={self.load_step} resumes from that step: "
+                             "set checkpoint.resume true")
         from .checkpoint import check_exclude
 
         check_exclude(self.exclude)

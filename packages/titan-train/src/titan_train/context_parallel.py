@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import titan_models as tm
 from torch.distributed import ProcessGroup
+
+import titan_models as tm
 
 # --- the load-balanced layout --------------------------------------------------------------------------
 

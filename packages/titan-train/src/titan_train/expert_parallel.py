@@ -10,10 +10,11 @@ neighbours and every rank keeps its coordinates (dp_shard index = dp_shard_mod_e
                             dp_shard_mod_ep (x dp_replicate), the data-parallel ranks that hold the same experts
     router gate             replicated (plain tensor); its gradient is summed over the data-parallel ranks here
 
-Gradient scale. The trainer scales each rank's loss by dp / (global token count), so that averaging
-over the dp ranks gives the global mean. An expert shard's gradient already sums the contributions of
-all ep ranks whose tokens it served (the all-to-all's backward), so after FSDP's average over the
-remaining dp / ep ranks it is ep times too large: `finish_gradients` divides it by ep. (FSDP's own
+Gradient scale (decided in Parallelizer.loss_scale). The trainer scales each rank's loss by dp / (global
+token count), so that averaging over the dp ranks gives the global mean. An expert shard's gradient
+already sums the contributions of all ep ranks whose tokens it served (the all-to-all's backward), so
+after FSDP's average over the remaining dp / ep ranks it is ep times too large: `finish_gradients`
+divides it by ep. (FSDP's own
 gradient divide factor would do it inside the reduction, but with a group of one rank and sum-only
 reductions, which gloo needs, torch 2.14 divides twice.)
 
@@ -26,14 +27,15 @@ from __future__ import annotations
 
 import warnings
 
-import dist_moe
-import titan_models as tm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
+import dist_moe
+import titan_models as tm
 
 from .config import TrainConfig
 from .parallelize import matching_modules
@@ -104,14 +106,16 @@ def data_parallel_groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup]:
 class ExpertParallel:
     """Experts split over ep, FSDP-sharded over the rest of data parallel; see the module docstring."""
 
-    def __init__(self, moes: list[nn.Module], mesh: DeviceMesh, ep: int):
+    def __init__(self, moes: list[nn.Module], mesh: DeviceMesh, ep: int, *, grad_divisor: int):
+        """grad_divisor: what the expert gradients are divided by after the step's backward (the
+        Parallelizer's expert_grad_divisor, decided with the loss scale)."""
         for moe in moes:
             if not isinstance(moe, dist_moe.MoE):
                 raise ValueError(f"parallelism.ep={ep} needs dist-moe's MoE layers (model.moe_impl=dist_moe), "
                                  f"found {type(moe).__name__}")
         if not moes:
             raise ValueError(f"parallelism.ep={ep}, but the model has no MoE layers to split")
-        self.moes, self.ep = moes, ep
+        self.moes, self.ep, self.grad_divisor = moes, ep, grad_divisor
         self.mesh = mesh
         self.expert_mesh = split_dp_shard(mesh, ep)
         if hasattr(DeviceMesh, "_flatten"):
@@ -151,13 +155,13 @@ class ExpertParallel:
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
-        """After the step's last backward: expert gradients divided by ep, and the replicated router gates'
-        gradients averaged over the data-parallel ranks (like every other gradient, each rank's carries dp x
-        its own tokens' share)."""
+        """After the step's last backward: expert gradients divided by grad_divisor (ep), and the replicated
+        router gates' gradients averaged over the data-parallel ranks (like every other gradient, each rank's
+        carries dp x its own tokens' share)."""
         experts = [w.grad for moe in self.moes for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)
                    if w.grad is not None]
         if experts:
-            torch._foreach_div_(experts, float(self.ep))
+            torch._foreach_div_(experts, float(self.grad_divisor))
         grads = [moe.router.gate.weight.grad for moe in self.moes if moe.router.gate.weight.grad is not None]
         if not grads:
             return

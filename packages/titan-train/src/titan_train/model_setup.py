@@ -6,6 +6,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 import titan_models as tm
 
 from .config import ModelConfig

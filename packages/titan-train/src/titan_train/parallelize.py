@@ -16,7 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
 )
 
 from .config import ActivationCheckpointConfig

@@ -9,21 +9,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import titan_models as tm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import titan_models as tm
+
 from .config import TrainConfig
 from .context_parallel import apply_context_parallel, check_context_parallel
 from .expert_parallel import (
-    ExpertBiasUpdate, ExpertParallel, data_parallel_groups, prepare_moe_layers, resolve_moe_impl,
+    ExpertBiasUpdate,
+    ExpertParallel,
+    data_parallel_groups,
+    prepare_moe_layers,
+    resolve_moe_impl,
 )
 from .loss import CausalLMLoss
 from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
 from .model_setup import build_on_meta, materialize
 from .parallelize import (
-    apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tensor_parallel, check_tp_divisibility,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_tensor_parallel,
+    check_tp_divisibility,
     keep_activations_in,
 )
 from .pipeline import Pipeline, PipelineLayout, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
@@ -74,6 +83,23 @@ class Parallelizer:
         if self.adapters is not None and (degrees.tp > 1 or par.fsdp_impl == "flexshard"):
             raise ValueError("lora.targets: LoRA adapters compose with fully_shard FSDP and pipeline parallelism; "
                              "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
+
+    def loss_scale(self, scored_tokens: int) -> float:
+        """The factor each rank's summed loss is multiplied by before its backward: the one place the
+        gradient scale of a layout is decided.
+
+        The objective is the mean over the global batch's `scored_tokens`, so the gradients are the same
+        whatever the layout. FSDP averages gradients over the dp x cp ranks (each saw other tokens), so
+        the factor is dp x cp / scored_tokens. Expert shards (ep > 1) are the exception it cannot cover:
+        their gradient already sums the ep ranks whose tokens they served (the all-to-all's backward) before
+        FSDP averages over the remaining dp / ep, so it comes out ep times too large, and
+        ExpertParallel.finish_gradients divides it by `expert_grad_divisor` (given at construction)."""
+        return self.degrees.dp * self.degrees.cp / max(scored_tokens, 1)
+
+    @property
+    def expert_grad_divisor(self) -> int:
+        """See loss_scale."""
+        return self.degrees.ep
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -139,7 +165,9 @@ class Parallelizer:
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
             apply_tensor_parallel(model, self.mesh["tp"])
-        expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep) if self.degrees.ep > 1 else None
+        expert_parallel = None
+        if self.degrees.ep > 1:
+            expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
         apply_activation_checkpointing(model, self.run.activation_checkpoint)
         if self.run.compile.enabled:
             apply_compile(model)
@@ -152,7 +180,8 @@ class Parallelizer:
         dp_mesh = fsdp_mesh(self.mesh, self.degrees)
         param_dtype = self.compute_dtype if self.precision == "bf16" else None
         if expert_parallel is not None:
-            expert_parallel.apply_fsdp(dp_mesh, param_dtype=param_dtype, reshard_after_forward=par.reshard_after_forward)
+            expert_parallel.apply_fsdp(dp_mesh, param_dtype=param_dtype,
+                                       reshard_after_forward=par.reshard_after_forward)
         if pipeline is not None:
             pipeline.apply_fsdp(dp_mesh, param_dtype=param_dtype, reshard_after_forward=par.reshard_after_forward)
         elif par.fsdp_impl == "flexshard":

@@ -10,11 +10,21 @@ import os
 import sys
 from collections.abc import Callable
 
-from .config import (
-    ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DataConfig, JobConfig, LoRAConfig, LRScheduleConfig,
-    ModelConfig, OptimizerConfig, ParallelismConfig, TrainConfig, StepConfig,
-)
 from .cli_args import ConfigError, close_matches
+from .config import (
+    ActivationCheckpointConfig,
+    CheckpointConfig,
+    CompileConfig,
+    DataConfig,
+    JobConfig,
+    LoRAConfig,
+    LRScheduleConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    StepConfig,
+    TrainConfig,
+)
 
 Recipe = Callable[[], TrainConfig]
 _RECIPES: dict[str, Recipe] = {}
@@ -107,7 +117,8 @@ def _debug_moe_ep(family: str, flavor: str, folder: str) -> TrainConfig:
 
 @register_recipe("qwen3_moe_debug_ep")
 def qwen3_moe_debug_ep() -> TrainConfig:
-    """The debug Qwen3-MoE (8 experts, top-2) with its experts split over 2 ranks: torchrun --nproc-per-node 2 (or 4)."""
+    """The debug Qwen3-MoE (8 experts, top-2) with its experts split over 2 ranks: torchrun --nproc-per-node 2
+    (or 4)."""
     return _debug_moe_ep("qwen3", "debug_moe", "runs/qwen3_moe_debug_ep")
 
 
@@ -119,19 +130,23 @@ def deepseek_v3_debug_ep() -> TrainConfig:
 
 @register_recipe("llama3_debug_muon")
 def llama3_debug_muon() -> TrainConfig:
-    """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no communication."""
+    """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no
+    communication."""
     config = llama3_debug()
     config.job.folder = "runs/llama3_debug_muon"
     config.optimizer = OptimizerConfig(name="muon", muon_lr=0.05, lr=2e-3, weight_decay=0.1)
     # Attention and MLP matrices owned whole (Muon orthogonalises them where they live); embeddings, norms
     # and the output head (AdamW's) row-sharded as fully_shard would.
-    config.parallelism = ParallelismConfig(fsdp_impl="flexshard", flexshard_placements=(("layers.*.w*.weight", "owned"),))
+    config.parallelism = ParallelismConfig(fsdp_impl="flexshard",
+                                           flexshard_placements=(("layers.*.w*.weight", "owned"),))
     return config
 
 
 @register_recipe("llama3_debug_sft")
 def llama3_debug_sft() -> TrainConfig:
-    """Supervised fine-tuning of the main job's model on generated arithmetic chats (run the main job with --checkpoint.interval 100 first)."""
+    """Supervised fine-tuning of the main job's model on generated arithmetic chats (after the main job).
+
+    Start the main job with --checkpoint.interval 100 so runs/llama3_debug holds its weights."""
     config = llama3_debug()
     config.job.folder = "runs/llama3_debug_sft"
     config.training = StepConfig(steps=60, batch_size=8, seq_len=128, max_grad_norm=1.0)

@@ -58,8 +58,8 @@ class Trainer:
         config.check()
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.layout = config.parallelism.build(config, world_size=world, device=device)
-        self.degrees, self.mesh, self.dp_rank = self.layout.degrees, self.layout.mesh, self.layout.dp_rank
+        self.parallelizer = layout = config.parallelism.build(config, world_size=world, device=device)
+        self.degrees, self.mesh, self.dp_rank = layout.degrees, layout.mesh, layout.dp_rank
         self.folder = Path(config.job.folder)
         torch.manual_seed(config.job.seed)
         # Data: every rank reads the global stream and keeps its rows (see data/loader.py).
@@ -71,7 +71,7 @@ class Trainer:
         self.validator = config.validation.build(config.data, self.tokenizer, seq_len=t.seq_len,
                                                  batch_size=t.batch_size, seed=config.job.seed)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
-        self.parallel = self.layout.build_model(
+        self.parallel = self.parallelizer.build_model(
             self.model_cfg, document_masking=config.data.document_masking and not config.data.random)
         self.model, self.loss_module, self.pipeline = self.parallel.model, self.parallel.loss, self.parallel.pipeline
         if config.checkpoint.initial_load:  # before a resume, which loads over it (LoRA: the adapters only)
@@ -79,12 +79,12 @@ class Trainer:
 
             load_initial_weights(self.model, config.checkpoint.initial_load, pipeline=self.pipeline)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
-        self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.layout.param_dtype)
+        self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.parallelizer.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
         self.guard = NonFiniteGuard(self.optimizer, device)
         self.checkpoints = config.checkpoint.build(
             self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
-            trainable_only=self.layout.adapters is not None)
+            trainable_only=self.parallelizer.adapters is not None)
         self.profiler = config.profiling.build(self.folder, rank=self.rank, device=device)
         if config.checkpoint.export_hf_at_end and self.pipeline is not None:
             raise ValueError("checkpoint.export_hf_at_end with parallelism.pp > 1: export the last checkpoint with "
@@ -105,10 +105,8 @@ class Trainer:
         may still be computing (NonFiniteGuard says when a non-finite one stops the run)."""
         t = self.config.training
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
-        # Normalise by the global count of scored tokens, so the loss and its gradient are the same
-        # whatever the layout; FSDP averages gradients over dp x cp ranks, so scale by that to get the sum.
         scored = int((batch.labels != IGNORE_INDEX).sum())
-        scale = self.degrees.dp * self.degrees.cp / max(scored, 1)
+        scale = self.parallelizer.loss_scale(scored)
         local, positions = self._local_rows(batch)
         rows = local.tokens.shape[0]
         micro_rows = rows // t.grad_accum_steps
@@ -122,7 +120,7 @@ class Trainer:
                 micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
                 micro_positions = None if positions is None else positions[i * micro_rows:(i + 1) * micro_rows]
                 # fully_shard reduces once, after the last microbatch (flexshard: after every one)
-                if self.layout.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
+                if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
                     self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
                 with self._autocast():
                     micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
@@ -180,12 +178,13 @@ class Trainer:
         return loss_sum
 
     def _clip_gradients(self) -> torch.Tensor:
-        # On the guard's device path the norm is not read on the host (no sync): the coefficient is clamped
-        # to 1 on the device instead, which multiplies gradients within the bound by exactly 1.
+        # Reading the norm skips the multiplication of gradients within the bound (by exactly 1). On the guard's
+        # device path it is not read (no sync) unless every step is read back anyway (log_interval 1).
+        read_norm = not self.guard.on_device or self.config.metrics.log_interval == 1
         params, max_norm = list(self.model.parameters()), self.config.training.max_grad_norm
         if self.pipeline is not None:  # each pp rank holds other stages: the norm is reduced over pp too
-            return self.pipeline.clip_gradients(params, max_norm, read_norm=not self.guard.on_device)
-        return clip_by_total_norm(params, max_norm, read_norm=not self.guard.on_device)
+            return self.pipeline.clip_gradients(params, max_norm, read_norm=read_norm)
+        return clip_by_total_norm(params, max_norm, read_norm=read_norm)
 
     # --- the run ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:

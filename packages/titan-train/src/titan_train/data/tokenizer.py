@@ -40,7 +40,8 @@ class ByteTokenizer:
     def save_hf(self, folder: Path, *, chat_template: bool = False) -> None:
         """tokenizer.json + tokenizer_config.json giving the same ids through transformers' fast tokenizer
         (a byte-level BPE without merges); with chat_template, the built-in chat template too."""
-        from tokenizers import AddedToken, Tokenizer as _Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _Tokenizer
 
         vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
         tokenizer = _Tokenizer(models.BPE(vocab=vocab, merges=[]))

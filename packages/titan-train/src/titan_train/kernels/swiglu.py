@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from titan_models.components.ffn import FeedForward
 from titan_models.components.projections import project_fused
-from torch import Tensor, nn
 
 _BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 8
 

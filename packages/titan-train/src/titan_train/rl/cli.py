@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ..command import finish, help_text, parse_args, run_actions
 from ..cli_args import ConfigError
+from ..command import finish, help_text, parse_args, run_actions
 from ..recipes import recipes
 from .config import RLConfig
 from .recipes import DEFAULT_RL_RECIPE, RL_RECIPES

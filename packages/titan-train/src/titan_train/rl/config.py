@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-
 @dataclass(kw_only=True)
 class RLJobConfig:
     """The `job` section of an RL run (as JobConfig of a training run)."""

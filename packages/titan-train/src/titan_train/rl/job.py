@@ -14,15 +14,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import titan_models as tm
-import titan_rl
 import torch
 import torch.distributed as dist
+
+import titan_models as tm
+import titan_rl
 from titan_rl.envs import SingleTurn
 
+from ..cli_args import check_types
 from ..data import ByteTokenizer as TrainByteTokenizer
 from ..model_setup import model_config
-from ..cli_args import check_types
 from ..process_group import process_group, select_device
 from .build import make_algorithm, make_sampling, make_task, validate
 from .config import RLConfig
@@ -87,40 +88,16 @@ class RLJob:
         if c.job.threads:
             torch.set_num_threads(c.job.threads)  # for this process, as the field's doc says
         result = RLResult(folder=self.folder)
-        n_params = tm.count_params(self.model_cfg).total
-        self._say(f"{c.algorithm.name} on {c.env.task}, {c.policy.family} {c.policy.flavor} with "
-                  f"{self.model_cfg.num_layers} layers ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
-                  f"{self.world} rank(s){' (FSDP)' if self.world > 1 else ''}; pretraining {c.pretrain.steps} steps, "
-                  f"then {c.training.steps} RL steps of {c.rollout.prompts_per_step} prompts x "
-                  f"{c.algorithm.group_size} samples; output in {self.folder}")
-
+        self._announce()
         # 1. Pretraining: the format of the task (and some of its skill), by titan-train's trainer.
         if c.pretrain.steps:
             full, pre = pretrain(c, self.task, self.device)
             result.pretrain_losses = pre.losses
         else:
             full = initial_weights(self.model_cfg, seed=c.policy.init_seed)
-
-        # 2. The policy (sharded), each rank's generator (full weights), the KL reference.
-        torch.manual_seed(c.job.seed * 1000 + self.rank)  # rollouts sample different tokens on each rank
-        invariant = c.generator.batch_invariant
-        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant)
-        weights = export_weights(policy)
-        generator_model = build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
-        generator = _make_generator(c, generator_model, self.tokenizer.pad_id)
-        reference = (build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
-                     if c.algorithm.kl_coef > 0 else None)
-        del full, weights
+        policy, generator, update, rollouts = self._build(full)
+        del full
         t = c.training
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                      weight_decay=t.weight_decay)
-        update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
-                              max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
-                              pad_id=self.tokenizer.pad_id, reference=reference)
-        rollouts = ShardedRollouts(make_env=lambda: SingleTurn(self.task), generator=generator,
-                                   tokenizer=self.tokenizer, sampling=self.sampling,
-                                   group_size=self.algorithm.group_size, groups_per_step=c.rollout.prompts_per_step,
-                                   max_policy_lag=c.rollout.max_policy_lag, seed=c.job.seed)
 
         def evaluate(step: int) -> float | None:
             if not c.eval.problems:
@@ -164,6 +141,40 @@ class RLJob:
         if self.rank == 0:
             self._report(result)
         return result
+
+    def _announce(self) -> None:
+        c = self.config
+        n_params = tm.count_params(self.model_cfg).total
+        self._say(f"{c.algorithm.name} on {c.env.task}, {c.policy.family} {c.policy.flavor} with "
+                  f"{self.model_cfg.num_layers} layers ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
+                  f"{self.world} rank(s){' (FSDP)' if self.world > 1 else ''}; pretraining {c.pretrain.steps} steps, "
+                  f"then {c.training.steps} RL steps of {c.rollout.prompts_per_step} prompts x "
+                  f"{c.algorithm.group_size} samples; output in {self.folder}")
+
+    def _build(self, full: dict[str, torch.Tensor]):
+        """The policy (sharded), each rank's generator (full weights), the KL reference, the update and the
+        rollouts, from the initial weights `full`."""
+        c = self.config
+        torch.manual_seed(c.job.seed * 1000 + self.rank)  # rollouts sample different tokens on each rank
+        invariant = c.generator.batch_invariant
+        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant)
+        weights = export_weights(policy)
+        generator_model = build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
+        generator = _make_generator(c, generator_model, self.tokenizer.pad_id)
+        reference = (build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
+                     if c.algorithm.kl_coef > 0 else None)
+        del weights
+        t = c.training
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                      weight_decay=t.weight_decay)
+        update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
+                              max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
+                              pad_id=self.tokenizer.pad_id, reference=reference)
+        rollouts = ShardedRollouts(make_env=lambda: SingleTurn(self.task), generator=generator,
+                                   tokenizer=self.tokenizer, sampling=self.sampling,
+                                   group_size=self.algorithm.group_size, groups_per_step=c.rollout.prompts_per_step,
+                                   max_policy_lag=c.rollout.max_policy_lag, seed=c.job.seed)
+        return policy, generator, update, rollouts
 
     def _step(self, rollouts: ShardedRollouts, update: PolicyUpdate, version: int) -> dict[str, float]:
         """One RL step's rollouts, advantages and update (a collective: every rank runs it alike)."""

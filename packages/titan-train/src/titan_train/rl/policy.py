@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import titan_rl
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+import titan_rl
 
 from ..model_setup import build_on_meta
 

@@ -14,11 +14,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from titan_rl.envs import Task
 
 from ..config import (
-    CheckpointConfig, DataConfig, JobConfig, LRScheduleConfig, MetricsConfig, ModelConfig, OptimizerConfig,
-    TrainConfig, StepConfig,
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    LRScheduleConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    StepConfig,
+    TrainConfig,
 )
 from ..trainer import Trainer, TrainResult
 from .config import RLConfig

@@ -6,7 +6,11 @@ from collections.abc import Callable
 
 from ..recipes import register_recipe
 from .config import (
-    GeneratorConfig, RLAlgorithmConfig, RLConfig, RLJobConfig, RolloutConfig,
+    GeneratorConfig,
+    RLAlgorithmConfig,
+    RLConfig,
+    RLJobConfig,
+    RolloutConfig,
 )
 
 RL_RECIPES: dict[str, Callable[[], RLConfig]] = {}

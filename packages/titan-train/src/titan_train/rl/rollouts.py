@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from titan_rl import AsyncRollouts, Generator, RolloutBatch, Sample, SamplingConfig, Tokenizer, collect_rollouts
 from titan_rl.envs import Environment, SingleTurn, Task
 

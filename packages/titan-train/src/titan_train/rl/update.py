@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs
 
 from ..grad_norm import clip_by_total_norm
@@ -58,18 +59,7 @@ class PolicyUpdate:
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
         start = time.perf_counter()
-        token_mean = self.loss.aggregation == "token_mean"
-        parts = [p for p in torch.arange(len(samples)).tensor_split(self.minibatches) if len(p)]
-        slices = []  # per minibatch: (its tokens, this rank's TrainBatch or None, this rank's loss scale)
-        for part in parts:
-            mine = part.tensor_split(self.world)[self.rank].tolist()
-            tokens = sum(sum(samples[i].loss_mask) for i in part.tolist())
-            batch = (TrainBatch.from_samples([samples[i] for i in mine], [advantages[i] for i in mine],
-                                             pad_id=self.pad_id, device=self.device) if mine else None)
-            local = sum(sum(samples[i].loss_mask) for i in mine) if token_mean else len(mine)
-            scale = self.world * local / (tokens if token_mean else len(part))
-            slices.append((tokens, batch, scale))
-
+        slices = self._slices(samples, advantages)
         with torch.no_grad():  # PPO's "old" policy: the batch's start (one update per batch: the current one)
             olds = [self._logprobs(self.policy, b) if self.minibatches > 1 else None for _, b, _ in slices]
             refs = [self._logprobs(self.reference, b) if self.loss.kl_coef > 0 and b is not None else None
@@ -109,18 +99,37 @@ class PolicyUpdate:
             for j, name in enumerate(TOKEN_MEAN_METRICS):
                 totals[name] = totals.get(name, 0.0) + float(contribution[1 + j])
         self.optimizer.zero_grad(set_to_none=True)
+        return self._metrics(totals, len(slices), mismatch_max, mismatch, trained_tokens, start, len(samples))
 
+    def _slices(self, samples: list[Sample], advantages: list[float]) -> list[tuple[int, TrainBatch | None, float]]:
+        """Per minibatch: (its tokens, this rank's TrainBatch or None, this rank's loss scale)."""
+        token_mean = self.loss.aggregation == "token_mean"
+        parts = [p for p in torch.arange(len(samples)).tensor_split(self.minibatches) if len(p)]
+        slices = []
+        for part in parts:
+            mine = part.tensor_split(self.world)[self.rank].tolist()
+            tokens = sum(sum(samples[i].loss_mask) for i in part.tolist())
+            batch = (TrainBatch.from_samples([samples[i] for i in mine], [advantages[i] for i in mine],
+                                             pad_id=self.pad_id, device=self.device) if mine else None)
+            local = sum(sum(samples[i].loss_mask) for i in mine) if token_mean else len(mine)
+            scale = self.world * local / (tokens if token_mean else len(part))
+            slices.append((tokens, batch, scale))
+        return slices
+
+    def _metrics(self, totals: dict[str, float], minibatches: int, mismatch_max: torch.Tensor,
+                 mismatch: torch.Tensor, trained_tokens: int, start: float, samples: int) -> dict[str, float]:
+        """The update's metrics: minibatch means, and the behaviour mismatch and throughput over all ranks."""
         counts = torch.tensor([float(trained_tokens)], device=self.device)
         if self.world > 1:
             dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
             dist.all_reduce(mismatch)
             dist.all_reduce(counts)
         seconds = time.perf_counter() - start
-        metrics = {k: v / max(len(slices), 1) for k, v in totals.items()}
+        metrics = {k: v / max(minibatches, 1) for k, v in totals.items()}
         metrics |= {"logprob_mismatch_max": float(mismatch_max),
                     "logprob_mismatch_mean": float(mismatch[0] / mismatch[1].clamp_min(1)),
                     "train_tokens_per_s": float(counts[0]) / max(seconds, 1e-9),
-                    "trained_samples": float(len(samples))}
+                    "trained_samples": float(samples)}
         if self.loss.tis_cap is None:  # reported as 0 by the fixed-size reduction above, but not measured
             del metrics["tis_weight_mean"], metrics["tis_truncated_frac"]
         assert all(math.isfinite(v) for v in metrics.values()), metrics
