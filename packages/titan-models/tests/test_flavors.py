@@ -8,7 +8,6 @@ import torch
 from tm_reference import build
 
 import titan_models as tm
-from titan_models.models import deepseek_v3, llama3, qwen3
 
 
 def within_published(ours: int, published: str) -> bool:
@@ -27,9 +26,24 @@ def test_within_published_tolerance_rule():
     assert within_published(8.07e9, "8.03B") and not within_published(8.09e9, "8.03B")
 
 
-@pytest.mark.parametrize("name", list(llama3.flavors.PUBLISHED_PARAMS))
-def test_llama3_counts_match_published(name):
-    assert within_published(tm.count_params(tm.flavor("llama3", name)).total, llama3.flavors.PUBLISHED_PARAMS[name])
+PUBLISHED = [(f.name, flavor) for f in tm.families() for flavor in f.published_sizes]
+
+
+@pytest.mark.parametrize(("family", "name"), PUBLISHED, ids=[f"{f}-{n}" for f, n in PUBLISHED])
+def test_counts_match_published(family, name):
+    record = tm.family(family)
+    published = record.published_sizes[name]
+    total, active = record.count_as_published(tm.count_params(tm.flavor(family, name)))
+    assert within_published(total, published.total), (total, published)
+    if published.active is not None:
+        assert within_published(active, published.active), (active, published)
+
+
+@pytest.mark.parametrize("family", [f.name for f in tm.families()])
+def test_every_flavor_but_the_debug_ones_has_a_published_size(family):
+    record = tm.family(family)
+    unpublished = [n for n in record.flavors if not n.startswith("debug") and n not in record.published_sizes]
+    assert not unpublished, f"{family} flavors {unpublished} have no published size to check their counts against"
 
 
 def test_llama3_counts_match_exact_hf_checkpoints():
@@ -38,24 +52,6 @@ def test_llama3_counts_match_exact_hf_checkpoints():
              "405B": 405_853_388_800}
     for name, count in exact.items():
         assert tm.count_params(tm.flavor("llama3", name)).total == count, name
-
-
-@pytest.mark.parametrize("name", list(qwen3.flavors.PUBLISHED_PARAMS))
-def test_qwen3_counts_match_published(name):
-    total, active = qwen3.flavors.PUBLISHED_PARAMS[name]
-    counts = tm.count_params(tm.flavor("qwen3", name))
-    assert within_published(counts.total, total)
-    if active is not None:  # Qwen's activated figures include the embedding table
-        assert within_published(counts.active, active)
-
-
-@pytest.mark.parametrize("name", list(deepseek_v3.flavors.PUBLISHED_PARAMS))
-def test_deepseek_v3_counts_match_published(name):
-    total, active = deepseek_v3.flavors.PUBLISHED_PARAMS[name]
-    counts = tm.count_params(tm.flavor("deepseek_v3", name))
-    assert within_published(counts.main, total)
-    # DeepSeek's activated figures leave out the input embedding (a lookup, not a matmul)
-    assert within_published(counts.active - counts.embedding, active)
 
 
 def test_671b_builds_on_meta_in_seconds():
@@ -72,15 +68,17 @@ def test_671b_builds_on_meta_in_seconds():
     assert model.layers["3"].moe.experts.w1.shape == (256, 2048, 7168)
 
 
-def test_every_family_has_a_tiny_debug_flavor():
-    for family in tm.families():
-        config = tm.flavor(family, "debug")
-        assert config.dim <= 256 and 4 <= config.num_layers <= 6 and config.vocab_size >= 264
-        assert tm.count_params(config).total < 10e6
+@pytest.mark.parametrize("family", [f.name for f in tm.families()])
+def test_every_family_has_a_tiny_debug_flavor(family):
+    config = tm.flavor(family, "debug")
+    assert config.dim <= 256 and 4 <= config.num_layers <= 6 and config.vocab_size >= 264
+    assert tm.count_params(config).total < 10e6
 
 
-@pytest.mark.parametrize(("family", "name"), [("llama3", "debug"), ("qwen3", "debug"), ("qwen3", "debug_moe"),
-                                              ("deepseek_v3", "debug")])
+DEBUG = [(f.name, flavor) for f in tm.families() for flavor in f.flavors if flavor.startswith("debug")]
+
+
+@pytest.mark.parametrize(("family", "name"), DEBUG, ids=[f"{f}-{n}" for f, n in DEBUG])
 def test_debug_models_agree_across_attention_backends_and_train(family, name):
     config = tm.transforms.num_layers(2)(tm.flavor(family, name))
     sdpa, flex = build(config), build(tm.transforms.attention("flex")(config))

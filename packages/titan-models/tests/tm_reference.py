@@ -17,15 +17,17 @@ def build(config, *, seed: int = 0):
     return model
 
 
-def save_hf(hf_config, folder, *, seed: int = 0, **save_kwargs):
+def save_hf(hf_config, folder, *, seed: int = 0, auto_class: str = "AutoModelForCausalLM", prepare=None,
+            **save_kwargs):
     """A randomly initialised transformers model saved to `folder`; returns the model (eval, float32).
 
-    Norm weights are randomised too (HF initialises them to one, which would hide a swapped norm).
+    Norm weights are randomised too (HF initialises them to one, which would hide a swapped norm);
+    `prepare(model)` then adjusts what a family's test case needs.
     """
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
+    model = getattr(transformers, auto_class).from_config(hf_config, attn_implementation="eager",
                                                           dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -36,12 +38,14 @@ def save_hf(hf_config, folder, *, seed: int = 0, **save_kwargs):
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buf.uniform_(-0.05, 0.05)
+    if prepare is not None:
+        prepare(model)
     model.save_pretrained(folder, **save_kwargs)
     return model
 
 
-def load_hf(folder):
+def load_hf(folder, *, auto_class: str = "AutoModelForCausalLM"):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+    return getattr(transformers, auto_class).from_pretrained(folder, attn_implementation="eager",
                                                              dtype=torch.float32).eval()

@@ -435,3 +435,63 @@ def hooks_round_trip(rank: int, world_size: int, root: str) -> None:
         ckpt.save(3, hook_layout(rank, mesh, hook_tensors(3), swapped=True), blocking=True)
     assert counter.calls == {} and counter.sequence == 0, (counter.calls, counter.sequence)
     ckpt.close()
+
+
+def damage_and_failure_on_two(rank: int, world_size: int, root: str) -> None:
+    """Damage only rank 1 reads (its shard of step 2): both ranks fall back to step 1 together. Then
+    rank 1 cannot write step 3: the per-step poll stops both ranks and the folder is removed. Then a
+    damaged record that only rank 1 checks: both fall back again."""
+    import time
+    import warnings
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = {step: torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) * step for step in (1, 2, 3)}
+    ckpt = tc.Checkpointer(FailingStorage(root, fail_rank=1, fail_step=3, rank=rank))
+    for step in (1, 2):
+        ckpt.save(step, {"w": distribute_tensor(full[step], mesh, [Shard(0)]), "step": step}).wait()
+    ckpt.close()
+    dist.barrier()
+    ckpt = tc.Checkpointer(FailingStorage(root, fail_rank=1, fail_step=3, rank=rank))  # the next run
+    if rank == 0:  # a flipped bit in the tensor bytes of rank 1's file: rank 0 never reads them
+        data = Path(root, "step-2", "rank-00001.safetensors")
+        raw = bytearray(data.read_bytes())
+        raw[-7] ^= 4
+        data.write_bytes(bytes(raw))
+    dist.barrier()
+    target = {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)]), "step": 0}
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert ckpt.load(target) == 1, "the ranks did not agree to skip the damaged step"
+    assert torch.equal(target["w"].full_tensor(), full[1]) and target["step"] == 1
+    if rank == 0:
+        assert any("rank-00001.safetensors" in str(w.message) and "damaged-step-2" in str(w.message) for w in warned), warned
+    assert ckpt.steps() == [1]
+
+    ckpt.save(2, {"w": distribute_tensor(full[2], mesh, [Shard(0)]), "step": 2}).wait()
+    ckpt.save(3, {"w": distribute_tensor(full[3], mesh, [Shard(0)]), "step": 3})  # fails on rank 1
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            ckpt.raise_if_failed()  # the trainer's per-step poll
+            time.sleep(0.005)
+        raise AssertionError("the failed save was not reported")
+    except tc.CommitError as e:
+        assert "step 3" in str(e) and ("rank(s) [1]" in str(e) if rank == 0 else "injected" in str(e)), e
+    dist.barrier()
+    assert not Path(root, ".tmp-step-3").exists() and ckpt.steps() == [1, 2]
+    ckpt.close()
+
+    # A flipped bit in rank 1's record of step 2, which only rank 1 checks (each rank checks its share
+    # of the records) and only rank 1 reads: again both ranks fall back together.
+    if rank == 0:
+        record = next(Path(root, "step-2").glob("rank-00001.*.json"))
+        raw = bytearray(record.read_bytes())
+        raw[len(raw) // 3] ^= 1
+        record.write_bytes(bytes(raw))
+    dist.barrier()
+    with tc.Checkpointer(root) as ckpt, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert ckpt.load(target) == 1, "the ranks did not agree to skip the step with a damaged record"
+    assert torch.equal(target["w"].full_tensor(), full[1])
+    if rank == 0:
+        assert any(record.name in str(w.message) for w in warned), warned

@@ -9,7 +9,9 @@ import torch
 
 import torch_checkpointing as tc
 from ckpt_spawn import run_ranks
-from ckpt_workers import fsdp2_resume, global_tensors, hook_tensors, hooks_round_trip, load_on_two, save_on_four
+from ckpt_workers import (
+    damage_and_failure_on_two, fsdp2_resume, global_tensors, hook_tensors, hooks_round_trip, load_on_two, save_on_four,
+)
 
 
 def plain_target(step_zeros: bool = True) -> dict:
@@ -98,3 +100,7 @@ def test_local_tensors_with_checkpoint_hooks(tmp_path):
             assert ckpt.load(plain, step=step) == step
             for name, value in plain.items():
                 assert torch.equal(value, hook_tensors(step)[name]), (step, name)
+
+
+def test_damage_and_failed_saves_on_two_ranks(tmp_path):
+    run_ranks(2, tmp_path / "pg", damage_and_failure_on_two, str(tmp_path / "ckpt"))

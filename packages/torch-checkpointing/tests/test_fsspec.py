@@ -38,11 +38,17 @@ def test_memory_round_trip_retention_and_cleanup(atomic_rename):
 
 def test_memory_damage_is_found():
     storage = tc.FsspecStorage(url())
+    older = torch.randn(64, 64)
     with tc.Checkpointer(storage) as ckpt:
+        ckpt.save(0, {"w": older}, blocking=True)
         ckpt.save(1, {"w": torch.randn(64, 64)}, blocking=True)
         name = "step-1/rank-00000.safetensors"
         raw = bytearray(storage.read_file(name))
         raw[-5] ^= 1
         storage.fs.pipe_file(storage._p(name), bytes(raw))
         with pytest.raises(tc.ChecksumError, match=r"memory://ckpt-\w+/step-1/rank-00000\.safetensors: tensor 'w'"):
-            ckpt.load({"w": torch.zeros(64, 64)})
+            ckpt.load({"w": torch.zeros(64, 64)}, step=1)
+        target = {"w": torch.zeros(64, 64)}
+        with pytest.warns(RuntimeWarning, match=r"step 1 .* is damaged .*tensor 'w'.* moved to memory://ckpt-\w+/damaged-step-1"):
+            assert ckpt.load(target) == 0  # the latest intact step
+        assert torch.equal(target["w"], older) and ckpt.steps() == [0]

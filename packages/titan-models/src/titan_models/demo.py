@@ -13,7 +13,7 @@ import titan_models as tm
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--family", default="llama3", help=f"model family, one of {tm.families()}")
+    parser.add_argument("--family", default="llama3", help=f"model family, one of {[f.name for f in tm.families()]}")
     parser.add_argument("--flavor", default="debug", help="flavor name (see titan_models.flavors(family))")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence in the forward pass")
     parser.add_argument("--batch", type=int, default=2, help="sequences in the forward pass")

@@ -15,6 +15,7 @@ import torch
 from titan_models.components.attention import ATTENTION_BACKENDS
 from titan_models.components.moe import EXPERT_IMPLEMENTATIONS
 from titan_models.components.norms import LayerNormConfig, NormConfig, RMSNormConfig
+from titan_models.model_config import ModelConfigBase
 
 Transform = Callable[[Any], Any]
 
@@ -42,11 +43,8 @@ def num_layers(n: int) -> Transform:
     if n < 1:
         raise ValueError(f"num_layers must be >= 1, got {n}")
 
-    def transform(config: Any) -> Any:
-        changes: dict[str, Any] = {"num_layers": n}
-        if hasattr(config, "first_k_dense"):  # keep the dense prefix inside the model
-            changes["first_k_dense"] = min(config.first_k_dense, n)
-        return _replace(config, **changes)
+    def transform(config: ModelConfigBase) -> ModelConfigBase:
+        return config.with_num_layers(n)  # the family keeps its layer layout valid (e.g. a dense prefix)
 
     return transform
 
@@ -89,10 +87,9 @@ def moe(*, implementation: str | None = None, **fields: Any) -> Transform:
             raise ValueError(f"unknown expert implementation {implementation!r}; choose one of {EXPERT_IMPLEMENTATIONS}")
         fields["implementation"] = implementation
 
-    def transform(config: Any) -> Any:
-        current = getattr(config, "moe", None)
-        if current is None:
+    def transform(config: ModelConfigBase) -> ModelConfigBase:
+        if config.moe is None:
             raise ValueError(f"{type(config).__name__} has no MoE layers to configure")
-        return _replace(config, moe=_replace(current, **fields))
+        return _replace(config, moe=_replace(config.moe, **fields))
 
     return transform

@@ -4,6 +4,11 @@ State: {"model", "optimizer", "scheduler", "data", "rng", "step"}. Model and opt
 torch-checkpointing's adapters over torch.distributed.checkpoint.state_dict, so they hold DTensors for
 sharded parameters and load into any layout; the scheduler, the data loader and the RNG are stateful
 objects whose state_dict() is saved and whose load_state_dict() a load calls.
+
+Failures are loud and early: an asynchronous save that failed (a full disk, a read-only folder) stops
+the run at the trainer's next step (`RunCheckpoints.poll`), its unfinished folder removed and the
+last committed step intact; a damaged checkpoint is not resumed from: torch-checkpointing falls back
+to the newest intact step with a warning naming the damage and where the damaged step was moved.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from torch_checkpointing import Checkpointer, ModelState, OptimizerState
+from torch_checkpointing import Checkpointer, CommitError, ModelState, OptimizerState
 
 ENTRIES = ("model", "optimizer", "scheduler", "data", "rng", "step")
 
@@ -60,6 +65,7 @@ class RunCheckpoints:
                  trainable_only: bool = False):
         """exclude: entries a restore leaves alone (checkpoint.exclude). trainable_only: the model entry holds
         the trainable parameters only (LoRA: the adapters; the frozen base is rebuilt from the initial weights)."""
+        self.folder = folder
         self.checkpointer = Checkpointer(str(folder), keep_last=keep_last or None, per_rank=("rng",))
         self.async_save = async_save
         self.adapt = adapt  # rewrites the state of every save and load (pipeline parallelism: each rank's stages)
@@ -80,7 +86,20 @@ class RunCheckpoints:
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         # save() returns once the state is staged (training may go on); the write finishes behind it.
-        self.checkpointer.save(step, state, blocking=not self.async_save)
+        self._stop_on_failure(lambda: self.checkpointer.save(step, state, blocking=not self.async_save))
+
+    def poll(self) -> None:
+        """Called once per step: raises (stopping the run) if an asynchronous save has failed since."""
+        self._stop_on_failure(self.checkpointer.raise_if_failed)
+
+    def _stop_on_failure(self, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except (CommitError, OSError) as e:
+            latest = self.checkpointer.latest_step()
+            kept = f"step {latest} is the newest committed checkpoint" if latest is not None else "no step is committed"
+            raise CommitError(f"checkpointing to {self.folder} failed, so the run stops: {e}; {kept} "
+                              "(its unfinished folder was removed)") from e
 
     def latest_step(self) -> int | None:
         return self.checkpointer.latest_step()
@@ -90,8 +109,11 @@ class RunCheckpoints:
 
     def restore(self, model: nn.Module, optimizer, scheduler, loader, device: torch.device, *,
                 step: int | None = None) -> int:
-        """Load the newest committed checkpoint (or `step`) into the run's objects, but for the excluded
-        entries; returns the step the run continues after (0 when `step` itself is excluded)."""
+        """Load the newest intact committed checkpoint (or `step`) into the run's objects, but for the excluded
+        entries; returns the step the run continues after (0 when `step` itself is excluded).
+
+        A damaged newer step (checksums, missing or cut files) is moved aside to damaged-step-N with a
+        RuntimeWarning naming the damage; every step damaged raises torch_checkpointing.ChecksumError."""
         state = self.state(model, optimizer, scheduler, loader, 0, device)
         for name in [name for name in state if any(fnmatch.fnmatchcase(name, p) for p in self.exclude)]:
             del state[name]

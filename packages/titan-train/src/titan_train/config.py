@@ -218,7 +218,8 @@ class DataConfig:
 
         format = self.format if format is None else format
         field_name = self.messages_field if self.chat else self.text_field
-        documents = open_documents(source, format=format, text_field=field_name, split=self.split)
+        documents = open_documents(source, format=format, text_field=field_name, split=self.split,
+                                   strings=not self.chat)
         encode = None
         if self.chat:
             from .data.chat import ChatEncoder

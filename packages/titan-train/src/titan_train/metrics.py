@@ -3,6 +3,7 @@ scalars as TensorBoard events beside it (rank 0 only)."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -45,18 +46,11 @@ class MetricsWriter:
         self.sinks = list(sinks or [])
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
-        # A run resumed after step N keeps the records up to N (a killed run may have logged steps past
-        # its last checkpoint, which are about to be redone); a fresh run starts the file again.
-        kept = []
         if start_step and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    if json.loads(line)["step"] <= start_step:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError):
-                    pass  # a line cut short by the kill
-        self._file = open(self.path, "w", encoding="utf-8")
-        self._file.writelines(kept)
+            _keep_records_up_to(self.path, start_step)
+        # Resumed: append after the kept records (already on disk, so a kill before the next line loses
+        # nothing). Fresh: start the file again.
+        self._file = open(self.path, "a" if start_step else "w", encoding="utf-8")
         self._tb = None
         if tensorboard:
             import tensorboard  # noqa: F401  (torch.utils.tensorboard writes through it; fail early if absent)
@@ -80,3 +74,22 @@ class MetricsWriter:
             self._tb.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """Rewrite `path` with its records of steps <= `step` only, atomically (a kill at any moment leaves
+    either the old file or the new one): a killed run may have logged steps past its last checkpoint,
+    which the resumed run redoes and logs again."""
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by the kill
+    partial = path.with_name(path.name + ".tmp")
+    with open(partial, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)

@@ -67,14 +67,14 @@ def _gather_sequence_hook(tp_mesh: DeviceMesh):
 
 
 def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
-    config = model.config
-    for name in ("num_heads", "num_kv_heads", "ffn_dim"):
-        value = getattr(config, name, None)
-        if value is not None and value % tp:
+    config = model.config  # a titan_models.ModelConfig
+    for name, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                        ("ffn_dim", config.ffn_dim)):
+        if value % tp:
             raise ValueError(f"parallelism.tp={tp} does not divide the model's {name}={value}")
     if seq_len % tp:
         raise ValueError(f"parallelism.tp={tp} does not divide training.seq_len={seq_len} (sequence parallel)")
-    if getattr(model, "tie_embeddings", False):
+    if config.tie_embeddings:
         raise ValueError("tensor parallelism with tied embeddings is not supported yet: the embedding is "
                          "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
 

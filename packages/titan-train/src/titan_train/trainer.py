@@ -18,12 +18,16 @@ from .cli_args import check_types
 from .config import TrainConfig
 from .context_parallel import local_indices, shard_sequence
 from .data import IGNORE_INDEX, Batch
+from .field_checks import check_run_fields
 from .grad_norm import clip_by_total_norm
+from .memory_estimate import check_memory_fits
 from .metrics import memory_gib, peak_flops
 from .model_setup import model_config
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
+from .optimizer_settings import OptimizerSettings
 from .process_group import process_group, select_device
 from .progress import ProgressBar
+from .run_folder import check_run_folder, claim_run_folder
 from .saved_config import save_config
 
 
@@ -56,16 +60,20 @@ class Trainer:
         self.config, self.device = config, device
         t = config.training
         config.check()
+        check_run_fields(config)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.parallelizer = layout = config.parallelism.build(config, world_size=world, device=device)
         self.degrees, self.mesh, self.dp_rank = layout.degrees, layout.mesh, layout.dp_rank
         self.folder = Path(config.job.folder)
+        check_run_folder(self.folder, resume=config.checkpoint.resume, device=device)  # refuse before the build
         torch.manual_seed(config.job.seed)
         # Data: every rank reads the global stream and keeps its rows (see data/loader.py).
         self.tokenizer = config.data.build_tokenizer()
         vocab_needed = 0 if self.tokenizer is None else self.tokenizer.vocab_size
         self.model_cfg = model_config(config.model, vocab_needed=vocab_needed)
+        check_memory_fits(config, self.model_cfg, self.degrees, device=device,
+                          n_params=tm.count_params(self.model_cfg).total)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
                                         seed=config.job.seed)
         self.validator = config.validation.build(config.data, self.tokenizer, seq_len=t.seq_len,
@@ -82,6 +90,9 @@ class Trainer:
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.parallelizer.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
         self.guard = NonFiniteGuard(self.optimizer, device)
+        self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
+        # before anything writes there
+        self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
         self.checkpoints = config.checkpoint.build(
             self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
             trainable_only=self.parallelizer.adapters is not None)
@@ -188,8 +199,15 @@ class Trainer:
 
     # --- the run ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _run(self) -> TrainResult:
         config, t = self.config, self.config.training
-        start, load_step = 0, config.checkpoint.load_step
+        start, load_step, settings_changed = 0, config.checkpoint.load_step, []
         if load_step and (self.checkpoints is None or load_step not in self.checkpoints.steps()):
             committed = self.checkpoints.steps() if self.checkpoints is not None else []
             raise ValueError(f"checkpoint.load_step={load_step} is not a committed checkpoint in "
@@ -202,13 +220,14 @@ class Trainer:
         if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
             start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device,
                                              step=load_step or None)
+            settings_changed = self.optimizer_settings.reapply(self.optimizer, self.scheduler)
         result = TrainResult(start_step=start, folder=self.folder)
         is_main = self.rank == 0
         metrics = (config.metrics.build(self.folder, start_step=start, run_config=dataclasses.asdict(config))
                    if is_main else None)
         bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
         if is_main:
-            self._announce(start)
+            self._announce(start, settings_changed)
         timing = _Timing()
         pending: list[_PendingStep] = []  # the steps since the last read-back
         collect_automatically = gc.isenabled()
@@ -216,6 +235,8 @@ class Trainer:
             gc.disable()
         try:
             for step in range(start + 1, t.steps + 1):
+                if self.checkpoints is not None:  # a failed asynchronous save stops the run here
+                    self.checkpoints.poll()
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
                 self.profiler.before(step)
@@ -283,10 +304,12 @@ class Trainer:
         return {"step": last.step, "loss": values[-1][0], "tokens_per_s": tokens_per_s, "lr": last.lr,
                 "grad_norm": values[-1][1], "mfu": mfu, "memory_gib": memory_gib(self.device), "step_seconds": seconds}
 
-    def _announce(self, start: int) -> None:
+    def _announce(self, start: int, settings_changed: list[str]) -> None:
         c, d = self.config, self.degrees
         n_params = tm.count_params(self.model_cfg).total
         resumed = f", resuming after step {start}" if start else ""
+        if settings_changed:
+            resumed += f" with the command line's optimizer settings ({', '.join(settings_changed)})"
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
         print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
               f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "

@@ -6,7 +6,7 @@ from .adapters import ModelState, OptimizerState
 from .checkpointer import Checkpointer, SaveHandle
 from .commit import CommitError
 from .config import CheckpointerConfig
-from .reader import ChecksumError
+from .integrity import ChecksumError
 from .storage import FileSink, FsspecStorage, LocalStorage, Storage
 
 __all__ = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -13,10 +14,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .commit import (
-    Committer, CommitError, RetentionPolicy, committed_steps, remove_leftovers, step_outcome, wait_for_outcome, work_dir,
+    Committer, CommitError, RetentionPolicy, committed_steps, quarantine_step, remove_leftovers, step_outcome,
+    wait_for_outcome, work_dir,
 )
 from .config import CheckpointerConfig, group_rank_and_size
-from .file_format import COMMIT, FAILED, dtype_name, record_file, step_dir, tensor_bytes
+from .file_format import COMMIT, dtype_name, record_file, step_dir, tensor_bytes
+from .integrity import ChecksumError, find_damage
 from .layout import RankLayout, build_rank_layout, layout_key, leaf_kind, merge_layouts
 from .rank_writer import ExtraPiece, write_rank
 from .sharding import box_view
@@ -58,6 +61,16 @@ class SaveHandle:
         """This rank's part is done without error (rank 0: the commit as well)."""
         return all(f.done() and f.exception() is None for f in (self._local, self._commit) if f is not None)
 
+    def _failed(self) -> bool:
+        """Known to have failed, without waiting (on ranks other than 0 this asks the storage)."""
+        if any(f.done() and f.exception() is not None for f in (self._local, self._commit) if f is not None):
+            return True
+        if self._commit is None and self._local.done():
+            outcome = self._checkpointer._outcome(self.step)
+            self._committed = outcome == "committed"
+            return outcome == "failed"
+        return False
+
     def done(self) -> bool:
         if self._committed:
             return True
@@ -69,7 +82,16 @@ class SaveHandle:
         if self._committed:
             return
         try:
-            self._local.result(timeout)
+            try:
+                self._local.result(timeout)
+            except Exception as e:
+                if self._commit is not None:  # rank 0: raise once the unfinished folder is cleaned up
+                    wait_futures([self._commit])
+                    raise
+                outcome, detail = step_outcome(self._checkpointer.storage, self.step)
+                if outcome == "failed":  # rank 0 gave up first (and removed the folder)
+                    raise CommitError(f"step {self.step} was not committed: {detail}") from e
+                raise
             if self._commit is not None:
                 self._commit.result(timeout)
             else:
@@ -140,6 +162,7 @@ class Checkpointer:
             calls handle.wait_staged() (or checks staged()) before changing the state.
         """
         self._check_open()
+        self.raise_if_failed()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if step in self._saved_steps:
@@ -182,9 +205,11 @@ class Checkpointer:
             self._committer_thread.submit(self._committer.apply_retention)
         handle = SaveHandle(self, step, staged, local, commit)
         self._saved_steps.append(step)
-        # Saves that finished well need no tracking; the newest stays (its buffers are reused next,
-        # and on ranks other than 0 waiting for its commit covers the earlier ones).
-        self._handles = [h for h in self._handles if not (h._committed or h._raised or h._finished_ok())] + [handle]
+        # Saves that finished well need no tracking; the newest stays (its buffers are reused next).
+        # On ranks other than 0 a save is finished once rank 0 committed it (raise_if_failed, called
+        # above, asks the storage), so that a commit failing later is still reported here.
+        self._handles = [h for h in self._handles
+                         if not (h._committed or h._raised or (h._commit is not None and h._finished_ok()))] + [handle]
         if blocking:
             handle.wait()
         return handle
@@ -280,8 +305,7 @@ class Checkpointer:
         try:
             local.result()
         except BaseException as e:
-            directory = work_dir(self.storage, step)
-            self.storage.write_file(f"{directory}/{FAILED}", f"rank 0 failed to write: {type(e).__name__}: {e}".encode())
+            self._committer.fail(step, work_dir(self.storage, step), f"rank 0 failed to write: {type(e).__name__}: {e}")
             raise
         self._committer.commit(step)
 
@@ -290,6 +314,24 @@ class Checkpointer:
 
     def _outcome(self, step: int) -> str:
         return step_outcome(self.storage, step, self._saved_after(step))[0]
+
+    def raise_if_failed(self) -> None:
+        """Raise, as a CommitError naming the step, the failure of an asynchronous save that failed
+        and was not reported yet; saves still in flight are not waited for. A trainer calls this
+        every step so that a failing save (a full disk, a read-only folder) stops the run at once
+        rather than at its end; save() checks it too. The failed step's unfinished folder is already
+        removed, and the steps committed before it stay loadable.
+        """
+        self._check_open()
+        for handle in list(self._handles):
+            if handle._raised or handle._committed or not handle._failed():
+                continue
+            try:
+                handle.wait()
+            except CommitError:
+                raise
+            except Exception as e:
+                raise CommitError(f"step {handle.step} was not saved: {type(e).__name__}: {e}") from e
 
     def wait(self) -> None:
         """Wait until every save so far is committed; raises the first failure not raised before."""
@@ -312,11 +354,17 @@ class Checkpointer:
     # ---- loading ---------------------------------------------------------------------------
 
     def load(self, state: dict, step: int | None = None) -> int:
-        """Fill `state` in place from `step` (default: the latest committed); returns the step.
+        """Fill `state` in place from `step` (default: the latest intact committed step); returns the step.
 
         Tensors and DTensors are copied into (resharded from whatever layout saved them); plain
         values are replaced in their containers; stateful objects get load_state_dict() afterwards.
         Entries of the checkpoint that `state` lacks are ignored; the reverse is an error.
+
+        A damaged step (a record or the metadata that does not match its checksum, a data file
+        missing, cut short or with damaged bytes) raises ChecksumError naming the file when `step`
+        names it; for the latest, it is moved aside (to damaged-step-N) with a warning saying how to
+        delete it, and the next older step is loaded. On several ranks every rank loads the same step:
+        after each step tried they exchange what they found (one all_gather_object).
         """
         self._check_open()
         for handle in self._handles:  # every rank must see the outcome of saves in flight to agree on "latest"
@@ -326,18 +374,68 @@ class Checkpointer:
             except Exception:
                 handle._raised = raised  # still that handle's to report
         steps = self.steps()
-        if step is None:
-            if not steps:
-                raise ValueError(f"no committed step to load in {self.storage}")
-            step = steps[-1]
-        elif step not in steps:
-            raise ValueError(f"step {step} is not committed in {self.storage}; committed steps: {steps[-20:]}")
-        tree = flatten(state)
-        reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._io, world_size=self.world_size)
-        load_step(reader, tree.leaves, per_rank=self.config.per_rank, rank=self.rank)
-        for obj, inner in reversed(tree.statefuls):
-            obj.load_state_dict(inner)
-        return step
+        if step is not None:
+            if step not in steps:
+                raise ValueError(f"step {step} is not committed in {self.storage}; committed steps: {steps[-20:]}")
+            damage = self._load_step(state, step)
+            if damage is not None:
+                raise ChecksumError(f"step {step} cannot be loaded: {damage}")
+            return step
+        if not steps:
+            raise ValueError(f"no committed step to load in {self.storage}")
+        found = []
+        for candidate in reversed(steps):
+            damage = self._load_step(state, candidate)
+            if damage is None:
+                return candidate
+            found.append(f"step {candidate}: {damage}")
+            if self.rank == 0:
+                self._set_aside(candidate, damage)
+        raise ChecksumError(f"every committed step in {self.storage} is damaged (moved aside as damaged-step-N): "
+                            + "; ".join(found[:8]))
+
+    def _load_step(self, state: dict, step: int) -> str | None:
+        """Load `step` into `state`, or say what is damaged in it (agreed by every rank)."""
+        damage, error = None, None
+        try:
+            # on several ranks each checks a share of the rank records; the exchange combines them
+            damage = find_damage(self.storage, step, share=(self.rank, self.world_size))
+            if damage is None:
+                tree = flatten(state)
+                reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._io,
+                                    world_size=self.world_size)
+                load_step(reader, tree.leaves, per_rank=self.config.per_rank, rank=self.rank)
+        except ChecksumError as e:
+            damage = str(e)
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, or they would wait
+            error = e
+        if self.world_size > 1:
+            mine = ("error", f"{type(error).__name__}: {error}") if error else ("damage", damage) if damage else None
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=self.process_group)
+            if error is not None:
+                raise error
+            failed = [(r, o[1]) for r, o in enumerate(everyone) if o is not None and o[0] == "error"]
+            if failed:
+                raise ValueError(f"loading step {step} failed on rank(s) {_rank_list([r for r, _ in failed])}: {failed[0][1]}")
+            damage = damage or next((o[1] for o in everyone if o is not None), None)
+        elif error is not None:
+            raise error
+        if damage is None:
+            for obj, inner in reversed(tree.statefuls):
+                obj.load_state_dict(inner)
+        return damage
+
+    def _set_aside(self, step: int, damage: str) -> None:
+        """Move a damaged step out of the way (so "latest", retention and a new save of it ignore it)."""
+        try:
+            moved = self.storage.describe(quarantine_step(self.storage, step))
+            action = f"It was moved to {moved}; delete it (rm -r {moved}) once you no longer need it"
+        except OSError as e:
+            where = self.storage.describe(step_dir(step))
+            action = f"It could not be moved aside ({e}); delete it (rm -r {where})"
+        warnings.warn(f"step {step} in {self.storage} is damaged and was not loaded: {damage}. {action}. "
+                      "Loading the next older step.", RuntimeWarning, stacklevel=3)
 
     # ---- export ----------------------------------------------------------------------------
 

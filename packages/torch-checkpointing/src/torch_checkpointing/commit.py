@@ -4,19 +4,21 @@ A step is committed exactly when `step-N/commit.json` exists. Ranks write into a
 (`.tmp-step-N`, or `step-N` itself where renames are not atomic), each finishing with its record
 file; rank 0 polls the storage until every rank's record is there, writes metadata.json, renames the
 work directory to `step-N` (fsyncing files and directories) and finally writes commit.json. A crash
-before that last write leaves the step invisible, and the next run's first save removes it.
+before that last write leaves the step invisible, and the next run's first save removes it. A step
+that fails (a rank could not write, a full disk) has its work directory removed at once and leaves
+`.failed-step-N` with the reason beside the steps, where every rank's wait() reads it.
 """
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .file_format import (
-    COMMIT, FAILED, METADATA, failure_file, parse_record_file, parse_step_dir, step_dir, temp_dir, to_json,
+    COMMIT, METADATA, damaged_dir, failed_step_file, failure_file, parse_record_file, parse_step_dir, step_dir, temp_dir,
 )
+from .integrity import read_sealed, sealed_json
 from .layout import merge_layouts
 from .storage import Storage
 
@@ -41,11 +43,13 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def remove_leftovers(storage: Storage) -> list[str]:
-    """Delete unfinished steps of earlier runs: temporaries, and step dirs without a commit record."""
+    """Delete what earlier runs left unfinished: temporaries, step dirs without a commit record and
+    failure notes (this run may save those steps again)."""
     removed = []
     for name in storage.listdir(""):
         step = parse_step_dir(name)
-        stale = name.startswith(".tmp-step-") or (step is not None and not storage.exists(f"{name}/{COMMIT}"))
+        stale = (name.startswith((".tmp-step-", ".failed-step-"))  # the latter's half-written ".partial" too
+                 or (step is not None and not storage.exists(f"{name}/{COMMIT}")))
         if stale:
             storage.remove(name)
             removed.append(name)
@@ -63,10 +67,10 @@ def step_outcome(storage: Storage, step: int, later: tuple[int, ...] = ()) -> tu
     """
     if storage.exists(f"{step_dir(step)}/{COMMIT}"):
         return "committed", ""
-    for directory in {work_dir(storage, step), step_dir(step)}:  # failures after the rename land in step-N
-        failed = f"{directory}/{FAILED}"
-        if storage.exists(failed):
-            return "failed", storage.read_file(failed).decode(errors="replace")
+    try:
+        return "failed", storage.read_file(failed_step_file(step)).decode(errors="replace")
+    except FileNotFoundError:
+        pass
     if any(storage.exists(f"{step_dir(s)}/{COMMIT}") for s in later):
         return "committed", ""
     return "pending", ""
@@ -96,6 +100,19 @@ class RetentionPolicy:
             return []
         recent = set(sorted(steps)[-self.keep_last:])
         return [s for s in steps if s not in recent and not (self.keep_every and s % self.keep_every == 0)]
+
+
+def quarantine_step(storage: Storage, step: int) -> str:
+    """Move a damaged committed step aside (to damaged-step-N, or .1, .2, ...); returns its new name.
+
+    Out of the way, it no longer counts for "latest", retention or a new save of that step."""
+    name, n = damaged_dir(step), 0
+    while storage.exists(name):
+        n += 1
+        name = f"{damaged_dir(step)}.{n}"
+    storage.rename(step_dir(step), name)
+    storage.sync_dir("")
+    return name
 
 
 def delete_step(storage: Storage, step: int) -> None:
@@ -132,16 +149,31 @@ class Committer:
                 self.storage.sync_dir("")
             self.storage.write_file(
                 f"{step_dir(step)}/{COMMIT}",
-                to_json({"step": step, "world_size": self.world_size, "committed_at": time.time()}),
+                sealed_json({"step": step, "world_size": self.world_size, "committed_at": time.time()}),
             )
         except Exception as e:
             error = e if isinstance(e, CommitError) else CommitError(f"step {step} was not committed: {e}")
-            try:
-                self.storage.write_file(f"{where}/{FAILED}", str(error).encode())  # other ranks' wait() reads it
-            finally:
-                if error is e:
-                    raise
-                raise error from e
+            self.fail(step, where, str(error))
+            if error is e:
+                raise
+            raise error from e
+
+    def fail(self, step: int, where: str, reason: str) -> None:
+        """Give up on `step`: remove its unfinished folder `where`, then tell the other ranks why.
+
+        Removing first frees the space a full disk needs for the note. A rank still writing its part
+        may recreate the folder; the next run's first save removes it.
+        """
+        try:
+            if not self.storage.exists(f"{where}/{COMMIT}"):  # a commit record means it is visible: keep it
+                self.storage.remove(where)
+        except OSError as e:
+            warnings.warn(f"could not remove the unfinished {self.storage.describe(where)}: {e}", RuntimeWarning, stacklevel=2)
+        try:
+            self.storage.write_file(failed_step_file(step), reason.encode())  # other ranks' wait() reads it
+        except OSError as e:
+            warnings.warn(f"could not record that step {step} failed ({e}); other ranks learn it at their commit "
+                          "timeout", RuntimeWarning, stacklevel=2)
 
     def apply_retention(self) -> None:
         for victim in self.retention.victims(committed_steps(self.storage)):
@@ -178,10 +210,10 @@ class Committer:
             fingerprint = parse_record_file(name)[1]
             if fingerprint != fingerprints[rank]:
                 # That rank's layout changed since the exchange: its record carries the new one.
-                layouts[rank] = json.loads(self.storage.read_file(f"{directory}/{name}"))["layout"]
+                layouts[rank] = read_sealed(self.storage, f"{directory}/{name}")["layout"]
                 fingerprints[rank] = fingerprint
         if self._metadata is None or fingerprints != self.fingerprints or records != self._metadata_records:
-            metadata = to_json(merge_layouts(layouts, records))  # raises if the ranks now disagree
+            metadata = sealed_json(merge_layouts(layouts, records))  # raises if the ranks now disagree
             self.layouts, self.fingerprints = layouts, fingerprints
             self._metadata, self._metadata_records = metadata, records
         return self._metadata

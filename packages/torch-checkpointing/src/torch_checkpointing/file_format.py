@@ -30,7 +30,6 @@ DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.ite
 
 COMMIT = "commit.json"
 METADATA = "metadata.json"
-FAILED = "failed.json"
 
 
 def step_dir(step: int) -> str:
@@ -39,6 +38,16 @@ def step_dir(step: int) -> str:
 
 def temp_dir(step: int) -> str:
     return f".tmp-step-{step}"
+
+
+def failed_step_file(step: int) -> str:
+    """Rank 0's note that a step failed, beside the steps: the step's own folder is removed."""
+    return f".failed-step-{step}"
+
+
+def damaged_dir(step: int) -> str:
+    """Where a load moves a committed step found damaged (not a step any more; never removed by us)."""
+    return f"damaged-step-{step}"
 
 
 def parse_step_dir(name: str) -> int | None:

@@ -1,7 +1,8 @@
 """One rank's part of a save: its safetensors data file, then its JSON record (the "done" marker).
 
 The record is written only after the data file is durable, so its presence tells the committing rank
-that this rank is finished, without any process-group collective.
+that this rank is finished, without any process-group collective. It carries the data file's size and
+header checksum and the tensors' block checksums, and ends with its own (integrity.sealed_json).
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .file_format import (
-    FORMAT, VERSION, block_checksums, data_file, dtype_name, failure_file, record_file, safetensors_header, to_json,
+    FORMAT, VERSION, block_checksums, data_file, dtype_name, failure_file, record_file, safetensors_header,
 )
+from .integrity import record_fields, sealed_json
 from .layout import RankLayout
 from .staging import Staged, StagingPlan
 from .storage import Storage
@@ -89,11 +91,12 @@ def write_rank(
                         "blocks": crcs}
     record = {
         "format": FORMAT, "version": VERSION, "step": step, "rank": rank, "fingerprint": layout.fingerprint,
-        "file": data_file(rank), "layout": layout.record, "stored": stored, "values": values,
+        "file": data_file(rank), **record_fields(header, base + sum(e[3] for e in entries)),
+        "layout": layout.record, "stored": stored, "values": values,
     }
     name = record_file(rank, layout.fingerprint)
     try:
-        storage.write_file(f"{directory}/{name}", to_json(record))
+        storage.write_file(f"{directory}/{name}", sealed_json(record))
     except BaseException:
         _report_failure(storage, directory, rank)
         raise

@@ -18,16 +18,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .file_format import DTYPES, METADATA, step_dir, tensor_bytes
+from .integrity import ChecksumError, read_sealed
 from .layout import leaf_kind
 from .sharding import Box, box_view, dtensor_boxes
 from .state_tree import Leaf, decode_value
 from .storage import Storage
 
 MAX_READ_BYTES = 64 << 20  # one read task; bounds the host memory of a load to io_threads of these
-
-
-class ChecksumError(RuntimeError):
-    """Stored bytes do not match their checksum: the message names the file, tensor and byte range."""
 
 
 @dataclass(slots=True)
@@ -56,14 +53,14 @@ class StepReader:
         self.storage, self.step, self.verify, self.io_pool = storage, step, verify, io_pool
         self.world_size_now = world_size
         self.directory = step_dir(step)
-        self.metadata = json.loads(storage.read_file(f"{self.directory}/{METADATA}"))
+        self.metadata = read_sealed(storage, f"{self.directory}/{METADATA}")
         self.world_size: int = self.metadata["world_size"]
         self._records: dict[int, dict] = {}
 
     def record(self, rank: int) -> dict:
         if rank not in self._records:
             name = self.metadata["records"][rank]
-            self._records[rank] = json.loads(self.storage.read_file(f"{self.directory}/{name}"))
+            self._records[rank] = read_sealed(self.storage, f"{self.directory}/{name}")
         return self._records[rank]
 
     def stored(self, rank: int, name: str) -> Stored:
@@ -91,7 +88,10 @@ class StepReader:
             out = torch.empty(hi - lo, dtype=torch.uint8)
         assert out.numel() == hi - lo, "direct reads must be block-aligned"
         data = tensor_bytes(out)
-        self.storage.read_into(stored.file, stored.start + lo, data)
+        try:
+            self.storage.read_into(stored.file, stored.start + lo, data)
+        except (EOFError, FileNotFoundError) as e:  # find_damage checks this first; a file may change since
+            raise ChecksumError(f"{self.storage.describe(stored.file)} is damaged: {e}") from None
         if self.verify and stored.nbytes:
             for b in range(first, last):
                 b_lo = stored.block_starts[b]

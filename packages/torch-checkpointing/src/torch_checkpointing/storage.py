@@ -62,6 +62,10 @@ class Storage(abc.ABC):
         """Fill `out` with the bytes at [offset, offset + len(out)) of the file."""
 
     @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """The file's length in bytes; FileNotFoundError when it does not exist."""
+
+    @abc.abstractmethod
     def rename(self, src: str, dst: str) -> None: ...
 
     @abc.abstractmethod
@@ -183,6 +187,9 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def size(self, path: str) -> int:
+        return os.stat(self._p(path)).st_size
+
     def rename(self, src: str, dst: str) -> None:
         os.rename(self._p(src), self._p(dst))
 
@@ -278,6 +285,9 @@ class FsspecStorage(Storage):
         if len(data) != len(out):
             raise EOFError(f"{self.describe(path)} ends before byte {offset + len(out)}")
         out[:] = data
+
+    def size(self, path: str) -> int:
+        return self.fs.size(self._p(path))
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.mv(self._p(src), self._p(dst), recursive=True)

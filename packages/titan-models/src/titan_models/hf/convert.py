@@ -10,14 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from titan_models.hf.converter import Converter
-from titan_models.hf.deepseek_v3 import DeepSeekV3Converter
-from titan_models.hf.llama3 import Llama3Converter
+from titan_models import registry
+from titan_models.hf.converter import Converter, check_field_types
 from titan_models.hf.names import NoHFName
-from titan_models.hf.qwen3 import Qwen3Converter
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
-CONVERTERS: tuple[Converter, ...] = (Llama3Converter(), Qwen3Converter(), DeepSeekV3Converter())
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,21 +24,18 @@ def converter_for(hf: dict[str, Any]) -> Converter:
     """The converter for a Hugging Face config dict (by its `architectures`): its `config_from_hf`,
     `config_to_hf` and `hf_names(config, titan_name)` map configs and tensor names both ways."""
     architectures = hf.get("architectures") or []
-    for converter in CONVERTERS:
-        if any(arch in converter.architectures for arch in architectures):
-            return converter
-    supported = sorted(a for c in CONVERTERS for a in c.architectures)
+    for family in registry.families():
+        if family.hf is not None and any(arch in family.hf_architectures for arch in architectures):
+            return family.hf
+    supported = sorted(a for family in registry.families() for a in family.hf_architectures)
     raise ValueError(f"config.json field architectures={architectures} is not supported; supported: {supported}")
 
 
-_converter_for_architecture = converter_for  # the name titan-rl first imported
-
-
 def _converter_for_config(config: Any) -> Converter:
-    for converter in CONVERTERS:
-        if isinstance(config, converter.config_type):
-            return converter
-    raise ValueError(f"no Hugging Face converter for {type(config).__name__}")
+    family = registry.family_of(config)
+    if family.hf is None:
+        raise ValueError(f"model family {family.name!r} has no Hugging Face converter")
+    return family.hf
 
 
 def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
@@ -62,12 +56,20 @@ def _load_plan(converter: Converter, config: Any, model: nn.Module) -> dict[str,
 
 
 def _read_folder(folder: Path) -> tuple[Any, Converter, SafetensorsFolder]:
-    if not (folder / "config.json").exists():
+    path = folder / "config.json"
+    if not path.exists():
         raise ValueError(f"{folder} has no config.json")
-    hf = json.loads((folder / "config.json").read_text())
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    check_field_types(hf, str(path))
     converter = converter_for(hf)
     files = SafetensorsFolder(folder)
-    config = converter.config_from_hf(hf, files.names())
+    try:
+        config = converter.config_from_hf(hf, files.names())
+    except KeyError as e:  # a field the converter reads with hf[...]
+        raise ValueError(f"{path} has no field {e.args[0]!r}, which {type(converter).__name__} needs") from None
     return dataclasses.replace(config, dtype=_checkpoint_dtype(hf)), converter, files
 
 

@@ -1,6 +1,8 @@
-"""What each family's Hugging Face converter provides (see hf/llama3.py for the simplest)."""
+"""What each family's Hugging Face converter provides (see models/llama3/hf.py for the simplest)."""
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any
 
@@ -32,6 +34,56 @@ class Converter:
     def extra_tensors(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """Tensors written besides the mapped state (e.g. duplicates a format expects)."""
         return []
+
+
+# config.json fields the converters read, by the JSON type each must have: a wrong type would fail deep
+# inside a model's construction (or build a wrong model) instead of naming the field.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+                "n_routed_experts", "num_experts_per_tok", "num_experts", "num_local_experts", "kv_lora_rank",
+                "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step")
+_COUNT_FIELDS = ("n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers",
+                 "num_mtp_layers")
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+_BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "attention_bias", "mlp_bias", "rope_interleave",
+                "use_sliding_window")
+_OBJECT_FIELDS = ("rope_scaling", "rope_parameters")
+# Read as `hf.get(field) or default`: null means "the default".
+_NULLABLE = ("head_dim", "num_key_value_heads", "q_lora_rank", "n_shared_experts", "n_group", "topk_group",
+             "num_nextn_predict_layers", "rope_scaling", "rope_parameters", "num_experts", "num_local_experts")
+
+
+def check_field_types(hf: Any, where: str) -> None:
+    """ValueError naming `where` (config.json's path) and the field, unless `hf` is a JSON object whose
+    known fields have their JSON types (sizes positive integers, counts integers >= 0, numbers, booleans,
+    objects). Fields that are absent are left to each converter (which names the one it misses)."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{where} holds a JSON {type(hf).__name__}, not an object")
+    architectures = hf.get("architectures", [])
+    if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        raise ValueError(f"{where}: field architectures is {json_repr(architectures)}; it must be an array of strings")
+    for field, value in hf.items():
+        if value is None and field in _NULLABLE:
+            continue
+        if field in _SIZE_FIELDS or field in _COUNT_FIELDS:
+            least = 1 if field in _SIZE_FIELDS else 0
+            if not (type(value) is int and value >= least):
+                raise ValueError(f"{where}: field {field} is {json_repr(value)}; it must be an integer >= {least}")
+        elif field in _NUMBER_FIELDS:
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise ValueError(f"{where}: field {field} is {json_repr(value)}; it must be a finite number")
+        elif field in _BOOL_FIELDS and type(value) is not bool:
+            raise ValueError(f"{where}: field {field} is {json_repr(value)}; it must be true or false")
+        elif field in _OBJECT_FIELDS and not isinstance(value, dict):
+            raise ValueError(f"{where}: field {field} is {json_repr(value)}; it must be an object")
+
+
+def json_repr(value: Any) -> str:
+    return f"{json.dumps(value)} (a JSON {_JSON_TYPES.get(type(value), type(value).__name__)})"
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
+               type(None): "null"}
 
 
 def require(hf: dict[str, Any], field: str, allowed: tuple[Any, ...], default: Any) -> None:

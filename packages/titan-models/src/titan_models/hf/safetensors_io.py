@@ -9,44 +9,76 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsFolder:
-    """Lazy access to the tensors of a folder: names and shapes without reading data."""
+    """Lazy access to the tensors of a folder: names and shapes without reading data.
+
+    Damaged folders are ValueErrors naming the file (and tensor): an index that is not JSON or has no
+    `weight_map`, an empty or truncated safetensors file, a tensor missing from the file the index names,
+    a floating-point tensor holding NaN or inf."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        self._handles: dict[Path, object] = {}
         index = self.folder / INDEX_FILE
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._file_of = {name: self.folder / file for name, file in weight_map.items()}
+            self._file_of = {name: self.folder / file for name, file in _read_weight_map(index).items()}
         elif (self.folder / SINGLE_FILE).exists():
-            with safe_open(self.folder / SINGLE_FILE, framework="pt") as f:
-                self._file_of = {name: self.folder / SINGLE_FILE for name in f.keys()}
+            names = self._open(self.folder / SINGLE_FILE).keys()
+            self._file_of = {name: self.folder / SINGLE_FILE for name in names}
         else:
             raise ValueError(f"{self.folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self._handles: dict[Path, object] = {}
 
     def names(self) -> set[str]:
         return set(self._file_of)
 
+    def _open(self, path: Path):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(path, framework="pt")
+            except SafetensorError as e:
+                size = path.stat().st_size
+                raise ValueError(f"{path} is not a readable safetensors file ({size} bytes; {e}): "
+                                 "empty, truncated or damaged") from None
+        return self._handles[path]
+
     def _handle(self, name: str):
         path = self._file_of[name]
-        if path not in self._handles:
-            if not path.exists():
-                raise ValueError(f"{INDEX_FILE} maps {name!r} to {path.name}, which does not exist")
-            self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path]
+        if not path.exists():
+            raise ValueError(f"{INDEX_FILE} maps {name!r} to {path.name}, which does not exist")
+        handle = self._open(path)
+        if name not in handle.keys():
+            raise ValueError(f"{INDEX_FILE} maps {name!r} to {path.name}, which does not hold it")
+        return handle
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get_tensor(name)
+        if tensor.is_floating_point():
+            # isfinite has no kernel for the 1-byte floats: check those as float32 (which holds them exactly)
+            finite = torch.isfinite(tensor if tensor.element_size() > 1 else tensor.to(torch.float32))
+            if not bool(finite.all()):
+                raise ValueError(f"{self._file_of[name]}: tensor {name!r} holds {int((~finite).sum())} NaN or inf "
+                                 f"values (of {tensor.numel()})")
+        return tensor
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{index} is not valid JSON ({e})") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file name)")
+    return weight_map
 
 
 def write_safetensors(folder: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype,

@@ -69,6 +69,10 @@ def _sdpa_over_cache(q, cache_k, cache_v, positions, kv_len, scale):
 
 def install_kv_cache(model: nn.Module) -> None:
     """Wrap each inner attention of `model` in a KVCacheAttention (idempotent)."""
+    family = tm.family_of(model.config)
+    if not family.kv_cache_generation:
+        raise ValueError(f"model family {family.name!r} does not run with the KV cache (its Family sets "
+                         f"kv_cache_generation=False): generate with vLLM or another generator")
     inners = [n for n, m in model.named_modules() if n.endswith(".attention.inner") and not isinstance(m, KVCacheAttention)]
     for name in inners:
         tm.override(model, name, lambda fqn, old: KVCacheAttention(old, fqn))

@@ -15,9 +15,7 @@ from vllm.inputs import TokensPrompt
 
 from titan_rl.generation.base import Completion
 from titan_rl.generation.sampling import SamplingConfig
-from titan_rl.vllm.plugin import ARCHITECTURES
-
-_TITAN_ARCH = {hf: ours for ours, hf in ARCHITECTURES.items()}
+from titan_rl.vllm.plugin import architectures
 
 
 def _load_titan_weights(worker, weights: dict[str, torch.Tensor]) -> int:
@@ -48,11 +46,12 @@ class VLLMGenerator:
         folder = Path(workdir or tempfile.mkdtemp(prefix="titan-vllm-"))
         tm.to_hf(model, folder)
         arch = json.loads((folder / "config.json").read_text())["architectures"][0]
-        if arch not in _TITAN_ARCH:
-            raise ValueError(f"no titan vLLM architecture for {arch}; supported: {sorted(_TITAN_ARCH)}")
+        titan_arch = {hf: ours for ours, hf in architectures().items()}
+        if arch not in titan_arch:
+            raise ValueError(f"no titan vLLM architecture for {arch}; supported: {sorted(titan_arch)}")
         os.environ["TITAN_RL_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
         dtype = next(model.parameters()).dtype
-        llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, hf_overrides={"architectures": [_TITAN_ARCH[arch]]},
+        llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, hf_overrides={"architectures": [titan_arch[arch]]},
                   dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=True,
                   logprobs_mode="processed_logprobs", enable_prefix_caching=False, **llm_kwargs)
         return cls(llm)

@@ -21,7 +21,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from titan_rl.batch_invariant import batch_invariant
-from titan_rl.vllm.plugin import ARCHITECTURES
+from titan_rl.vllm.plugin import architectures
 
 
 def batch_invariant_requested() -> bool:
@@ -49,12 +49,13 @@ class TitanForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         hf_config = vllm_config.model_config.hf_config
-        ours = [a for a in (hf_config.architectures or []) if a in ARCHITECTURES]
+        known = architectures()
+        ours = [a for a in (hf_config.architectures or []) if a in known]
         if not ours:
             raise ValueError(f"config architectures {hf_config.architectures} name no titan architecture "
-                             f"({sorted(ARCHITECTURES)})")
+                             f"({sorted(known)})")
         hf = hf_config.to_dict()
-        hf["architectures"] = [ARCHITECTURES[ours[0]]]
+        hf["architectures"] = [known[ours[0]]]
         converter = converter_for(hf)
         config = converter.config_from_hf(hf, set())
         dtype = vllm_config.model_config.dtype
@@ -72,7 +73,10 @@ class TitanForCausalLM(nn.Module):
             from titan_rl.vllm.attention_backend import TitanBatchInvariantBackend
             backend = TitanBatchInvariantBackend
             batch_invariant(model)
-        head_dim = config.resolved_head_dim
+        if config.qk_head_dim != config.v_head_dim:
+            raise ValueError(f"the vLLM adapter runs attention with one head width; {type(config).__name__} has "
+                             f"qk_head_dim={config.qk_head_dim}, v_head_dim={config.v_head_dim}")
+        head_dim = config.qk_head_dim
         self.attn_layers = nn.ModuleList()
         for i in range(config.num_layers):
             attn = Attention(config.num_heads, head_dim, head_dim ** -0.5, num_kv_heads=config.num_kv_heads,

@@ -45,6 +45,8 @@ class PackedLoader:
             raise ValueError("the data source holds no documents")
         if seq_len < 1:
             raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+        if encode is None:  # chat records are checked by their encoder (chat.py)
+            _check_has_tokens(documents, tokenizer)
         self.documents, self.tokenizer = documents, tokenizer
         self.seq_len, self.seed, self.shuffle, self.document_masking = seq_len, seed, shuffle, document_masking
         self.encode = encode or self._encode_text
@@ -54,9 +56,18 @@ class PackedLoader:
 
     # --- position -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "offset": self.offset}
+        # The stream's size and vocabulary are saved with the cursor: the cursor means nothing in another one.
+        return {"epoch": self.epoch, "position": self.position, "offset": self.offset,
+                "documents": len(self.documents), "vocab_size": self.tokenizer.vocab_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = (int(state["documents"]), int(state["vocab_size"]))
+        if saved != (len(self.documents), self.tokenizer.vocab_size):
+            raise ValueError(
+                f"the checkpoint was written reading {saved[0]} documents with a {saved[1]}-token vocabulary, but "
+                f"data.source and data.tokenizer now give {len(self.documents)} documents and "
+                f"{self.tokenizer.vocab_size} tokens; resume with the data the run started with, or start a "
+                "new run in another job.folder")
         self.epoch, self.position, self.offset = int(state["epoch"]), int(state["position"]), int(state["offset"])
         self._order = self._doc = None
 
@@ -74,6 +85,10 @@ class PackedLoader:
                 else:
                     self._order = torch.arange(len(self.documents))
             self._doc = self.encode(self.documents[int(self._order[self.position])])
+            if self.offset >= len(self._doc[0]):  # only a cursor from another stream gets here
+                raise ValueError(f"the data position (epoch {self.epoch}, document {self.position}, token "
+                                 f"{self.offset}) lies past that document's {len(self._doc[0])} tokens: the "
+                                 "checkpoint was written reading other data")
         return self._doc
 
     def _advance_document(self) -> None:
@@ -120,3 +135,19 @@ def pack_rows(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], *, document
         labels[doc_ids[:, 1:] != doc_ids[:, :-1]] = IGNORE_INDEX
     ids = torch.from_numpy(doc_ids[:, :-1].copy()) if document_masking else None
     return Batch(torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(labels), ids)
+
+
+_PROBED_DOCUMENTS = 1000
+
+
+def _check_has_tokens(documents: Documents, tokenizer: Tokenizer) -> None:
+    """ValueError when the first documents (up to 1000, the whole corpus when it is that small) all
+    tokenize to nothing: the run would train on end-of-document tokens alone (its loss 0 under document
+    masking)."""
+    probed = min(len(documents), _PROBED_DOCUMENTS)
+    for i in range(probed):
+        if len(tokenizer.encode(documents[i])):
+            return
+    whole = "all" if probed == len(documents) else "the first"
+    raise ValueError(f"the data source holds no tokens to train on: {whole} {probed} documents are empty "
+                     f"(of {len(documents)}); check data.source and data.text_field")

@@ -88,7 +88,10 @@ class HFTokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise ValueError(f"data.tokenizer: {str(path)!r} is neither 'byte' nor a tokenizer.json file or folder")
-        self._tok = _Tokenizer.from_file(str(file))
+        try:
+            self._tok = _Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(f"data.tokenizer: {file} is not a valid tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos(file.parent)
 
@@ -96,7 +99,10 @@ class HFTokenizer:
         names = list(_EOS_CANDIDATES)
         config = folder / "tokenizer_config.json"
         if config.is_file():
-            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            try:
+                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            except (ValueError, AttributeError) as e:
+                raise ValueError(f"data.tokenizer: {config} is not a JSON object ({e})") from None
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if isinstance(eos, str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from titan_models.components.moe import MoEConfig
 from titan_models.components.rope import YarnRopeScaling
 from titan_models.models.deepseek_v3.model import DeepSeekV3Config
+from titan_models.registry import PublishedSize
 
 FLAVORS: dict[str, DeepSeekV3Config] = {
     "debug": DeepSeekV3Config(
@@ -32,4 +33,5 @@ FLAVORS: dict[str, DeepSeekV3Config] = {
 
 # (total, activated) parameters of the main model (MTP excluded) as published: DeepSeek-V2-Lite's card
 # (15.7B / 2.4B) and the DeepSeek-V3 report (671B / 37B).
-PUBLISHED_PARAMS: dict[str, tuple[str, str]] = {"16B": ("15.7B", "2.4B"), "671B": ("671B", "37B")}
+PUBLISHED_PARAMS: dict[str, PublishedSize] = {"16B": PublishedSize(total="15.7B", active="2.4B"),
+                                              "671B": PublishedSize(total="671B", active="37B")}

@@ -3,6 +3,7 @@ group-limited routing with the aux-loss-free bias, shared experts, routed scalin
 and an optional multi-token-prediction (MTP) module."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -16,12 +17,13 @@ from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig, YarnRopeScaling
 from titan_models.context import AttentionContext
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class DeepSeekV3Config:
+class DeepSeekV3Config(ModelConfigBase):
     family: ClassVar[str] = "deepseek_v3"
 
     vocab_size: int
@@ -46,6 +48,20 @@ class DeepSeekV3Config:
     attention: AttentionBackend = "sdpa"
     dtype: torch.dtype = torch.float32
 
+    @property
+    def num_kv_heads(self) -> int:  # MLA expands its latent into keys and values for every head
+        return self.num_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense
+
+    def with_num_layers(self, n: int) -> DeepSeekV3Config:
+        return dataclasses.replace(self, num_layers=n, first_k_dense=min(self.first_k_dense, n))
+
     def mla(self) -> MLAConfig:
         scale = self.rope_scaling.softmax_scale_factor() if self.rope_scaling is not None else 1.0
         return MLAConfig(num_heads=self.num_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
@@ -54,8 +70,8 @@ class DeepSeekV3Config:
                          softmax_scale_factor=scale, backend=self.attention)
 
     def _block(self, i: int) -> TransformerBlock:
-        mlp = ({"feed_forward": FeedForwardConfig(hidden_dim=self.ffn_dim).build(self.dim)} if i < self.first_k_dense
-               else {"moe": self.moe.build(self.dim)})
+        mlp = ({"moe": self.moe.build(self.dim)} if self.is_moe_layer(i)
+               else {"feed_forward": FeedForwardConfig(hidden_dim=self.ffn_dim).build(self.dim)})
         return TransformerBlock(attention=self.mla().build(self.dim), attention_norm=self.norm.build(self.dim),
                                 ffn_norm=self.norm.build(self.dim), **mlp)
 
@@ -66,13 +82,13 @@ class DeepSeekV3Config:
             blocks = [self._block(i) for i in range(self.num_layers)]
             model = DeepSeekV3Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
                                           norm=self.norm.build(self.dim), rope=rope.build(),
-                                          tie_embeddings=self.tie_embeddings, parallel_plan=self._plan())
+                                          tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
             if self.mtp:
                 model.mtp = MultiTokenPrediction(dim=self.dim, norm=self.norm,
                                                  block=self._block(max(self.num_layers, self.first_k_dense)))
         return model
 
-    def _plan(self) -> ParallelPlan:
+    def parallel_plan(self) -> ParallelPlan:
         mla = {"wkv_a": "replicate", "kv_norm": "replicate", "wkv_b": "colwise", "wo": "rowwise"}
         mla |= ({"wq_a": "replicate", "q_norm": "replicate", "wq_b": "colwise"} if self.q_lora_rank
                 else {"wq": "colwise"})

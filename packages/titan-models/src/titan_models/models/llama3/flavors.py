@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from titan_models.components.rope import Llama3RopeScaling
 from titan_models.models.llama3.model import Llama3Config
+from titan_models.registry import PublishedSize
 
 _VOCAB = 128256
 
@@ -29,4 +30,6 @@ FLAVORS: dict[str, Llama3Config] = {
 
 # Total parameters as published on the Hugging Face model cards (meta-llama/Llama-3.2-1B, -3B,
 # Llama-3.1-8B, -70B, -405B).
-PUBLISHED_PARAMS: dict[str, str] = {"1B": "1.24B", "3B": "3.21B", "8B": "8.03B", "70B": "70.6B", "405B": "406B"}
+PUBLISHED_PARAMS: dict[str, PublishedSize] = {
+    name: PublishedSize(total=total)
+    for name, total in {"1B": "1.24B", "3B": "3.21B", "8B": "8.03B", "70B": "70.6B", "405B": "406B"}.items()}

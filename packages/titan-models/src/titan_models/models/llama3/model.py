@@ -10,12 +10,13 @@ from titan_models.components.attention import AttentionBackend, AttentionConfig
 from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import Llama3RopeScaling, RopeConfig
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
-from titan_models.parallel_plan import GQA_ATTENTION, decoder_plan
+from titan_models.parallel_plan import GQA_ATTENTION, ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class Llama3Config:
+class Llama3Config(ModelConfigBase):
     family: ClassVar[str] = "llama3"
 
     vocab_size: int
@@ -37,6 +38,21 @@ class Llama3Config:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.num_heads
 
+    @property
+    def qk_head_dim(self) -> int:
+        return self.resolved_head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.resolved_head_dim
+
+    @property
+    def moe(self) -> None:  # every layer is dense
+        return None
+
+    def parallel_plan(self) -> ParallelPlan:
+        return decoder_plan(num_layers=self.num_layers, attention=GQA_ATTENTION)
+
     def build(self) -> Transformer:
         head_dim = self.resolved_head_dim
         attention = AttentionConfig(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -51,5 +67,4 @@ class Llama3Config:
             ]
             return Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
                                norm=self.norm.build(self.dim), rope=rope.build(),
-                               tie_embeddings=self.tie_embeddings, parallel_plan=decoder_plan(
-                                   num_layers=self.num_layers, attention=GQA_ATTENTION))
+                               tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from titan_models.components.moe import MoEConfig
 from titan_models.models.qwen3.model import Qwen3Config
+from titan_models.registry import PublishedSize
 
 _VOCAB = 151936
 
@@ -34,7 +35,9 @@ FLAVORS: dict[str, Qwen3Config] = {
 }
 
 # (total, activated) parameters as the Qwen3 model cards state them (activated only for MoE).
-PUBLISHED_PARAMS: dict[str, tuple[str, str | None]] = {
-    "0.6B": ("0.6B", None), "1.7B": ("1.7B", None), "4B": ("4.0B", None), "8B": ("8.2B", None),
-    "14B": ("14.8B", None), "32B": ("32.8B", None), "30B-A3B": ("30.5B", "3.3B"), "235B-A22B": ("235B", "22B"),
+# Qwen's activated figures include the embedding table.
+PUBLISHED_PARAMS: dict[str, PublishedSize] = {
+    "0.6B": PublishedSize(total="0.6B"), "1.7B": PublishedSize(total="1.7B"), "4B": PublishedSize(total="4.0B"),
+    "8B": PublishedSize(total="8.2B"), "14B": PublishedSize(total="14.8B"), "32B": PublishedSize(total="32.8B"),
+    "30B-A3B": PublishedSize(total="30.5B", active="3.3B"), "235B-A22B": PublishedSize(total="235B", active="22B"),
 }

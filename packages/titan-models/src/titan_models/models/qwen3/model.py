@@ -11,12 +11,13 @@ from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig
+from titan_models.model_config import ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
-from titan_models.parallel_plan import GQA_ATTENTION, QK_NORM, decoder_plan
+from titan_models.parallel_plan import GQA_ATTENTION, QK_NORM, ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class Qwen3Config:
+class Qwen3Config(ModelConfigBase):
     """Dense when `moe` is None. With `moe`, layer i is a MoE layer unless i is in `dense_layers`
     or (i + 1) is not a multiple of `moe_every` (HF's mlp_only_layers / decoder_sparse_step)."""
 
@@ -43,8 +44,22 @@ class Qwen3Config:
     def resolved_head_dim(self) -> int:  # same accessor as Llama3Config
         return self.head_dim
 
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i not in self.dense_layers and (i + 1) % self.moe_every == 0
+
+    def parallel_plan(self) -> ParallelPlan:
+        moe_layers = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+        return decoder_plan(num_layers=self.num_layers, attention=GQA_ATTENTION | QK_NORM,
+                            dense=len(moe_layers) < self.num_layers, moe=bool(moe_layers),
+                            shared_experts=bool(moe_layers) and self.moe.num_shared_experts > 0)
 
     def build(self) -> Transformer:
         attention = AttentionConfig(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -57,10 +72,6 @@ class Qwen3Config:
                 mlp = {"moe": self.moe.build(self.dim)} if self.is_moe_layer(i) else {"feed_forward": ffn.build(self.dim)}
                 blocks.append(TransformerBlock(attention=attention.build(self.dim), attention_norm=self.norm.build(self.dim),
                                                ffn_norm=self.norm.build(self.dim), **mlp))
-            moe_layers = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
-            plan = decoder_plan(num_layers=self.num_layers, attention=GQA_ATTENTION | QK_NORM,
-                                dense=len(moe_layers) < self.num_layers, moe=bool(moe_layers),
-                                shared_experts=bool(moe_layers) and self.moe.num_shared_experts > 0)
             return Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
                                norm=self.norm.build(self.dim), rope=rope.build(),
-                               tie_embeddings=self.tie_embeddings, parallel_plan=plan)
+                               tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())

@@ -43,3 +43,17 @@ class Llama3Converter(Converter):
 
     def hf_names(self, config: Llama3Config, name: str) -> list[str]:
         return hf_names(name, DENSE_LAYER)
+
+
+_TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+# Tiny random checkpoints the registry-driven parity tests build with transformers (case id -> config.json
+# fields). The Llama 3 RoPE case's original context (8) is shorter than the test sequences, so every
+# branch of its frequency rule is exercised.
+TINY_HF_CONFIGS = {
+    "gqa": _TINY | {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}},
+    "llama3-rope-tied": _TINY | {"num_key_value_heads": 1, "tie_word_embeddings": True, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+}

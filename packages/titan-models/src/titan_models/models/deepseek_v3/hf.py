@@ -105,3 +105,20 @@ class DeepSeekV3Converter(Converter):
         prefix = f"model.layers.{model.config.num_layers}."
         return [(prefix + "embed_tokens.weight", model.tok_embeddings.weight),
                 (prefix + "shared_head.head.weight", model.output.weight)]
+
+
+_TINY = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 128,
+         "hidden_size": 64, "intermediate_size": 96,
+         "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 12, "n_group": 1, "topk_group": 1, "max_position_embeddings": 256}
+# Tiny random checkpoints for the registry-driven parity tests (case id -> config.json fields).
+TINY_HF_CONFIGS = {
+    "kv-lora-interleaved": _TINY | {"q_lora_rank": None, "rope_interleave": True,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "q-lora-yarn-groups": _TINY | {"q_lora_rank": 24, "rope_interleave": False, "n_group": 4, "topk_group": 2,
+                                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+}

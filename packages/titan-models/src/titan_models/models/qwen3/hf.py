@@ -70,3 +70,15 @@ class Qwen3Converter(Converter):
         if name.endswith(".moe.expert_bias"):
             return []  # Qwen3-MoE has no selection bias on disk: it loads as zero
         return hf_names(name, _LAYER_MAP, num_experts=config.moe.num_experts if config.moe else 0)
+
+
+_TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+# Tiny random checkpoints for the registry-driven parity tests (case id -> config.json fields).
+TINY_HF_CONFIGS = {
+    "dense-tied": _TINY | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "tie_word_embeddings": True},
+    "moe-dense-layer0": _TINY | {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [0]},
+}

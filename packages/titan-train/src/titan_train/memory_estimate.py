@@ -1,0 +1,96 @@
+"""A lower bound on a rank's memory, checked against the device before anything is built: a seq_len or
+batch_size whose activations cannot fit stops at config time with the estimate, instead of an
+out-of-memory error (or the kernel's OOM killer, on a CPU) minutes into the run.
+
+The bound counts only what a step must hold at once:
+- activations: for each of this rank's layers and each token of a microbatch, the block input when
+  activation checkpointing is full, else at least the matmul outputs a SwiGLU block's backward needs
+  (4 x dim for attention's q, attention output, output projection and FFN output, 2 x the FFN width
+  for the gate and up projections), in the compute dtype; plus one layer's worth under full
+  checkpointing (its recompute);
+- the loss chunk's fp32 logits and their gradient (chunk x vocab x 2);
+- fp32 parameters, gradients and AdamW's two moments (16 bytes a parameter), split over the ranks;
+- the global batch's token, label and document-id rows (int64), which every rank's loader builds.
+Real use is higher (attention workspaces, allocator slack, communication buffers), so refusing above
+the bound never refuses a run that would fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import TrainConfig
+from .mesh import Degrees
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    activations: int
+    loss: int
+    states: int
+    data: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.loss + self.states + self.data
+
+
+def estimate(config: TrainConfig, model_cfg, degrees: Degrees, *, device: torch.device,
+             n_params: int) -> MemoryEstimate:
+    t = config.training
+    precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    value_bytes = 2 if precision in ("bf16", "bf16_params") else 4
+    rows = t.batch_size // max(degrees.dp, 1) // t.grad_accum_steps
+    if degrees.pp > 1:  # at least one microbatch of the pipeline's is in flight through this rank's stages
+        rows = max(rows // max(config.parallelism.pp_microbatches, degrees.pp), 1)
+    tokens = rows * t.seq_len // (degrees.cp * degrees.tp)  # sequence parallel splits what TP does not
+    layers = -(-model_cfg.num_layers // degrees.pp)
+    moe = getattr(model_cfg, "moe", None)
+    ffn = moe.top_k * moe.expert_dim if moe is not None else getattr(model_cfg, "ffn_dim", 0)
+    per_layer_token = 4 * model_cfg.dim + 2 * ffn
+    if config.activation_checkpoint.mode == "full":
+        activations = tokens * (layers * model_cfg.dim + per_layer_token) * value_bytes
+    else:
+        activations = tokens * layers * per_layer_token * value_bytes
+    chunk = min(t.loss_chunk_size, tokens)
+    loss = chunk * model_cfg.vocab_size * 4 * 2
+    world = degrees.dp * degrees.cp * degrees.tp * degrees.pp
+    states = 16 * n_params // world
+    data = 3 * t.batch_size * (t.seq_len + 1) * 8
+    return MemoryEstimate(activations=activations, loss=loss, states=states, data=data)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of the device (CUDA: mem_get_info; CPU: MemAvailable from /proc/meminfo); None when
+    it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory_fits(config: TrainConfig, model_cfg, degrees: Degrees, *, device: torch.device,
+                      n_params: int) -> None:
+    """ValueError with the estimate when its lower bound exceeds the device's free memory."""
+    free = available_bytes(device)
+    if free is None:
+        return
+    need = estimate(config, model_cfg, degrees, device=device, n_params=n_params)
+    if need.total <= free:
+        return
+    t = config.training
+    raise ValueError(
+        f"training.seq_len={t.seq_len} x training.batch_size={t.batch_size} cannot fit: each rank needs at least "
+        f"{need.total / GiB:.1f} GiB (activations {need.activations / GiB:.1f}, loss chunk {need.loss / GiB:.1f}, "
+        f"parameters + gradients + AdamW moments {need.states / GiB:.1f}, batch rows {need.data / GiB:.1f}) but "
+        f"{device.type} has {free / GiB:.1f} GiB free; lower training.batch_size or training.seq_len, raise "
+        "training.grad_accum_steps or the parallel degrees, or set activation_checkpoint.mode=full")
