@@ -82,14 +82,20 @@ def write_hf(model: nn.Module, out: Path, config: TrainConfig) -> None:
     tm.to_hf(model, out)
     index = out / "model.safetensors.index.json"
     if not index.exists():  # one file: an index naming it, as sharded exports have
-        from safetensors import safe_open
-
-        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-            names = sorted(f.keys())
-        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        header = _safetensors_header(out / "model.safetensors")
+        tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        total = sum(end - start for entry in tensors.values() for start, end in [entry["data_offsets"]])
         index.write_text(json.dumps({"metadata": {"total_size": total},
-                                     "weight_map": {name: "model.safetensors" for name in names}}, indent=2) + "\n")
+                                     "weight_map": {name: "model.safetensors" for name in sorted(tensors)}},
+                                    indent=2) + "\n")
     write_tokenizer(config.data.tokenizer, out, chat=config.data.chat)
+
+
+def _safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (an 8-byte little-endian length, then the header)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(length))
 
 
 def write_tokenizer(spec: str, out: Path, *, chat: bool) -> None:

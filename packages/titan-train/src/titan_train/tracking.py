@@ -1,7 +1,6 @@
 """Weights & Biases as one more sink of the metrics records (optional: pip install 'titan-train[wandb]')."""
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -9,7 +8,7 @@ from pathlib import Path
 class WandbSink:
     def __init__(self, folder: Path, *, project: str, mode: str, config: dict | None):
         try:
-            wandb = importlib.import_module("wandb")
+            import wandb  # the optional extra, imported only when asked for
         except ImportError:
             raise ValueError("metrics.wandb=true needs Weights & Biases: pip install 'titan-train[wandb]' "
                              "(or set metrics.wandb false)") from None
