@@ -91,7 +91,7 @@ class Trainer:
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
         self.guard = NonFiniteGuard(self.optimizer, device)
         self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
-        # before anything writes there
+        # the run folder is claimed before anything writes there
         self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
         self.checkpoints = config.checkpoint.build(
             self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
