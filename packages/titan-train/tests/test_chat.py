@@ -124,3 +124,33 @@ def test_sft_recipe_fine_tunes_the_main_jobs_model(tmp_path, jobs):
     scratch = train(jobs.tiny(tmp_path / "scratch", "llama3_debug_sft", **job, **{"checkpoint.initial_load": ""}))
     assert sft.losses[1] != scratch.losses[1]  # it started from the main job's weights
     assert sft.losses[6] < sft.losses[1] - 0.5  # and learns the replies
+
+
+def test_chat_records_from_parquet_and_a_saved_dataset(tmp_path):
+    """The same conversations read from jsonl, parquet and a save_to_disk folder give the same batches."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from titan_train.config import DataConfig
+
+    conversations = [CONVERSATION, CONVERSATION[:2], [{"role": "system", "content": "Hi."}, *CONVERSATION[:2]]]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    table = pa.table({"messages": conversations})
+    pq.write_table(table, tmp_path / "c.parquet")
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    with pa.ipc.new_stream(str(saved / "data-00000-of-00001.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    config = DataConfig(chat=True)
+    batches = [config.packed_loader(str(source), ByteTokenizer(), seq_len=48, seed=0, shuffle=False).next_batch(3)
+               for source in (tmp_path / "c.jsonl", tmp_path / "c.parquet", saved)]
+    for batch in batches[1:]:
+        assert torch_equal(batch.tokens, batches[0].tokens) and torch_equal(batch.labels, batches[0].labels)
+    assert (batches[0].labels != -100).any() and (batches[0].labels == -100).any()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

@@ -47,14 +47,15 @@ def test_merged_export_gives_the_adapted_models_logits(tmp_path, jobs):
 
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 259, (2, 80), generator=torch.Generator().manual_seed(0))
+    trainer.model.eval()  # no adapter dropout
     with torch.no_grad():
         adapted = trainer.model(tokens)
-        reloaded = load_model(load_config(tmp_path / "job"), tmp_path / "job", 4)(tokens)  # base + saved adapters
+        reloaded = load_model(load_config(tmp_path / "job"), tmp_path / "job", 4).eval()(tokens)  # base + adapters
         exported = merged(input_ids=tokens).logits
     assert torch.allclose(reloaded, adapted, rtol=0, atol=0)
     assert (exported - adapted).abs().max() <= 1e-5 * adapted.abs().max()
     base = Trainer(jobs.tiny(tmp_path / "base", **{k: v for k, v in LORA.items() if not k.startswith("lora")}),
-                   torch.device("cpu")).model  # the same initial weights, no adapters: the adapters mattered
+                   torch.device("cpu")).model.eval()  # the same initial weights, no adapters: they mattered
     with torch.no_grad():
         assert (base(tokens) - adapted).abs().max() > 1e-3
 
@@ -65,3 +66,13 @@ def test_lora_with_fsdp_on_two_ranks_follows_one_process(tmp_path, jobs):
     assert sorted(curve) == sorted(single)
     for step, loss in single.items():
         assert curve[step] == pytest.approx(loss, rel=1e-4)
+
+
+def test_resume_from_adapter_only_checkpoints_matches_the_unbroken_run(tmp_path, jobs):
+    """The checkpoint holds the adapters alone: a resume rebuilds the frozen base from the initial weights
+    and continues bitwise (adapter dropout on: its draws resume with the RNG state)."""
+    job = {**LORA, "training.steps": "5", "checkpoint.interval": "2", "checkpoint.resume": "true", "lora.dropout": "0.1"}
+    unbroken = Trainer(jobs.tiny(tmp_path / "whole", **job), torch.device("cpu")).run().losses
+    Trainer(jobs.tiny(tmp_path / "broken", **{**job, "training.steps": "2"}), torch.device("cpu")).run()
+    resumed = Trainer(jobs.tiny(tmp_path / "broken", **job), torch.device("cpu")).run()
+    assert resumed.start_step == 2 and resumed.losses == {s: unbroken[s] for s in (3, 4, 5)}

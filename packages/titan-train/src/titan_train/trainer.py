@@ -173,7 +173,15 @@ class Trainer:
 
     @torch.no_grad()
     def summed_loss(self, batch: Batch) -> torch.Tensor:
-        """The summed loss of a global batch over every rank's tokens, forward only (validation)."""
+        """The summed loss of a global batch over every rank's tokens, forward only, in eval mode (no dropout:
+        LoRA's) (validation)."""
+        self.model.eval()
+        try:
+            return self._summed_loss(batch)
+        finally:
+            self.model.train()
+
+    def _summed_loss(self, batch: Batch) -> torch.Tensor:
         local, positions = self._local_rows(batch)
         if self.pipeline is not None:
             if positions is None:
