@@ -71,7 +71,8 @@ def test_lora_with_fsdp_on_two_ranks_follows_one_process(tmp_path, jobs):
 def test_resume_from_adapter_only_checkpoints_matches_the_unbroken_run(tmp_path, jobs):
     """The checkpoint holds the adapters alone: a resume rebuilds the frozen base from the initial weights
     and continues bitwise (adapter dropout on: its draws resume with the RNG state)."""
-    job = {**LORA, "training.steps": "5", "checkpoint.interval": "2", "checkpoint.resume": "true", "lora.dropout": "0.1"}
+    job = {**LORA, "training.steps": "5", "checkpoint.interval": "2", "checkpoint.resume": "true",
+           "lora.dropout": "0.1"}
     unbroken = Trainer(jobs.tiny(tmp_path / "whole", **job), torch.device("cpu")).run().losses
     Trainer(jobs.tiny(tmp_path / "broken", **{**job, "training.steps": "2"}), torch.device("cpu")).run()
     resumed = Trainer(jobs.tiny(tmp_path / "broken", **job), torch.device("cpu")).run()
