@@ -215,20 +215,7 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         config, t = self.config, self.config.training
-        start, load_step, settings_changed = 0, config.checkpoint.load_step, []
-        if load_step and (self.checkpoints is None or load_step not in self.checkpoints.steps()):
-            committed = self.checkpoints.steps() if self.checkpoints is not None else []
-            raise ValueError(f"checkpoint.load_step={load_step} is not a committed checkpoint in "
-                             f"{self.folder / 'checkpoints'} (committed: {committed or 'none'})")
-        later = [s for s in self.checkpoints.steps() if s > load_step] if load_step else []
-        if later and config.checkpoint.interval:
-            raise ValueError(f"checkpoint.load_step={load_step} with later checkpoints {later} in {self.folder}: the "
-                             "resumed run would save over them; set checkpoint.interval 0, or start another "
-                             "job.folder with checkpoint.initial_load")
-        if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
-            start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device,
-                                             step=load_step or None)
-            settings_changed = self.optimizer_settings.reapply(self.optimizer, self.scheduler)
+        start, settings_changed = self._resume()
         result = TrainResult(start_step=start, folder=self.folder)
         is_main = self.rank == 0
         metrics = (config.metrics.build(self.folder, start_step=start, run_config=dataclasses.asdict(config))
@@ -280,17 +267,42 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         result.tokens_per_s = timing.tokens / timing.seconds if timing.seconds else 0.0
+        self._finish(result)
+        return result
+
+    def _finish(self, result: TrainResult) -> None:
+        """What a finished run leaves besides its metrics: the HF export, metrics.png, the summary line."""
+        config = self.config
         if config.checkpoint.export_hf_at_end:
             from .export import export_trained
 
-            export_trained(self.model, config, self.folder / "hf")
-        if is_main:
-            if config.metrics.plot and (self.folder / "metrics.jsonl").is_file():
-                from .plot import write_plot
+            export_trained(self.model, config, self.folder / "hf")  # every rank: the weights are gathered
+        if self.rank != 0:
+            return
+        if config.metrics.plot and (self.folder / "metrics.jsonl").is_file():
+            from .plot import write_plot
 
-                write_plot(self.folder / "metrics.jsonl", self.folder / "metrics.png")
-            self._summarize(result)
-        return result
+            write_plot(self.folder / "metrics.jsonl", self.folder / "metrics.png")
+        self._summarize(result)
+
+    def _resume(self) -> tuple[int, list[str]]:
+        """Load the checkpoint to continue from (the newest, or checkpoint.load_step): the step it holds and
+        the optimizer settings the command line changed (0 and [] for a fresh run)."""
+        c = self.config.checkpoint
+        committed = self.checkpoints.steps() if self.checkpoints is not None else []
+        if c.load_step and c.load_step not in committed:
+            raise ValueError(f"checkpoint.load_step={c.load_step} is not a committed checkpoint in "
+                             f"{self.folder / 'checkpoints'} (committed: {committed or 'none'})")
+        later = [s for s in committed if s > c.load_step] if c.load_step else []
+        if later and c.interval:
+            raise ValueError(f"checkpoint.load_step={c.load_step} with later checkpoints {later} in {self.folder}: "
+                             "the resumed run would save over them; set checkpoint.interval 0, or start another "
+                             "job.folder with checkpoint.initial_load")
+        if not (committed and c.resume):
+            return 0, []
+        start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device,
+                                         step=c.load_step or None)
+        return start, self.optimizer_settings.reapply(self.optimizer, self.scheduler)
 
     def _read_back(self, pending: list[_PendingStep], result: TrainResult, timing: _Timing, *, first: int) -> dict:
         """Wait for the pending steps, check them (NonFiniteGuard), record their losses; returns the metrics
