@@ -77,3 +77,16 @@ def test_resume_from_adapter_only_checkpoints_matches_the_unbroken_run(tmp_path,
     Trainer(jobs.tiny(tmp_path / "broken", **{**job, "training.steps": "2"}), torch.device("cpu")).run()
     resumed = Trainer(jobs.tiny(tmp_path / "broken", **job), torch.device("cpu")).run()
     assert resumed.start_step == 2 and resumed.losses == {s: unbroken[s] for s in (3, 4, 5)}
+
+
+def test_lora_starts_from_a_plain_runs_weights(tmp_path, jobs):
+    """initial_load of a plain run's checkpoint into a LoRA run: the base takes those weights, B = 0 adds
+    exactly nothing, so the first loss is bitwise that of a plain run started from the same checkpoint."""
+    from titan_train import train
+
+    train(jobs.tiny(tmp_path / "plain", **{"training.steps": "2", "checkpoint.interval": "2"}))
+    start = {"training.steps": "1", "checkpoint.initial_load": str(tmp_path / "plain")}
+    plain = train(jobs.tiny(tmp_path / "a", **start)).losses[1]
+    adapted = train(jobs.tiny(tmp_path / "b", **start, **{"lora.targets": LORA["lora.targets"]})).losses[1]
+    fresh = train(jobs.tiny(tmp_path / "c", **{"training.steps": "1", "lora.targets": LORA["lora.targets"]})).losses[1]
+    assert adapted == plain and abs(fresh - plain) > 0.05

@@ -331,10 +331,11 @@ class Trainer:
         if settings_changed:
             resumed += f" with the command line's optimizer settings ({', '.join(settings_changed)})"
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
+        data = ", ".join(f"{source} ({weight:g})" for source, weight in c.data.sources) or c.data.source
         print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
               f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "
               f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
-              f"{c.data.source}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+              f"{data}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
 
     def _summarize(self, result: TrainResult) -> None:
         if not result.losses:
