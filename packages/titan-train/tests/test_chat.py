@@ -154,3 +154,19 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_export_of_an_sft_run_carries_the_tokenizer_and_its_template(tmp_path, jobs, chatml_folder):
+    from titan_train.export import export_job
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    train(jobs.tiny(tmp_path / "job", **{"data.source": str(data), "data.chat": "true", "data.tokenizer":
+                                         str(chatml_folder), "training.steps": "1", "checkpoint.interval": "1"}))
+    export_job(tmp_path / "job", tmp_path / "hf")
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    original = transformers.AutoTokenizer.from_pretrained(chatml_folder)
+    assert exported.apply_chat_template(CONVERSATION, tokenize=False) == original.apply_chat_template(
+        CONVERSATION, tokenize=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.vocab_size >= len(exported)

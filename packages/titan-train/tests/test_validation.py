@@ -71,9 +71,10 @@ def test_pipeline_last_stage_computes_the_eval_loss(tmp_path, jobs, held_out):
     assert logged[4] == pytest.approx(single[4], rel=1e-4)
 
 
-def test_tensor_parallel_logs_the_eval_loss_of_one_process(tmp_path, jobs, held_out):
+@pytest.mark.parametrize("layout", [{"parallelism.tp": "2"}, {"parallelism.cp": "2"}], ids=["tp2", "cp2"])
+def test_tensor_and_context_parallel_log_the_eval_loss_of_one_process(tmp_path, jobs, held_out, layout):
     job = {**VALIDATION, "validation.source": str(held_out), "validation.interval": "0"}
     single = Trainer(jobs.tiny(tmp_path / "single", **job), torch.device("cpu")).run().eval_losses
-    jobs.on_ranks(jobs.tiny(tmp_path / "tp", **job, **{"parallelism.tp": "2"}), 2)
-    logged = {r["step"]: r["eval_loss"] for r in records(tmp_path / "tp") if "eval_loss" in r}
+    jobs.on_ranks(jobs.tiny(tmp_path / "parallel", **job, **layout), 2)
+    logged = {r["step"]: r["eval_loss"] for r in records(tmp_path / "parallel") if "eval_loss" in r}
     assert logged[4] == pytest.approx(single[4], rel=1e-4)
