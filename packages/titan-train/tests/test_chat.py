@@ -58,6 +58,22 @@ def test_rendering_matches_transformers_apply_chat_template(chatml_folder):
     assert tokens[:-1].tolist() == list(ids)  # the loader's EOS follows
 
 
+def test_generation_blocks_render_as_transformers_renders_them(chatml_folder):
+    turn = "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' + '\\n' }}"
+    template = CHATML.replace(turn,
+                              "{{- '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+                              "{% generation %}{{ message['content'] | trim + '<|im_end|>' }}{% endgeneration %}"
+                              "{% else %}{{ message['content'] | trim + '<|im_end|>' }}{% endif %}{{ '\\n' }}")
+    assert "{% generation %}" in template
+    config = json.loads((chatml_folder / "tokenizer_config.json").read_text())
+    (chatml_folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    reference = transformers.AutoTokenizer.from_pretrained(chatml_folder)
+    encoder = ChatEncoder.build("auto", HFTokenizer(chatml_folder), tokenizer_spec=str(chatml_folder))
+    assert encoder.render(CONVERSATION) == reference.apply_chat_template(CONVERSATION, tokenize=False)
+    text, spans = encoder.assistant_spans(CONVERSATION)
+    assert [text[a:b] for a, b in spans] == ["2 + 3 = 5.<|im_end|>\n", "4 * 4 = 16.<|im_end|>\n"]
+
+
 def test_only_assistant_tokens_are_labels(chatml_folder):
     encoder = ChatEncoder.build("auto", HFTokenizer(chatml_folder), tokenizer_spec=str(chatml_folder))
     text = encoder.render(CONVERSATION)
