@@ -384,12 +384,10 @@ class ValidationConfig:
             return None
         from .validation import Validator
 
-        def fresh_loader():  # every evaluation reads the same first batches, in file order
-            return data.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=False,
-                                      format=self.format)
-
-        fresh_loader()  # a bad source or record fails before training
-        return Validator(fresh_loader, interval=self.interval, steps=self.steps, batch_size=batch_size)
+        # In file order (a bad source or record fails here, before training); rewound for every evaluation.
+        loader = data.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=False,
+                                    format=self.format)
+        return Validator(loader, interval=self.interval, steps=self.steps, batch_size=batch_size)
 
 
 @dataclass(kw_only=True)

@@ -12,8 +12,10 @@ from .data import IGNORE_INDEX, Batch
 
 
 class Validator:
-    def __init__(self, fresh_loader: Callable[[], Any], *, interval: int, steps: int, batch_size: int):
-        self.fresh_loader, self.interval, self.steps, self.batch_size = fresh_loader, interval, steps, batch_size
+    def __init__(self, loader: Any, *, interval: int, steps: int, batch_size: int):
+        """loader: a PackedLoader over the held-out source, at its start (each evaluation rewinds it there)."""
+        self.loader, self.start = loader, loader.state_dict()
+        self.interval, self.steps, self.batch_size = interval, steps, batch_size
 
     def due(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.interval > 0 and step % self.interval == 0)
@@ -22,7 +24,8 @@ class Validator:
     def evaluate(self, summed_loss: Callable[[Batch], torch.Tensor]) -> dict[str, float]:
         """{eval_loss, eval_perplexity}: the mean loss per scored token over the batches. `summed_loss`: a
         global batch -> its summed loss over every rank's tokens (the same on all ranks)."""
-        loader = self.fresh_loader()
+        self.loader.load_state_dict(self.start)
+        loader = self.loader
         total, scored = 0.0, 0
         for _ in range(self.steps):
             batch = loader.next_batch(self.batch_size)
