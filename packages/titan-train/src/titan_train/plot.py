@@ -1,5 +1,6 @@
 """<job.folder>/metrics.png at the end of a run: loss (blue, eval loss red) above, throughput (green) below,
-each over the logged steps and scaled to its own range (the numbers are in metrics.jsonl / TensorBoard).
+each over the logged steps and scaled to its own range, written at its top and bottom (first and last step
+under the axes; every value is in metrics.jsonl and TensorBoard).
 
 Written with zlib alone (a PNG is a zlib-compressed RGB raster plus three chunk headers): a line plot does
 not justify a plotting library as a dependency of the trainer."""
@@ -12,6 +13,15 @@ from pathlib import Path
 
 WIDTH, HEIGHT, MARGIN = 640, 480, 16
 BLUE, RED, GREEN, GREY = (31, 119, 180), (214, 39, 40), (44, 160, 44), (160, 160, 160)
+
+
+# 3x5 pixel glyphs (rows top to bottom, 3 bits each) for the axis numbers.
+GLYPHS = {
+    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7), "4": (5, 5, 7, 1, 1),
+    "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1), "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7),
+    ".": (0, 0, 0, 0, 2), "-": (0, 0, 7, 0, 0), "e": (0, 7, 7, 4, 7), "+": (0, 2, 7, 2, 0), " ": (0, 0, 0, 0, 0),
+}
+BLACK, SCALE = (40, 40, 40), 2
 
 
 class Canvas:
@@ -30,6 +40,16 @@ class Canvas:
             x, y = a[0] + (b[0] - a[0]) * i / steps, a[1] + (b[1] - a[1]) * i / steps
             self.dot(round(x), round(y), color)
             self.dot(round(x), round(y) + 1, color)  # two pixels thick
+
+    def text(self, x: int, y: int, text: str, color: tuple[int, int, int] = BLACK) -> None:
+        """`text` (digits, '.', '-', '+', 'e') with its top-left corner at (x, y), SCALE pixels per glyph dot."""
+        for i, char in enumerate(text):
+            for row, bits in enumerate(GLYPHS.get(char, GLYPHS[" "])):
+                for col in range(3):
+                    if bits >> (2 - col) & 1:
+                        for dy in range(SCALE):
+                            for dx in range(SCALE):
+                                self.dot(x + (4 * i + col) * SCALE + dx, y + row * SCALE + dy, color)
 
     def png(self) -> bytes:
         rows = b"".join(b"\x00" + bytes(self.pixels[3 * y * self.width:3 * (y + 1) * self.width])
@@ -51,6 +71,8 @@ def _panel(canvas: Canvas, top: int, bottom: int, series: list[tuple[list[tuple[
     if not values:
         return
     low, high = min(values), max(values)
+    canvas.text(left + 4, top + 4, f"{high:.4g}")  # the panel's range, top and bottom
+    canvas.text(left + 4, bottom - 4 - 5 * SCALE, f"{low:.4g}")
     span_v, span_s = (high - low) or 1.0, (steps[1] - steps[0]) or 1
     def at(step: int, value: float) -> tuple[int, int]:
         return (round(left + (right - left) * (step - steps[0]) / span_s),
@@ -74,4 +96,6 @@ def write_plot(metrics: Path, out: Path) -> None:
     middle = HEIGHT // 2
     _panel(canvas, MARGIN, middle - MARGIN // 2, [(series("loss"), BLUE), (series("eval_loss"), RED)], steps)
     _panel(canvas, middle + MARGIN // 2, HEIGHT - MARGIN, [(series("tokens_per_s"), GREEN)], steps)
+    for x, step in ((MARGIN, steps[0]), (WIDTH - MARGIN - 4 * SCALE * len(str(steps[1])), steps[1])):
+        canvas.text(x, HEIGHT - MARGIN + 3, str(step))  # the first and last step, under the axes
     out.write_bytes(canvas.png())
