@@ -78,3 +78,15 @@ def test_tensor_and_context_parallel_log_the_eval_loss_of_one_process(tmp_path, 
     jobs.on_ranks(jobs.tiny(tmp_path / "parallel", **job, **layout), 2)
     logged = {r["step"]: r["eval_loss"] for r in records(tmp_path / "parallel") if "eval_loss" in r}
     assert logged[4] == pytest.approx(single[4], rel=1e-4)
+
+
+def test_eval_values_reach_tensorboard(tmp_path, jobs, held_out):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = {**VALIDATION, "validation.source": str(held_out), "metrics.tensorboard": "true"}
+    result = Trainer(jobs.tiny(tmp_path, **job), torch.device("cpu")).run()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("eval_loss")}
+    assert logged == pytest.approx(result.eval_losses, rel=1e-6)  # TensorBoard stores float32
+    assert [e.step for e in events.Scalars("eval_perplexity")] == [2, 4]
