@@ -33,8 +33,8 @@ TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", 
         "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false"}
 
 
-def tiny_config(folder: Path, **overrides: str) -> TrainConfig:
-    config = load_recipe("llama3_debug")
+def tiny_config(folder: Path, recipe: str = "llama3_debug", **overrides: str) -> TrainConfig:
+    config = load_recipe(recipe)
     for name, value in {**TINY, "job.folder": str(folder), **overrides}.items():
         apply_override(config, name, value)
     return config

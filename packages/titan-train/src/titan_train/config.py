@@ -163,7 +163,8 @@ class LRScheduleConfig:
 class DataConfig:
     source: str = "stdlib"
     """stdlib (Python's own library sources, no download), random (uniform random tokens over the model's
-    vocabulary, for benchmarks), or a path: a text/jsonl/parquet file, a folder of them, or a Hugging Face
+    vocabulary, for benchmarks), arithmetic_chat (generated conversations, for data.chat), or a path: a
+    text/jsonl/parquet file, a folder of them, or a Hugging Face
     dataset saved with save_to_disk."""
     format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
     """auto: from the source (stdlib, file extension, or a folder holding state.json/dataset_dict.json)."""
@@ -177,10 +178,21 @@ class DataConfig:
     """Attention never crosses a document boundary inside a packed sequence."""
     shuffle: bool = True
     """Visit documents in a seeded random order (a new order each epoch)."""
+    sources: tuple[tuple[str, float], ...] = ()
+    """Mix several sources by weight instead of `source`: each packed row is drawn from one of them in a
+    seeded order (resumable). Command line: 'a.jsonl=0.7,b.parquet=0.3' (formats detected per source)."""
+    chat: bool = False
+    """Chat data (supervised fine-tuning): each record's `messages_field` is a list of {role, content},
+    rendered with `chat_template`; only the assistant's tokens are scored."""
+    messages_field: str = "messages"
+    """chat: the column (jsonl/parquet/hf_disk) holding each conversation."""
+    chat_template: str = "auto"
+    """chat: auto (the chat_template of tokenizer_config.json beside data.tokenizer, or the built-in one for
+    the byte tokenizer), builtin, or the path of a Jinja template file."""
 
     @property
     def random(self) -> bool:
-        return self.source == "random"
+        return self.source == "random" and not self.sources
 
     def build_tokenizer(self) -> Any:
         """The tokenizer of a text source (None for random tokens, which need none)."""
@@ -190,13 +202,38 @@ class DataConfig:
 
     def build(self, tokenizer: Any, *, vocab_size: int, seq_len: int, seed: int) -> Any:
         """The loader of the global token stream (every rank reads all of it and keeps its rows)."""
-        from .data import PackedLoader, RandomTokenLoader, open_documents
+        from .data import MixedLoader, RandomTokenLoader
 
         if self.random:
             return RandomTokenLoader(vocab_size, seq_len=seq_len, seed=seed)
-        documents = open_documents(self.source, format=self.format, text_field=self.text_field, split=self.split)
-        return PackedLoader(documents, tokenizer, seq_len=seq_len, seed=seed, shuffle=self.shuffle,
-                            document_masking=self.document_masking)
+        if self.sources:
+            loaders = [self.packed_loader(source, tokenizer, seq_len=seq_len, seed=seed + i, shuffle=self.shuffle,
+                                          format="auto") for i, (source, _) in enumerate(self.sources)]
+            return MixedLoader(loaders, [weight for _, weight in self.sources], seed=seed)
+        return self.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=self.shuffle)
+
+    def packed_loader(self, source: str, tokenizer: Any, *, seq_len: int, seed: int, shuffle: bool,
+                      format: str | None = None) -> Any:
+        """The packing loader of one source read as this section says (text or chat)."""
+        from .data import PackedLoader, open_documents
+
+        format = self.format if format is None else format
+        field_name = self.messages_field if self.chat else self.text_field
+        documents = open_documents(source, format=format, text_field=field_name, split=self.split,
+                                   strings=not self.chat)
+        encode = None
+        if self.chat:
+            from .data.chat import ChatEncoder
+
+            encode = ChatEncoder.build(self.chat_template, tokenizer, tokenizer_spec=self.tokenizer)
+            encode.check(documents, origin=source)
+        return PackedLoader(documents, tokenizer, seq_len=seq_len, seed=seed, shuffle=shuffle,
+                            document_masking=self.document_masking, encode=encode)
+
+    def check(self) -> None:
+        for source, weight in self.sources:
+            if not weight > 0:
+                raise ValueError(f"data.sources: the weight of {source!r} must be > 0, got {weight}")
 
 
 @dataclass(kw_only=True)
@@ -257,18 +294,40 @@ class CheckpointConfig:
     """Resume from the newest checkpoint in <job.folder>/checkpoints when there is one."""
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
+    initial_load: str = ""
+    """Initial model weights only (no optimizer or data state): a titan-train job folder or its checkpoints
+    folder (the newest committed step), or a Hugging Face folder (config.json + safetensors) of the same
+    architecture. A resumed run then loads its own checkpoint over them. '' keeps model.* (init_seed, hf_path)."""
+    load_step: int = 0
+    """Resume from this committed step instead of the newest (0: the newest; it must be committed)."""
+    exclude: tuple[str, ...] = ()
+    """Checkpoint entries a resume does not load (patterns over model, optimizer, scheduler, data, rng,
+    step), e.g. 'optimizer,scheduler' to continue with a fresh optimizer."""
+    export_hf_at_end: bool = False
+    """After the last step write the model (LoRA merged) as a Hugging Face folder into <job.folder>/hf."""
 
     def check(self) -> None:
         if self.interval < 0 or self.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if self.load_step < 0:
+            raise ValueError(f"checkpoint.load_step must be >= 0 (0: the newest), got {self.load_step}")
+        if self.load_step and not self.resume:
+            raise ValueError(f"checkpoint.load_step={self.load_step} resumes from that step: "
+                             "set checkpoint.resume true")
+        from .checkpoint import check_exclude
 
-    def build(self, folder: Path, *, adapt: Callable[[dict], dict] | None = None) -> RunCheckpoints | None:
-        """The run's checkpoints in `folder` (None when neither saving nor resuming)."""
+        check_exclude(self.exclude)
+
+    def build(self, folder: Path, *, adapt: Callable[[dict], dict] | None = None,
+              trainable_only: bool = False) -> RunCheckpoints | None:
+        """The run's checkpoints in `folder` (None when neither saving nor resuming). trainable_only: save the
+        model's trainable parameters only (LoRA adapters; the frozen base comes from the run's initial weights)."""
         if self.interval == 0 and not self.resume:
             return None
         from .checkpoint import RunCheckpoints  # torch-checkpointing is only needed when checkpointing
 
-        return RunCheckpoints(folder, keep_last=self.keep_last, async_save=self.async_save, adapt=adapt)
+        return RunCheckpoints(folder, keep_last=self.keep_last, async_save=self.async_save, adapt=adapt,
+                              exclude=self.exclude, trainable_only=trainable_only)
 
 
 @dataclass(kw_only=True)
@@ -279,15 +338,102 @@ class MetricsConfig:
     """Write TensorBoard event files beside metrics.jsonl."""
     progress: bool = True
     """Show the progress bar on rank 0."""
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install 'titan-train[wandb]'); WANDB_MODE=offline needs no network."""
+    wandb_project: str = "titan-train"
+    """wandb: the project the run is logged under."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """wandb: auto takes WANDB_MODE from the environment (online when unset); offline writes <job.folder>/wandb."""
+    plot: bool = True
+    """At the end of the run write <job.folder>/metrics.png: loss (and eval loss) and throughput per step."""
 
     def check(self) -> None:
         if self.log_interval < 1:
             raise ValueError(f"metrics.log_interval must be >= 1, got {self.log_interval}")
 
-    def build(self, folder: Path, *, start_step: int) -> MetricsWriter:
+    def build(self, folder: Path, *, start_step: int, run_config: dict | None = None) -> MetricsWriter:
         from .metrics import MetricsWriter
 
-        return MetricsWriter(folder, tensorboard=self.tensorboard, start_step=start_step)
+        sinks = []
+        if self.wandb:
+            from .tracking import WandbSink
+
+            sinks.append(WandbSink(folder, project=self.wandb_project, mode=self.wandb_mode, config=run_config))
+        return MetricsWriter(folder, tensorboard=self.tensorboard, start_step=start_step, sinks=sinks)
+
+
+@dataclass(kw_only=True)
+class ValidationConfig:
+    source: str = ""
+    """Held-out data in the formats of data.source (read with data.tokenizer, and as chat data under
+    data.chat); '' turns validation off."""
+    format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
+    """As data.format, for validation.source."""
+    interval: int = 0
+    """Evaluate every this many steps, and after the last step (0: after the last step only)."""
+    steps: int = 4
+    """Batches (training.batch_size x training.seq_len) per evaluation: the same first ones every time."""
+
+    def check(self) -> None:
+        if self.interval < 0 or self.steps < 1:
+            raise ValueError(f"validation.interval must be >= 0 and validation.steps >= 1, got "
+                             f"{self.interval} and {self.steps}")
+
+    def build(self, data: DataConfig, tokenizer: Any, *, seq_len: int, batch_size: int, seed: int) -> Any:
+        """The run's Validator (validation.py), None when validation.source is ''."""
+        if not self.source:
+            return None
+        from .validation import Validator
+
+        # In file order (a bad source or record fails here, before training); rewound for every evaluation.
+        loader = data.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=False,
+                                    format=self.format)
+        return Validator(loader, interval=self.interval, steps=self.steps, batch_size=batch_size)
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    targets: tuple[str, ...] = ()
+    """LoRA adapters on the Linears whose names match these patterns (titan_models.override's: '*' within
+    one name component), e.g. 'layers.*.attention.wq,layers.*.attention.wv'; the rest of the model is frozen
+    and only the adapters are trained and checkpointed. Empty: no LoRA."""
+    rank: int = 8
+    """Rank r of each adapter: W x + (alpha / r) B A x with A [r, in], B [out, r] (B starts at zero)."""
+    alpha: float = 16.0
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only)."""
+
+    def check(self) -> None:
+        if self.targets and (self.rank < 1 or not 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"lora.rank must be >= 1 and lora.dropout in [0, 1), got {self.rank} and {self.dropout}")
+
+    def build(self, *, seed: int) -> Any:
+        """The adapters to apply (lora.py's LoRA), None when no targets are given."""
+        if not self.targets:
+            return None
+        from .lora import LoRA
+
+        return LoRA(self.targets, rank=self.rank, alpha=self.alpha, dropout=self.dropout, seed=seed)
+
+
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    steps: tuple[int, ...] = ()
+    """Record these steps with torch.profiler (e.g. '5,6') into <job.folder>/profile/trace_rank<R>.json
+    (Chrome/Perfetto) and print where their time went: compute, communication, idle."""
+    memory_snapshot: bool = False
+    """CUDA: record allocations over the profiled steps (or the first 3 steps) and write torch's memory
+    snapshot <job.folder>/profile/memory_snapshot_rank<R>.pickle (open it in pytorch.org/memory_viz)."""
+
+    def check(self) -> None:
+        if any(step < 1 for step in self.steps):
+            raise ValueError(f"profiling.steps must be >= 1, got {self.steps}")
+
+    def build(self, folder: Path, *, rank: int, device: torch.device) -> Any:
+        from .profiling import StepProfiler
+
+        return StepProfiler(folder / "profile", steps=self.steps, memory_snapshot=self.memory_snapshot, rank=rank,
+                            device=device)
 
 
 @dataclass(kw_only=True)
@@ -322,6 +468,9 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def check(self) -> None:
         """The checks of each section that need nothing but the section (the layout's come with
@@ -330,3 +479,7 @@ class TrainConfig:
         self.lr_schedule.check()
         self.checkpoint.check()
         self.metrics.check()
+        self.data.check()
+        self.validation.check()
+        self.lora.check()
+        self.profiling.check()

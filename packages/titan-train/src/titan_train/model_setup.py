@@ -47,17 +47,22 @@ def build_on_meta(model_cfg) -> nn.Module:
         return model_cfg.build()
 
 
-def initial_state(model_cfg, *, seed: int, hf_path: str) -> dict[str, torch.Tensor]:
-    """The full initial weights on CPU: init_weights(seed), or a Hugging Face folder's tensors."""
+def initial_state(model_cfg, *, seed: int, hf_path: str, adapters=None) -> dict[str, torch.Tensor]:
+    """The full initial weights on CPU: init_weights(seed), or a Hugging Face folder's tensors; with
+    `adapters` (lora.LoRA) their initial values too."""
     if hf_path:
-        return tm.from_hf(hf_path, dtype=model_cfg.dtype).state_dict()
-    reference = build_on_meta(model_cfg).to_empty(device="cpu")  # skips nn.Linear's own (wasted) init
-    reference.init_weights(seed=seed)
+        reference = tm.from_hf(hf_path, dtype=model_cfg.dtype)
+    else:
+        reference = build_on_meta(model_cfg).to_empty(device="cpu")  # skips nn.Linear's own (wasted) init
+        reference.init_weights(seed=seed)
+    if adapters is not None:
+        adapters.apply(reference)
+        adapters.reset(reference)
     return reference.state_dict()
 
 
 def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int, distributed: bool,
-                hf_path: str = "") -> None:
+                hf_path: str = "", adapters=None) -> None:
     """Give the (meta, possibly parallelized) model real weights that do not depend on the layout.
 
     One process: allocate and init_weights in place (or copy a Hugging Face folder's weights in). Several:
@@ -69,13 +74,15 @@ def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int,
     if not distributed:
         if hf_path:
             model.init_buffers()
-            model.load_state_dict(initial_state(model_cfg, seed=seed, hf_path=hf_path))
+            model.load_state_dict(initial_state(model_cfg, seed=seed, hf_path=hf_path, adapters=adapters))
         else:
             model.init_weights(seed=seed)
+            if adapters is not None:
+                adapters.reset(model)
         return
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        full = initial_state(model_cfg, seed=seed, hf_path=hf_path)
+        full = initial_state(model_cfg, seed=seed, hf_path=hf_path, adapters=adapters)
     model.init_buffers()  # buffers (RoPE frequencies) are not in the broadcast: every rank recomputes them
     load_full_state(model, full)  # set_model_state_dict(broadcast_from_rank0), or piecewise for flexshard
 

@@ -79,6 +79,10 @@ class Parallelizer:
         self.precision = t.precision(device)
         self.compute_dtype = torch.bfloat16 if self.precision in ("bf16", "bf16_params") else torch.float32
         self.fsdp = degrees.dp * degrees.cp > 1  # cp ranks share the gradient reduction
+        self.adapters = run.lora.build(seed=run.model.init_seed)  # LoRA, or None
+        if self.adapters is not None and (degrees.tp > 1 or par.fsdp_impl == "flexshard"):
+            raise ValueError("lora.targets: LoRA adapters compose with fully_shard FSDP and pipeline parallelism; "
+                             "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -107,6 +111,8 @@ class Parallelizer:
         """This rank's parallelized model of `model_cfg`, with weights independent of the layout."""
         run, t = self.run, self.run.training
         model = build_on_meta(model_cfg)
+        if self.adapters is not None:  # on the whole model, so every pattern finds its Linears
+            self.adapters.apply(model)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
         if layout is not None and moes and t.moe_bias_update_rate > 0:
@@ -128,7 +134,7 @@ class Parallelizer:
         if not dist.is_initialized():
             # init_weights seeds each parameter by its name: run it before wrappers rename blocks.
             materialize(model, model_cfg, device=self.device, seed=run.model.init_seed, distributed=False,
-                        hf_path=run.model.hf_path)
+                        hf_path=run.model.hf_path, adapters=self.adapters)
         expert_parallel = self._wrap(model, moes)
         pipeline = None
         if layout is not None:
@@ -187,12 +193,14 @@ class Parallelizer:
     def _materialize(self, model: nn.Module, model_cfg, pipeline: Pipeline | None) -> None:
         m = self.run.model
         if pipeline is not None:
-            materialize_rank_part(model, model_cfg, device=self.device, seed=m.init_seed, hf_path=m.hf_path)
+            materialize_rank_part(model, model_cfg, device=self.device, seed=m.init_seed, hf_path=m.hf_path,
+                                  adapters=self.adapters)
             pipeline.finish()
         elif dist.is_initialized():
             # Sharded while still on meta: each rank allocates only its shards, then copies them out
             # of rank 0's full initialisation.
-            materialize(model, model_cfg, device=self.device, seed=m.init_seed, distributed=True, hf_path=m.hf_path)
+            materialize(model, model_cfg, device=self.device, seed=m.init_seed, distributed=True, hf_path=m.hf_path,
+                        adapters=self.adapters)
 
 
 def _check_bf16_params(run: TrainConfig, world_size: int) -> None:

@@ -299,12 +299,35 @@ class Pipeline:
             return torch.zeros((), device=self.device, dtype=torch.float32)
         return torch.stack([loss.detach().float() for loss in losses]).sum() / scale
 
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+                 document_ids: torch.Tensor | None) -> torch.Tensor:
+        """Forward only over this data-parallel rank's rows: their summed loss on the rank holding the last
+        stage, 0 elsewhere (as `step`, without the backward)."""
+        self._scale = 1.0
+        kwargs = {"labels": labels, "positions": positions}
+        if document_ids is not None:
+            kwargs["document_ids"] = document_ids
+        args = (tokens,) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        if hasattr(self.schedule, "eval"):  # outputs are 0-dim losses: not merged (return_outputs reaches step)
+            self.schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        else:  # torch without Schedule.eval: the same switch it makes
+            has_backward, self.schedule._has_backward = self.schedule._has_backward, False
+            try:
+                self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            finally:
+                self.schedule._has_backward = has_backward
+        if not losses:
+            return torch.zeros((), device=self.device, dtype=torch.float32)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
     def checkpoint_entries(self, state: dict) -> dict:
         """The run's checkpoint state with the model and optimizer entries presenting every stage (see
         pipeline_checkpoint.py), so the ranks' states fit together and load into any layout."""
         from .pipeline_checkpoint import StageEntries
 
-        for key in ("model", "optimizer"):
+        for key in [key for key in ("model", "optimizer") if key in state]:
             state[key] = StageEntries(state[key], pp_group=self.group, slice_ranks=self.slice_ranks,
                                       model_order=list(self.layout.parameter_order))
         return state
@@ -347,14 +370,15 @@ def _no_weight_step():
     return lambda: None
 
 
-def materialize_rank_part(model: nn.Module, model_cfg, *, device: torch.device, seed: int, hf_path: str = "") -> None:
+def materialize_rank_part(model: nn.Module, model_cfg, *, device: torch.device, seed: int, hf_path: str = "",
+                          adapters=None) -> None:
     """model_setup.materialize for a rank model that holds only some layers: rank 0 builds the whole initial
     state and broadcasts every tensor; each rank keeps those of its own stages (a non-strict load, since
     rank 0's full state names layers it does not hold)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
-    full = initial_state(model_cfg, seed=seed, hf_path=hf_path) if dist.get_rank() == 0 else {}
+    full = initial_state(model_cfg, seed=seed, hf_path=hf_path, adapters=adapters) if dist.get_rank() == 0 else {}
     model.init_buffers()  # buffers (RoPE frequencies) are recomputed, not broadcast
     expected = set(model.state_dict())
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,

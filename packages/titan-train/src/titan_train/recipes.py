@@ -17,6 +17,7 @@ from .config import (
     CompileConfig,
     DataConfig,
     JobConfig,
+    LoRAConfig,
     LRScheduleConfig,
     ModelConfig,
     OptimizerConfig,
@@ -188,4 +189,31 @@ def llama3_debug_muon() -> TrainConfig:
     # and the output head (AdamW's) row-sharded as fully_shard would.
     config.parallelism = ParallelismConfig(fsdp_impl="flexshard",
                                            flexshard_placements=(("layers.*.w*.weight", "owned"),))
+    return config
+
+
+@register_recipe("llama3_debug_sft")
+def llama3_debug_sft() -> TrainConfig:
+    """Supervised fine-tuning of the main job's model on generated arithmetic chats (after the main job).
+
+    Start the main job with --checkpoint.interval 100 so runs/llama3_debug holds its weights."""
+    config = llama3_debug()
+    config.job.folder = "runs/llama3_debug_sft"
+    config.training = StepConfig(steps=60, batch_size=8, seq_len=128, max_grad_norm=1.0)
+    config.optimizer = OptimizerConfig(lr=5e-4, weight_decay=0.0)
+    config.lr_schedule = LRScheduleConfig(kind="cosine", warmup_steps=5, min_lr_ratio=0.1)
+    # Built-in chat template for the byte tokenizer; loss on the assistant's replies only.
+    config.data = DataConfig(source="arithmetic_chat", chat=True, tokenizer="byte")
+    config.checkpoint = CheckpointConfig(initial_load="runs/llama3_debug", interval=60)
+    return config
+
+
+@register_recipe("llama3_debug_lora")
+def llama3_debug_lora() -> TrainConfig:
+    """The SFT job with LoRA adapters (rank 8) on the attention projections, the base model frozen."""
+    config = llama3_debug_sft()
+    config.job.folder = "runs/llama3_debug_lora"
+    config.optimizer = OptimizerConfig(lr=2e-3, weight_decay=0.0)
+    config.lora = LoRAConfig(targets=("layers.*.attention.wq", "layers.*.attention.wk", "layers.*.attention.wv",
+                                      "layers.*.attention.wo"), rank=8, alpha=16.0)
     return config

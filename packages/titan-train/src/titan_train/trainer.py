@@ -3,6 +3,7 @@ metrics, progress, checkpoint/resume and a stop on a non-finite loss."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import titan_models as tm
 from .cli_args import check_types
 from .config import TrainConfig
 from .context_parallel import local_indices, shard_sequence
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, Batch
 from .field_checks import check_run_fields
 from .grad_norm import clip_by_total_norm
 from .memory_estimate import check_memory_fits
@@ -27,6 +28,7 @@ from .optimizer_settings import OptimizerSettings
 from .process_group import process_group, select_device
 from .progress import ProgressBar
 from .run_folder import check_run_folder, claim_run_folder
+from .saved_config import save_config
 
 
 @dataclass
@@ -35,6 +37,8 @@ class TrainResult:
     """step -> global mean loss, for the steps this call ran."""
     start_step: int = 0
     """The step the run resumed from (0 for a fresh run)."""
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    """step -> validation loss, for the steps that evaluated."""
     tokens_per_s: float = 0.0
     """Mean throughput over the steps after the first (which includes warm-up)."""
     folder: Path = Path(".")
@@ -72,10 +76,16 @@ class Trainer:
                           n_params=tm.count_params(self.model_cfg).total)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
                                         seed=config.job.seed)
+        self.validator = config.validation.build(config.data, self.tokenizer, seq_len=t.seq_len,
+                                                 batch_size=t.batch_size, seed=config.job.seed)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
         self.parallel = self.parallelizer.build_model(
             self.model_cfg, document_masking=config.data.document_masking and not config.data.random)
         self.model, self.loss_module, self.pipeline = self.parallel.model, self.parallel.loss, self.parallel.pipeline
+        if config.checkpoint.initial_load:  # before a resume, which loads over it (LoRA: the adapters only)
+            from .initial_weights import load_initial_weights
+
+            load_initial_weights(self.model, config.checkpoint.initial_load, pipeline=self.pipeline)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.parallelizer.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
@@ -84,7 +94,14 @@ class Trainer:
         # the run folder is claimed before anything writes there
         self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
         self.checkpoints = config.checkpoint.build(
-            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None)
+            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
+            trainable_only=self.parallelizer.adapters is not None)
+        self.profiler = config.profiling.build(self.folder, rank=self.rank, device=device)
+        if config.checkpoint.export_hf_at_end and self.pipeline is not None:
+            raise ValueError("checkpoint.export_hf_at_end with parallelism.pp > 1: export the last checkpoint with "
+                             "titan-train export --job.folder DIR --out HF_DIR instead")
+        if self.rank == 0:
+            save_config(config, self.folder)  # what titan-train export rebuilds the model from
         self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
         self.peak = peak_flops(device)
 
@@ -101,14 +118,8 @@ class Trainer:
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
         scored = int((batch.labels != IGNORE_INDEX).sum())
         scale = self.parallelizer.loss_scale(scored)
-        rows = t.batch_size // self.degrees.dp
-        local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
-        positions = None
-        if self.degrees.cp > 1:  # this cp rank's two load-balanced chunks of every sequence
-            cp_rank = self.mesh.get_local_rank("cp")
-            local = type(local)(*shard_sequence(cp_rank, self.degrees.cp, local.tokens, local.labels,
-                                                local.document_ids))
-            positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
+        local, positions = self._local_rows(batch)
+        rows = local.tokens.shape[0]
         micro_rows = rows // t.grad_accum_steps
         if self.pipeline is not None:  # the schedule splits the rows into microbatches, FSDP reduces once
             if positions is None:
@@ -148,6 +159,45 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
 
+    def _local_rows(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:
+        """This rank's rows of the global batch on the device (under cp: its chunks of each sequence, and
+        their positions)."""
+        t = self.config.training
+        rows = t.batch_size // self.degrees.dp
+        local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        positions = None
+        if self.degrees.cp > 1:  # this cp rank's two load-balanced chunks of every sequence
+            cp_rank = self.mesh.get_local_rank("cp")
+            local = type(local)(*shard_sequence(cp_rank, self.degrees.cp, local.tokens, local.labels,
+                                                local.document_ids))
+            positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
+        return local, positions
+
+    @torch.no_grad()
+    def summed_loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of a global batch over every rank's tokens, forward only, in eval mode (no dropout:
+        LoRA's) (validation)."""
+        self.model.eval()
+        try:
+            return self._summed_loss(batch)
+        finally:
+            self.model.train()
+
+    def _summed_loss(self, batch: Batch) -> torch.Tensor:
+        local, positions = self._local_rows(batch)
+        if self.pipeline is not None:
+            if positions is None:
+                positions = torch.arange(local.tokens.shape[1], device=self.device).expand_as(local.tokens)
+            loss_sum = self.pipeline.evaluate(local.tokens, local.labels, positions, local.document_ids)
+        else:
+            with self._autocast():
+                loss_sum = self.loss_module(local.tokens, local.labels, local.document_ids, positions).float()
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum)
+            if self.degrees.tp > 1:
+                loss_sum /= self.degrees.tp
+        return loss_sum
+
     def _clip_gradients(self) -> torch.Tensor:
         # Reading the norm skips the multiplication of gradients within the bound (by exactly 1). On the guard's
         # device path it is not read (no sync) unless every step is read back anyway (log_interval 1).
@@ -167,13 +217,11 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         config, t = self.config, self.config.training
-        start, settings_changed = 0, []
-        if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
-            start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device)
-            settings_changed = self.optimizer_settings.reapply(self.optimizer, self.scheduler)
+        start, settings_changed = self._resume()
         result = TrainResult(start_step=start, folder=self.folder)
         is_main = self.rank == 0
-        metrics = config.metrics.build(self.folder, start_step=start) if is_main else None
+        metrics = (config.metrics.build(self.folder, start_step=start, run_config=dataclasses.asdict(config))
+                   if is_main else None)
         bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
         if is_main:
             self._announce(start, settings_changed)
@@ -188,19 +236,25 @@ class Trainer:
                     self.checkpoints.poll()
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
+                self.profiler.before(step)
                 loss, grad_norm = self.train_step(step)
+                self.profiler.after(step)
                 if self.checkpoints is not None and config.checkpoint.interval and step == start + 1:
                     self.checkpoints.reserve(self.checkpoints.state(  # the state now has its optimizer moments
                         self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
                 if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
                     gc.collect(1)
                 pending.append(_PendingStep(step, lr, loss, grad_norm, time.perf_counter() - began))
-                log = step % config.metrics.log_interval == 0 or step == t.steps
+                evaluate = self.validator is not None and self.validator.due(step, t.steps)
+                log = step % config.metrics.log_interval == 0 or step == t.steps or evaluate
                 interval = config.checkpoint.interval
                 save = self.checkpoints is not None and interval and (step % interval == 0 or step == t.steps)
                 if log or save:  # the only host syncs of the loop; a non-finite step stops the run here
                     record = self._read_back(pending, result, timing, first=start + 1)
                     pending = []
+                    if evaluate:
+                        record.update(self.validator.evaluate(self.summed_loss))
+                        result.eval_losses[step] = record["eval_loss"]
                     if log and is_main:
                         metrics.write(record)
                         bar.update(step, loss=record["loss"], tokens_per_s=record["tokens_per_s"], mfu=record["mfu"],
@@ -211,15 +265,49 @@ class Trainer:
         finally:
             if collect_automatically:
                 gc.enable()
+            self.profiler.close()
             bar.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()
             if metrics is not None:
                 metrics.close()
         result.tokens_per_s = timing.tokens / timing.seconds if timing.seconds else 0.0
-        if is_main:
-            self._summarize(result)
+        self._finish(result)
         return result
+
+    def _finish(self, result: TrainResult) -> None:
+        """What a finished run leaves besides its metrics: the HF export, metrics.png, the summary line."""
+        config = self.config
+        if config.checkpoint.export_hf_at_end:
+            from .export import export_trained
+
+            export_trained(self.model, config, self.folder / "hf")  # every rank: the weights are gathered
+        if self.rank != 0:
+            return
+        if config.metrics.plot and (self.folder / "metrics.jsonl").is_file():
+            from .plot import write_plot
+
+            write_plot(self.folder / "metrics.jsonl", self.folder / "metrics.png")
+        self._summarize(result)
+
+    def _resume(self) -> tuple[int, list[str]]:
+        """Load the checkpoint to continue from (the newest, or checkpoint.load_step): the step it holds and
+        the optimizer settings the command line changed (0 and [] for a fresh run)."""
+        c = self.config.checkpoint
+        committed = self.checkpoints.steps() if self.checkpoints is not None else []
+        if c.load_step and c.load_step not in committed:
+            raise ValueError(f"checkpoint.load_step={c.load_step} is not a committed checkpoint in "
+                             f"{self.folder / 'checkpoints'} (committed: {committed or 'none'})")
+        later = [s for s in committed if s > c.load_step] if c.load_step else []
+        if later and c.interval:
+            raise ValueError(f"checkpoint.load_step={c.load_step} with later checkpoints {later} in {self.folder}: "
+                             "the resumed run would save over them; set checkpoint.interval 0, or start another "
+                             "job.folder with checkpoint.initial_load")
+        if not (committed and c.resume):
+            return 0, []
+        start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device,
+                                         step=c.load_step or None)
+        return start, self.optimizer_settings.reapply(self.optimizer, self.scheduler)
 
     def _read_back(self, pending: list[_PendingStep], result: TrainResult, timing: _Timing, *, first: int) -> dict:
         """Wait for the pending steps, check them (NonFiniteGuard), record their losses; returns the metrics
@@ -248,10 +336,11 @@ class Trainer:
         if settings_changed:
             resumed += f" with the command line's optimizer settings ({', '.join(settings_changed)})"
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
+        data = ", ".join(f"{source} ({weight:g})" for source, weight in c.data.sources) or c.data.source
         print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
               f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "
               f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
-              f"{c.data.source}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+              f"{data}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
 
     def _summarize(self, result: TrainResult) -> None:
         if not result.losses:
