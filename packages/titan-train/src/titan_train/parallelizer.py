@@ -16,6 +16,7 @@ import torch.nn as nn
 import titan_models as tm
 
 from .config import TrainConfig
+from .compile_regions import apply_compile_regions
 from .context_parallel import apply_context_parallel, check_context_parallel
 from .expert_parallel import (
     ExpertBiasUpdate,
@@ -29,7 +30,6 @@ from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
 from .model_setup import build_on_meta, materialize
 from .parallelize import (
     apply_activation_checkpointing,
-    apply_compile,
     apply_fsdp,
     apply_tensor_parallel,
     check_tp_divisibility,
@@ -71,9 +71,13 @@ class Parallelizer:
         self.pp_settings = None
         if degrees.pp > 1:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
-                                              grad_accum_steps=t.grad_accum_steps, compiled=run.compile.enabled)
+                                              grad_accum_steps=t.grad_accum_steps, compiled=run.compile.uses_torch_compile)
         if degrees.cp > 1:
             check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
+        if run.compile.effective_mode == "graph":
+            from .graph.build import check_graph_mode
+
+            check_graph_mode(run, degrees)
         self.mesh = build_mesh(degrees, device)
         self.dp_rank = dp_rank(self.mesh, degrees)
         self.precision = t.precision(device)
@@ -118,7 +122,7 @@ class Parallelizer:
 
             use_fused_swiglu(model)
         loss = CausalLMLoss(
-            model, chunk=t.loss_chunk_size, compiled=run.compile.enabled, triton=fused,
+            model, chunk=t.loss_chunk_size, compiled=run.compile.uses_torch_compile, triton=fused,
             context_factory=(lambda ids: tm.AttentionContext(document_ids=ids)) if document_masking else None,
             tp_group=self.mesh["tp"].get_group() if self.degrees.tp > 1 else None)
         # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
@@ -163,8 +167,8 @@ class Parallelizer:
         if self.degrees.ep > 1:
             expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
         apply_activation_checkpointing(model, self.run.activation_checkpoint)
-        if self.run.compile.enabled:
-            apply_compile(model)
+        if self.run.compile.uses_torch_compile:
+            apply_compile_regions(model, self.run.compile)
         return expert_parallel
 
     def _shard(self, loss: CausalLMLoss, pipeline: Pipeline | None, expert_parallel: ExpertParallel | None) -> None:
