@@ -118,18 +118,22 @@ def sink_allocations(gm: fx.GraphModule) -> fx.GraphModule:
     often long before their value is needed. Lowers peak memory; every value is computed by the same op
     from the same inputs."""
     nodes = list(gm.graph.nodes)
-    index = {node: i for i, node in enumerate(nodes)}
+    position = {node: float(i) for i, node in enumerate(nodes)}  # kept current as nodes move
     next_write, barrier = [None] * len(nodes), None
     for i in range(len(nodes) - 1, -1, -1):
         next_write[i] = barrier
         if _writes(nodes[i]):
             barrier = nodes[i]
-    for node in reversed(nodes):
+    for i in range(len(nodes) - 1, -1, -1):  # users first: they have settled when their inputs move
+        node, wall = nodes[i], next_write[i]
         if not _is_pure(node) or not node.users:
             continue
-        first_user = min(node.users, key=index.__getitem__)
-        wall = next_write[index[node]]
-        target = first_user if wall is None or index[first_user] <= index[wall] else wall
-        if target.op != "output" and target is not node.next:
-            target.prepend(node)
+        first_user = min(node.users, key=position.__getitem__)
+        target = first_user if wall is None or position[first_user] < position[wall] else wall
+        if target.op == "output" or target is node.next:
+            continue
+        target.prepend(node)
+        position[node] = (position[node.prev] + position[target]) / 2
+        if position[target] - position[node] < 1e-6:  # gaps halve with each move before one node
+            position = {n: float(j) for j, n in enumerate(gm.graph.nodes)}
     return gm
