@@ -8,6 +8,7 @@ checkpointing, compile, FSDP) and given weights that do not depend on the layout
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,7 @@ class Parallelizer:
         self.precision = t.precision(device)
         self.compute_dtype = torch.bfloat16 if self.precision in ("bf16", "bf16_params") else torch.float32
         self.fsdp = degrees.dp * degrees.cp > 1  # cp ranks share the gradient reduction
+        self.remat_plan: dict | None = None  # activation_checkpoint.mode=remat: the plan's report
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -166,10 +168,27 @@ class Parallelizer:
         expert_parallel = None
         if self.degrees.ep > 1:
             expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
-        apply_activation_checkpointing(model, self.run.activation_checkpoint)
+        if self.run.activation_checkpoint.mode == "remat":
+            self._apply_remat(model)
+        else:
+            apply_activation_checkpointing(model, self.run.activation_checkpoint)
         if self.run.compile.uses_torch_compile:
             apply_compile_regions(model, self.run.compile)
         return expert_parallel
+
+    def _apply_remat(self, model: nn.Module) -> None:
+        """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank; the weights,
+        fp32 gradients and AdamW moments (16 bytes a parameter, sharded over FSDP) count against the budget."""
+        from .remat import apply_remat
+
+        t, d = self.run.training, self.degrees
+        shards = d.dp * d.cp if self.fsdp else 1
+        static = 16 * sum(p.numel() for p in model.parameters()) // shards
+        is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.remat_plan = apply_remat(model, self.run.activation_checkpoint,
+                                      rows=t.batch_size // d.dp // t.grad_accum_steps, seq_len=t.seq_len // d.cp,
+                                      activation_dtype=self.compute_dtype, static_bytes=static,
+                                      folder=Path(self.run.job.folder) if is_main else None)
 
     def _shard(self, loss: CausalLMLoss, pipeline: Pipeline | None, expert_parallel: ExpertParallel | None) -> None:
         """FSDP/HSDP over the data-parallel (x cp) mesh: MoE layers first (the blocks' units then leave them
