@@ -64,8 +64,8 @@ def test_regions_see_through_activation_checkpointing(tmp_path, jobs, fresh_dyna
 
 
 def test_patterns_matching_nothing_are_errors_naming_them(tmp_path, jobs):
-    config = jobs.tiny(tmp_path, **{"compile.mode": "regions",
-                                    "compile.regions": "layers.*.attention=default,layers.*.mlp=default,blocks.*=default"})
+    regions = "layers.*.attention=default,layers.*.mlp=default,blocks.*=default"
+    config = jobs.tiny(tmp_path, **{"compile.mode": "regions", "compile.regions": regions})
     with pytest.raises(ValueError, match=r"no module matches layers\.\*\.mlp, blocks\.\*"):
         Trainer(config, torch.device("cpu"))
 

@@ -55,9 +55,8 @@ def test_gradient_accumulation_bitwise(tmp_path, jobs):
 
 def _on_two_ranks(config) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the worker by this path
-    from graph_ranks import rank_main
-
     from conftest import losses
+    from graph_ranks import rank_main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -34,7 +34,8 @@ def parse_region_options(text: str, pattern: str) -> RegionOptions:
     """'max-autotune/fullgraph/dynamic' -> RegionOptions (ValueError naming the pattern otherwise)."""
     mode, *flags = [part.strip() for part in text.split("/")]
     if mode not in COMPILE_MODES:
-        raise ValueError(f"compile.regions {pattern}={text}: unknown mode {mode!r}; allowed: {', '.join(COMPILE_MODES)}")
+        raise ValueError(f"compile.regions {pattern}={text}: unknown mode {mode!r}; "
+                         f"allowed: {', '.join(COMPILE_MODES)}")
     unknown = [f for f in flags if f not in ("fullgraph", "dynamic", "static")]
     if unknown or ("dynamic" in flags and "static" in flags):
         raise ValueError(f"compile.regions {pattern}={text}: flags after the mode are /fullgraph and one of "

@@ -16,8 +16,8 @@ import torch.nn as nn
 
 import titan_models as tm
 
-from .config import TrainConfig
 from .compile_regions import apply_compile_regions
+from .config import TrainConfig
 from .context_parallel import apply_context_parallel, check_context_parallel
 from .expert_parallel import (
     ExpertBiasUpdate,
@@ -72,7 +72,8 @@ class Parallelizer:
         self.pp_settings = None
         if degrees.pp > 1:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
-                                              grad_accum_steps=t.grad_accum_steps, compiled=run.compile.uses_torch_compile)
+                                              grad_accum_steps=t.grad_accum_steps,
+                                              compiled=run.compile.uses_torch_compile)
         if degrees.cp > 1:
             check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
         if run.compile.effective_mode == "graph":

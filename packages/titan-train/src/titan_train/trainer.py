@@ -80,8 +80,8 @@ class Trainer:
         if config.compile.effective_mode == "graph":
             from .graph.build import build_graph_step
 
-            self.graph_step = build_graph_step(config, self.loss_module, folder=self.folder, is_main=self.rank == 0,
-                                               autocast=self._autocast)
+            self.graph_step = build_graph_step(config, self.loss_module, folder=self.folder,
+                                               is_main=self.rank == 0, autocast=self._autocast)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.layout.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)

@@ -66,7 +66,8 @@ class GraphStep:
     def graph_for(self, args: tuple) -> fx.GraphModule:
         key = tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
         if key not in self.graphs:
-            params = {n: p.detach().requires_grad_(self.params[n].requires_grad) for n, p in self._full_params().items()}
+            params = {n: p.detach().requires_grad_(self.params[n].requires_grad)
+                      for n, p in self._full_params().items()}
             with _fsdp_hooks_off(self.loss_module), torch.enable_grad():
                 gm = make_fx(self._step_fn(), tracing_mode="real")(params, self.buffers, *args)
             gm = apply_passes(gm, self.passes)
