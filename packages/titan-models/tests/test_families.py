@@ -16,6 +16,7 @@ from torch import nn
 
 import titan_models as tm
 from titan_models import registry
+from titan_models.components.sinks import eager_attention
 from titan_models.parallel_plan import TP_STYLES
 
 FAMILIES = [f.name for f in tm.families()]
@@ -84,8 +85,9 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(tmp_path, family, case
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
     tm.to_hf(model, tmp_path)
-    reference = load_hf(tmp_path, auto_class=tiny.auto_class)
-    assert type(reference).__name__ == tiny.config["architectures"][0]
+    written_as = tiny.written_as or tiny.config["architectures"][0]
+    reference = load_hf(tmp_path, auto_class="AutoModelForCausalLM" if tiny.written_as else tiny.auto_class)
+    assert type(reference).__name__ == written_as
     tokens = _tokens(config.vocab_size)
     with torch.no_grad():
         assert rel_err(reference(tokens).logits, model(tokens)) < 1e-5
@@ -148,18 +150,24 @@ def test_parallel_plan_names_modules_of_the_debug_model(family, name):
 
 class _CachedInner(nn.Module):
     """Keeps the keys and values of earlier calls and attends from the new queries over all of them:
-    the minimal KV cache a generator installs through `override`."""
+    the minimal KV cache a generator installs through `override` (with the base's sliding window, and
+    the sinks the attention passes, gpt-oss)."""
 
     def __init__(self, base: nn.Module):
         super().__init__()
         self.scale = base.scale
+        self.window = getattr(base, "sliding_window", None)
         self.k = self.v = None
 
-    def forward(self, q, k, v, *, context=None):
+    def forward(self, q, k, v, *, context=None, sinks=None):
         self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
         new, total = q.shape[1], self.k.shape[1]
         mask = torch.ones(new, total, dtype=torch.bool).tril(total - new)
+        if self.window is not None:  # query i sits at position total - new + i
+            mask &= ~torch.ones(new, total, dtype=torch.bool).tril(total - new - self.window)
+        if sinks is not None:
+            return eager_attention(q, self.k, self.v, scale=self.scale, mask=mask, sinks=sinks)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, self.k, self.v))
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
                                              enable_gqa=qh.shape[1] != kh.shape[1])
@@ -172,12 +180,16 @@ def test_incremental_decoding_through_the_inner_attention_matches_the_full_forwa
     model = build(config, seed=1)
     tokens = _tokens(config.vocab_size)
     prefill = SEQ - 8
+    states: dict = {}  # recurrent layers' state (linear attention), carried as a generator carries it
     with torch.no_grad():
         full = model(tokens)
-        tm.override(model, "layers.*.attention.inner", lambda fqn, old: _CachedInner(old))
-        steps = [model(tokens[:, :prefill], positions=torch.arange(prefill).expand(2, prefill))]
+        if any(n.endswith(".attention.inner") for n, _ in model.named_modules()):
+            tm.override(model, "layers.*.attention.inner", lambda fqn, old: _CachedInner(old))
+        steps = [model(tokens[:, :prefill], positions=torch.arange(prefill).expand(2, prefill),
+                       context=tm.AttentionContext(recurrent_states=states))]
         for t in range(prefill, SEQ):
-            steps.append(model(tokens[:, t:t + 1], positions=torch.full((2, 1), t)))
+            steps.append(model(tokens[:, t:t + 1], positions=torch.full((2, 1), t),
+                               context=tm.AttentionContext(recurrent_states=states)))
     assert rel_err(torch.cat(steps, dim=1), full) < 1e-5
 
 

@@ -20,8 +20,9 @@ reductions, which gloo needs, torch 2.14 divides twice.)
 
 FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
 `experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
-(called as a module) are their own unit over the dense data-parallel mesh; the router gate, read
-directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
+and their sigmoid gate, if any (called as modules), are their own units over the dense data-parallel
+mesh; the router gate, read directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept
+whole on every rank.
 """
 from __future__ import annotations
 
@@ -76,12 +77,25 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float) -> list[str]:
             continue  # e.g. mtp.layer.moe on a model without multi-token prediction
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
+            _check_dist_moe_supports(fqn, old.config)
             config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha)
             with torch.device(old.router.gate.weight.device):
                 return config.build()
 
         replaced += tm.override(model, pattern, factory)
     return replaced
+
+
+def _check_dist_moe_supports(fqn: str, moe_config: object) -> None:
+    """dist-moe's layer routes by softmax/sigmoid scores into plain SwiGLU experts without biases; gpt-oss's
+    options would be dropped silently, so they stop here."""
+    unsupported = [name for name, plain in (("router_bias", False), ("expert_linear_bias", False), ("activation", None))
+                   if getattr(moe_config, name, plain) != plain]
+    if getattr(moe_config, "score_func", "softmax") == "topk_softmax":
+        unsupported.append("score_func='topk_softmax'")
+    if unsupported:
+        raise ValueError(f"{fqn}: dist-moe's MoE layer does not implement {', '.join(unsupported)} (gpt-oss); "
+                         "use model.moe_impl=titan with parallelism.ep=1")
 
 
 def split_dp_shard(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -147,9 +161,10 @@ class ExpertParallel:
         # hook, but the Transformer block adds the MoE output out of place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
         for moe in self.moes:
-            if moe.shared_experts is not None:
-                fully_shard(moe.shared_experts, mesh=dense_mesh, mp_policy=policy,
-                            reshard_after_forward=reshard_after_forward)
+            # the shared experts and their gate (Qwen3-Next / Qwen3.5) see every rank's tokens: dense units
+            for shared in (moe.shared_experts, getattr(moe, "shared_gate", None)):
+                if shared is not None:
+                    fully_shard(shared, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
             fully_shard(moe, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                         ignored_params={moe.router.gate.weight})
 

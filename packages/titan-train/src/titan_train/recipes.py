@@ -104,6 +104,24 @@ def llama3_1b() -> TrainConfig:
     )
 
 
+@register_recipe("qwen3_5_debug")
+def qwen3_5_debug() -> TrainConfig:
+    """The main job on the debug Qwen3.5 (Gated DeltaNet and gated-attention layers alternating), on a CPU."""
+    config = llama3_debug()
+    config.job.folder = "runs/qwen3_5_debug"
+    config.model = ModelConfig(family="qwen3_5", flavor="debug", vocab_size=384)
+    return config
+
+
+@register_recipe("qwen3_next_debug")
+def qwen3_next_debug() -> TrainConfig:
+    """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8 experts + gated shared one)."""
+    config = llama3_debug()
+    config.job.folder = "runs/qwen3_next_debug"
+    config.model = ModelConfig(family="qwen3_next", flavor="debug", vocab_size=384)
+    return config
+
+
 def _debug_moe_ep(family: str, flavor: str, folder: str) -> TrainConfig:
     config = llama3_debug()
     config.job.folder = folder
@@ -121,10 +139,26 @@ def qwen3_moe_debug_ep() -> TrainConfig:
     return _debug_moe_ep("qwen3", "debug_moe", "runs/qwen3_moe_debug_ep")
 
 
+@register_recipe("qwen3_next_debug_ep")
+def qwen3_next_debug_ep() -> TrainConfig:
+    """The debug Qwen3-Next (Gated DeltaNet; 8 experts top-2 + a gated shared expert), expert parallelism 2."""
+    return _debug_moe_ep("qwen3_next", "debug", "runs/qwen3_next_debug_ep")
+
+
 @register_recipe("deepseek_v3_debug_ep")
 def deepseek_v3_debug_ep() -> TrainConfig:
     """The debug DeepSeek-V3 (MLA, shared + 8 routed experts) with expert parallelism 2: torchrun, 2 or 4 ranks."""
     return _debug_moe_ep("deepseek_v3", "debug", "runs/deepseek_v3_debug_ep")
+
+
+@register_recipe("gpt_oss_debug")
+def gpt_oss_debug() -> TrainConfig:
+    """The main job with the debug gpt-oss: sinks, sliding-window layers of 64 keys, 8 clamped-SwiGLU experts."""
+    config = llama3_debug()
+    config.job.folder = "runs/gpt_oss_debug"
+    config.model = ModelConfig(family="gpt_oss", flavor="debug", vocab_size=384)
+    config.training.moe_bias_update_rate = 0.0  # gpt-oss routes without a selection bias (HF has no place for it)
+    return config
 
 
 @register_recipe("llama3_debug_muon")

@@ -59,8 +59,8 @@ class Trainer:
         check_run_fields(config)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.layout = config.parallelism.build(config, world_size=world, device=device)
-        self.degrees, self.mesh, self.dp_rank = self.layout.degrees, self.layout.mesh, self.layout.dp_rank
+        self.parallelizer = layout = config.parallelism.build(config, world_size=world, device=device)
+        self.degrees, self.mesh, self.dp_rank = layout.degrees, layout.mesh, layout.dp_rank
         self.folder = Path(config.job.folder)
         check_run_folder(self.folder, resume=config.checkpoint.resume, device=device)  # refuse before the build
         torch.manual_seed(config.job.seed)
@@ -73,7 +73,7 @@ class Trainer:
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
                                         seed=config.job.seed)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
-        self.parallel = self.layout.build_model(
+        self.parallel = self.parallelizer.build_model(
             self.model_cfg, document_masking=config.data.document_masking and not config.data.random)
         self.model, self.loss_module, self.pipeline = self.parallel.model, self.parallel.loss, self.parallel.pipeline
         self.graph_step = None  # compile.mode=graph: the captured step runs instead of eager autograd
@@ -83,11 +83,12 @@ class Trainer:
             self.graph_step = build_graph_step(config, self.loss_module, folder=self.folder,
                                                is_main=self.rank == 0, autocast=self._autocast)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
-        self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.layout.param_dtype)
+        self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.parallelizer.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
         self.guard = NonFiniteGuard(self.optimizer, device)
         self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
-        self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)  # before anything writes there
+        # the run folder is claimed before anything writes there
+        self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
         self.checkpoints = config.checkpoint.build(
             self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None)
         self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
@@ -105,7 +106,7 @@ class Trainer:
         t = self.config.training
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
         scored = int((batch.labels != IGNORE_INDEX).sum())
-        scale = self.layout.loss_scale(scored)
+        scale = self.parallelizer.loss_scale(scored)
         rows = t.batch_size // self.degrees.dp
         local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
         positions = None
@@ -125,7 +126,7 @@ class Trainer:
                 micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
                 micro_positions = None if positions is None else positions[i * micro_rows:(i + 1) * micro_rows]
                 # fully_shard reduces once, after the last microbatch (flexshard: after every one)
-                if self.layout.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
+                if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
                     self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
                 if self.graph_step is not None:
                     micro_loss = self.graph_step(micro.tokens, micro.labels, micro.document_ids, micro_positions,
@@ -149,6 +150,8 @@ class Trainer:
         except NonFiniteLossError:
             self.optimizer.zero_grad(set_to_none=True)
             raise
+        if self.checkpoints is not None:  # the last save's device-to-host copies overlapped this forward and backward
+            self.checkpoints.before_optimizer_step()
         self.optimizer.step()
         self.parallel.expert_bias.update()  # after the step, as aux-loss-free balancing prescribes
         self.scheduler.step()
@@ -196,6 +199,9 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
                 loss, grad_norm = self.train_step(step)
+                if self.checkpoints is not None and config.checkpoint.interval and step == start + 1:
+                    self.checkpoints.reserve(self.checkpoints.state(  # the state now has its optimizer moments
+                        self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
                 if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
                     gc.collect(1)
                 pending.append(_PendingStep(step, lr, loss, grad_norm, time.perf_counter() - began))
