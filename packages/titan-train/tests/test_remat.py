@@ -89,7 +89,7 @@ def test_save_blocks_keep_whole_blocks(tmp_path, jobs, plain_counts):
     # layers.0 recomputed, layers.1 not; torch's checkpoint stops recomputing once backward has every tensor
     # it saved, so the block's last product (w2, whose output nothing saves) is not run again
     assert counts["mm"] == plain_counts["mm"] + plain_counts["forward_mm_per_block"] - 1
-    assert [b["option"] for b in trainer.layout.remat_plan["blocks"]] == ["explicit", "keep"]
+    assert [b["option"] for b in trainer.parallelizer.remat_plan["blocks"]] == ["explicit", "keep"]
 
 
 # 0.02704 GiB: the 0.0264 GiB of weights, gradients and moments + room for the two blocks' inputs only

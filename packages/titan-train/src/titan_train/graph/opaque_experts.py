@@ -16,9 +16,11 @@ import torch.nn.functional as F
 
 
 def _run_loop(x, counts, w1, w2, w3):
+    from titan_models.components.ffn import swiglu
     from titan_models.components.moe import GroupedExperts
 
-    return GroupedExperts._loop(SimpleNamespace(w1=w1, w2=w2, w3=w3), x, counts)
+    experts = SimpleNamespace(w1=w1, w2=w2, w3=w3, w1_bias=None, w2_bias=None, w3_bias=None, activation=swiglu)
+    return GroupedExperts._loop(experts, x, counts)
 
 
 @torch.library.custom_op("titan_graph::experts_loop", mutates_args=())
@@ -81,8 +83,14 @@ def use_opaque_experts(model: nn.Module) -> int:
     (grouped_mm experts, bf16 on CUDA, have static shapes and trace as they are.)"""
     from titan_models.components.moe import GroupedExperts
 
+    from titan_models.components.ffn import swiglu
+
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for module in experts:
+        if module.activation is not swiglu or module.w1_bias is not None:
+            raise ValueError("compile.mode=graph: the opaque expert op implements the plain SwiGLU experts "
+                             f"without biases; {module.extra_repr()} with {module.activation} needs "
+                             "compile.mode none/blocks/regions")
         module.forward = _opaque_forward(module)
     return len(experts)
 
