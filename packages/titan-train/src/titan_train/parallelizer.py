@@ -79,7 +79,7 @@ class Parallelizer:
         if run.compile.effective_mode == "graph":
             from .graph.build import check_graph_mode
 
-            check_graph_mode(run, degrees)
+            check_graph_mode(run, degrees, device)
         self.mesh = build_mesh(degrees, device)
         self.dp_rank = dp_rank(self.mesh, degrees)
         self.precision = t.precision(device)

@@ -10,7 +10,7 @@ from .capture import GraphStep
 from .passes import resolve_pass
 
 
-def check_graph_mode(run: TrainConfig, degrees) -> None:
+def check_graph_mode(run: TrainConfig, degrees, device) -> None:
     """The layouts the captured step covers: one device, or 1-D FSDP (fully_shard), without recomputation."""
     for name in ("tp", "pp", "cp", "ep", "dp_replicate"):
         if getattr(degrees, name) > 1:
@@ -21,6 +21,9 @@ def check_graph_mode(run: TrainConfig, degrees) -> None:
     if run.activation_checkpoint.mode != "none":
         raise ValueError("compile.mode=graph holds the whole backward already; set activation_checkpoint.mode=none "
                          "(graph passes decide what the graph keeps)")
+    if device.type == "cuda" and run.training.fused_kernels:
+        raise ValueError("compile.mode=graph on CUDA needs training.fused_kernels=false: the Triton loss and SwiGLU "
+                         "kernels are launched outside torch's dispatcher, so tracing cannot record them")
     for spec in run.compile.graph_passes:
         resolve_pass(spec)  # unknown names fail before the model is built
 

@@ -81,9 +81,8 @@ experts_loop.register_autograd(_backward, setup_context=_setup)
 def use_opaque_experts(model: nn.Module) -> int:
     """Route every titan-models GroupedExperts that runs the loop through the opaque op; returns how many.
     (grouped_mm experts, bf16 on CUDA, have static shapes and trace as they are.)"""
-    from titan_models.components.moe import GroupedExperts
-
     from titan_models.components.ffn import swiglu
+    from titan_models.components.moe import GroupedExperts
 
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for module in experts:
