@@ -53,7 +53,8 @@ def test_gradient_accumulation_bitwise(tmp_path, jobs):
     assert_bitwise(eager, run_job(jobs, tmp_path / "graph", **accum, **{"compile.mode": "graph"})[:2])
 
 
-def _on_two_ranks(config) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+def _on_two_ranks(*configs) -> list[tuple[dict[int, float], dict[str, torch.Tensor]]]:
+    """Each config trained on the same 2 gloo ranks in turn: (losses, final full weights) of each."""
     sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the worker by this path
     from conftest import losses
     from graph_ranks import rank_main
@@ -61,17 +62,18 @@ def _on_two_ranks(config) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(2, port, config), nprocs=2, start_method="spawn")
-    folder = Path(config.job.folder)
-    return losses(folder), torch.load(folder / "final_weights.pt")
+    mp.start_processes(rank_main, args=(2, port, list(configs)), nprocs=2, start_method="spawn")
+    return [(losses(Path(c.job.folder)), torch.load(Path(c.job.folder) / "final_weights.pt")) for c in configs]
 
 
 @pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
 def test_fsdp_two_ranks_bitwise_equal_to_eager_fsdp(tmp_path, jobs, model, monkeypatch):
+    """20 steps on 2 ranks twice (eager, graph): about a minute on a shared 2-core machine; the length is
+    what the equality is claimed over."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     steps = {"training.steps": "20", **model}
-    eager = _on_two_ranks(jobs.tiny(tmp_path / "eager", **steps))
-    graph = _on_two_ranks(jobs.tiny(tmp_path / "graph", **steps, **ALL_PASSES, **{"compile.mode": "graph"}))
+    eager, graph = _on_two_ranks(jobs.tiny(tmp_path / "eager", **steps),
+                                 jobs.tiny(tmp_path / "graph", **steps, **ALL_PASSES, **{"compile.mode": "graph"}))
     assert_bitwise(eager, graph)
 
 
