@@ -436,21 +436,81 @@ class ProfilingConfig:
                             device=device)
 
 
+# (module-path pattern, compile options) pairs; see CompileConfig.regions.
+RegionRules = tuple[tuple[str, str], ...]
+
+
 @dataclass(kw_only=True)
 class CompileConfig:
+    mode: Literal["none", "blocks", "regions", "graph"] = "none"
+    """none: eager. blocks: torch.compile each transformer block (and the loss's chunks). regions:
+    torch.compile the modules `regions` selects, each with its own options. graph: trace the whole step
+    (forward, loss, backward) into one FX graph once and run that graph each step (graph passes apply)."""
     enabled: bool = False
-    """torch.compile each transformer block (and the loss)."""
+    """Alias of mode=blocks (kept for older recipes)."""
+    regions: RegionRules = ()
+    """mode=regions: (module-path pattern, options) pairs; `*` stands for one path component; options are a
+    torch.compile mode (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs) followed by
+    optional /fullgraph and /dynamic or /static. A pattern matching no module is an error.
+    Command line: 'layers.*.attention=default,layers.*.feed_forward=max-autotune/fullgraph'."""
+    backend: str = "inductor"
+    """torch.compile backend of blocks and regions (inductor; aot_eager or eager to debug)."""
+    dump_graph: bool = False
+    """mode=graph: write the step's graph (readable code, and node counts per op) to <job.folder>/graph/."""
+    graph_passes: tuple[str, ...] = ("remove_detach", "eliminate_dead_code")
+    """mode=graph: graph passes applied in order after capture, each a registered name (see
+    titan_train.graph.graph_passes()) or package.module:function taking and returning a GraphModule."""
+
+    @property
+    def effective_mode(self) -> str:
+        """mode with the `enabled` alias resolved."""
+        return "blocks" if self.enabled and self.mode == "none" else self.mode
+
+    @property
+    def uses_torch_compile(self) -> bool:
+        """torch.compile is applied to parts of the model (blocks or regions); the loss's chunks then too."""
+        return self.effective_mode in ("blocks", "regions")
+
+    def check(self) -> None:
+        if self.enabled and self.mode not in ("none", "blocks"):
+            raise ValueError(f"compile.enabled=true is an alias of compile.mode=blocks; it conflicts with "
+                             f"compile.mode={self.mode} (drop compile.enabled)")
+        if self.effective_mode == "regions" and not self.regions:
+            raise ValueError("compile.mode=regions needs compile.regions, e.g. 'layers.*.attention=default'")
+        if self.regions and self.effective_mode != "regions":
+            raise ValueError(f"compile.regions is set but compile.mode={self.effective_mode}; use compile.mode=regions")
 
 
 @dataclass(kw_only=True)
 class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective"] = "none"
-    """full: recompute every block in backward. selective: see `selective`."""
+    mode: Literal["none", "full", "selective", "remat"] = "none"
+    """full: recompute every block in backward. selective: see `selective`. remat: per-op and per-block
+    choices, given (save_ops, save_blocks) or planned under memory_budget_gib; the plan is printed and
+    written to <job.folder>/remat_plan.json."""
+    save_ops: tuple[str, ...] = ()
+    """remat: aten op names whose outputs every checkpointed block keeps (e.g. 'mm,addmm'); the rest is
+    recomputed in backward (empty: recompute the whole block)."""
+    save_blocks: tuple[str, ...] = ()
+    """remat: block-path patterns (e.g. 'layers.0,layers.1') kept whole: nothing in them is recomputed."""
+    memory_budget_gib: float = 0.0
+    """remat: plan what to save so parameters, gradients, AdamW moments and the saved activations of one
+    microbatch fit this many GiB per rank with the least recomputation (0: use save_ops/save_blocks)."""
     selective: Literal["ops", "layers"] = "ops"
     """ops: keep matmul and attention outputs, recompute the cheap elementwise ops between them.
     layers: recompute one block in `every`."""
     every: int = 2
     """selective=layers: checkpoint one block in this many."""
+
+    def check(self) -> None:
+        if self.memory_budget_gib < 0:
+            raise ValueError(f"activation_checkpoint.memory_budget_gib must be >= 0, got {self.memory_budget_gib}")
+        explicit = bool(self.save_ops or self.save_blocks)
+        if self.mode != "remat" and (explicit or self.memory_budget_gib):
+            raise ValueError("activation_checkpoint.save_ops/save_blocks/memory_budget_gib need "
+                             "activation_checkpoint.mode=remat")
+        if explicit and self.memory_budget_gib:
+            raise ValueError("activation_checkpoint: give either memory_budget_gib (planned) or save_ops/"
+                             "save_blocks (explicit), not both")
 
 
 @dataclass(kw_only=True)
@@ -483,3 +543,5 @@ class TrainConfig:
         self.validation.check()
         self.lora.check()
         self.profiling.check()
+        self.compile.check()
+        self.activation_checkpoint.check()

@@ -1,5 +1,5 @@
 """Parallelism applied from outside the model: tensor + sequence parallel from the model's declared plan,
-activation checkpointing, torch.compile per block, and FSDP/HSDP (torch's fully_shard).
+activation checkpointing, and FSDP/HSDP (torch's fully_shard).
 
 Order matters and follows what each wrapper expects to find: TP turns parameters into DTensors on the
 tp mesh, checkpointing and compile wrap each block, and fully_shard goes last so it shards the
@@ -205,12 +205,6 @@ def keep_activations_in(model: nn.Module, dtype: torch.dtype) -> None:
     moves twice the bytes. Matmuls see the same bf16 inputs either way."""
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings.register_forward_hook(lambda module, args, out: out.to(dtype))
-
-
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (parameter names unchanged); blocks share one compiled graph."""
-    for block in model.layers.values():
-        block.compile(fullgraph=False)
 
 
 def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,

@@ -8,6 +8,7 @@ checkpointing, compile, FSDP) and given weights that do not depend on the layout
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 import titan_models as tm
 
+from .compile_regions import apply_compile_regions
 from .config import TrainConfig
 from .context_parallel import apply_context_parallel, check_context_parallel
 from .expert_parallel import (
@@ -29,7 +31,6 @@ from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
 from .model_setup import build_on_meta, materialize
 from .parallelize import (
     apply_activation_checkpointing,
-    apply_compile,
     apply_fsdp,
     apply_tensor_parallel,
     check_tp_divisibility,
@@ -71,9 +72,14 @@ class Parallelizer:
         self.pp_settings = None
         if degrees.pp > 1:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
-                                              grad_accum_steps=t.grad_accum_steps, compiled=run.compile.enabled)
+                                              grad_accum_steps=t.grad_accum_steps,
+                                              compiled=run.compile.uses_torch_compile)
         if degrees.cp > 1:
             check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
+        if run.compile.effective_mode == "graph":
+            from .graph.build import check_graph_mode
+
+            check_graph_mode(run, degrees, device)
         self.mesh = build_mesh(degrees, device)
         self.dp_rank = dp_rank(self.mesh, degrees)
         self.precision = t.precision(device)
@@ -83,6 +89,7 @@ class Parallelizer:
         if self.adapters is not None and (degrees.tp > 1 or par.fsdp_impl == "flexshard"):
             raise ValueError("lora.targets: LoRA adapters compose with fully_shard FSDP and pipeline parallelism; "
                              "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
+        self.remat_plan: dict | None = None  # activation_checkpoint.mode=remat: the plan's report
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -124,7 +131,7 @@ class Parallelizer:
 
             use_fused_swiglu(model)
         loss = CausalLMLoss(
-            model, chunk=t.loss_chunk_size, compiled=run.compile.enabled, triton=fused,
+            model, chunk=t.loss_chunk_size, compiled=run.compile.uses_torch_compile, triton=fused,
             context_factory=(lambda ids: tm.AttentionContext(document_ids=ids)) if document_masking else None,
             tp_group=self.mesh["tp"].get_group() if self.degrees.tp > 1 else None)
         # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
@@ -168,10 +175,27 @@ class Parallelizer:
         expert_parallel = None
         if self.degrees.ep > 1:
             expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
-        apply_activation_checkpointing(model, self.run.activation_checkpoint)
-        if self.run.compile.enabled:
-            apply_compile(model)
+        if self.run.activation_checkpoint.mode == "remat":
+            self._apply_remat(model)
+        else:
+            apply_activation_checkpointing(model, self.run.activation_checkpoint)
+        if self.run.compile.uses_torch_compile:
+            apply_compile_regions(model, self.run.compile)
         return expert_parallel
+
+    def _apply_remat(self, model: nn.Module) -> None:
+        """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank; the weights,
+        fp32 gradients and AdamW moments (16 bytes a parameter, sharded over FSDP) count against the budget."""
+        from .remat import apply_remat
+
+        t, d = self.run.training, self.degrees
+        shards = d.dp * d.cp if self.fsdp else 1
+        static = 16 * sum(p.numel() for p in model.parameters()) // shards
+        is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.remat_plan = apply_remat(model, self.run.activation_checkpoint,
+                                      rows=t.batch_size // d.dp // t.grad_accum_steps, seq_len=t.seq_len // d.cp,
+                                      activation_dtype=self.compute_dtype, static_bytes=static,
+                                      folder=Path(self.run.job.folder) if is_main else None)
 
     def _shard(self, loss: CausalLMLoss, pipeline: Pipeline | None, expert_parallel: ExpertParallel | None) -> None:
         """FSDP/HSDP over the data-parallel (x cp) mesh: MoE layers first (the blocks' units then leave them

@@ -86,6 +86,12 @@ class Trainer:
             from .initial_weights import load_initial_weights
 
             load_initial_weights(self.model, config.checkpoint.initial_load, pipeline=self.pipeline)
+        self.graph_step = None  # compile.mode=graph: the captured step runs instead of eager autograd
+        if config.compile.effective_mode == "graph":
+            from .graph.build import build_graph_step
+
+            self.graph_step = build_graph_step(config, self.loss_module, folder=self.folder,
+                                               is_main=self.rank == 0, autocast=self._autocast)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.parallelizer.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
@@ -133,9 +139,13 @@ class Trainer:
                 # fully_shard reduces once, after the last microbatch (flexshard: after every one)
                 if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
                     self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
-                with self._autocast():
-                    micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
-                (micro_loss * scale).backward()
+                if self.graph_step is not None:
+                    micro_loss = self.graph_step(micro.tokens, micro.labels, micro.document_ids, micro_positions,
+                                                 scale, last=i == t.grad_accum_steps - 1)
+                else:
+                    with self._autocast():
+                        micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
+                    (micro_loss * scale).backward()
                 loss_sum += micro_loss.detach().float()
                 self.parallel.expert_bias.accumulate()
         if self.parallel.expert_parallel is not None:
