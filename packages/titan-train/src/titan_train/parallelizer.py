@@ -72,6 +72,12 @@ class Parallelizer:
         if degrees.pp > 1:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
                                               grad_accum_steps=t.grad_accum_steps, compiled=run.compile.enabled)
+        if run.model.mtp_layers > 0:
+            for name in ("tp", "cp"):
+                if getattr(degrees, name) > 1:
+                    raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with parallelism.{name}="
+                                     f"{getattr(degrees, name)} is not supported yet (the MTP block is not split over "
+                                     f"{name}); use parallelism.{name}=1 (dp, pp and ep compose with it)")
         if degrees.cp > 1:
             check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
         self.mesh = build_mesh(degrees, device)
@@ -109,9 +115,6 @@ class Parallelizer:
         model = build_on_meta(model_cfg)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
-        if layout is not None and moes and t.moe_bias_update_rate > 0:
-            raise ValueError("parallelism.pp > 1 with MoE layers: the expert-bias update does not count the "
-                             "pipeline's microbatches yet; set training.moe_bias_update_rate 0")
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu
