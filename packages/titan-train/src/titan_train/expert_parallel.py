@@ -226,12 +226,12 @@ class ExpertBiasUpdate:
             dist_moe.update_expert_bias(moe.expert_bias, load, rate=self.rate)
 
 
-@torch.no_grad()
 def _count_tokens(moe: nn.Module, args, output) -> None:
     """Forward hook: a training forward's counts join the step's (see ExpertBiasUpdate)."""
     recomputing = torch._C._current_graph_task_id() != -1  # a forward run by the autograd engine (backward)
     if moe.training and torch.is_grad_enabled() and not recomputing and moe.tokens_per_expert.device.type != "meta":
-        moe.step_tokens_per_expert += moe.tokens_per_expert.float()
+        with torch.no_grad():
+            moe.step_tokens_per_expert += moe.tokens_per_expert.float()
 
 
 def prepare_moe_layers(model: nn.Module, config: TrainConfig) -> list[nn.Module]:

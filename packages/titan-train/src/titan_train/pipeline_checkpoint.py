@@ -75,7 +75,9 @@ class StageEntries:
         return DeviceMesh(device_type, torch.tensor(self.slice_ranks), _init_backend=False)
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.inner.state_dict()
+        # Containers copied: an optimizer's state_dict shares its per-parameter dicts with the live state,
+        # which the wrapping below must not rewrite (plain tensors: the router gates under expert parallel).
+        state = _copy_containers(self.inner.state_dict())
         leaves = _tensor_leaves(state)
         mine = {path: (tuple(t.shape), t.dtype, t.device.type) for path, t in leaves}
         everyone: list[dict] = [None] * dist.get_world_size(self.pp_group)
@@ -125,6 +127,15 @@ class StageEntries:
             for group, names in zip(state["param_groups"], self._local_params):
                 group["params"] = names
         self.inner.load_state_dict(state)
+
+
+def _copy_containers(tree: Any) -> Any:
+    """The dicts and lists of `tree` copied, its leaves (tensors, numbers) shared."""
+    if isinstance(tree, dict):
+        return {key: _copy_containers(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_containers(value) for value in tree]
+    return tree
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
