@@ -118,7 +118,8 @@ class Transformer(nn.Module):
         Each parameter draws from its own generator seeded by (seed, its name), so the values do
         not depend on which other modules exist: a pipeline stage holding layers 8..15 gets the
         same weights as the full model. Scheme: embeddings N(0, 1) (N(0, dim^-1/2) when tied);
-        output N(0, dim^-1/2); norms ones (biases zero); projections that write into the residual
+        output N(0, dim^-1/2); norms ones (zero-centred norms zeros; biases zero); a module's own
+        `init_parameter(name, param, generator)` where it returns True (Gated DeltaNet's decay); projections that write into the residual
         stream (wo, w2) N(0, 0.02 / sqrt(2 * num_layers)); every other matrix N(0, 0.02); normals
         truncated at 3 std.
         """
@@ -127,11 +128,17 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             owner, _, pname = name.rpartition(".")
             leaf = owner.rpartition(".")[2]  # e.g. "attention_norm", "wo", "experts"
+            module = self.get_submodule(owner)
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            if hasattr(module, "init_parameter"):  # a module with its own scheme for some parameters
+                if module.init_parameter(pname, param, generator):
+                    continue
             if leaf.endswith("norm") or leaf in _NORM_LEAVES:
                 if name.endswith("bias"):
                     param.zero_()
                 else:
-                    param.fill_(1.0)
+                    param.fill_(getattr(module, "init_value", 1.0))  # zero-centred norms start at 0
                 continue
             if name.startswith("tok_embeddings"):
                 std = dim**-0.5 if self.tie_embeddings else 1.0
@@ -141,8 +148,6 @@ class Transformer(nn.Module):
                 std = depth_std
             else:
                 std = 0.02
-            generator = torch.Generator(device=param.device)
-            generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             nn.init.trunc_normal_(param, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         self.init_buffers()
 

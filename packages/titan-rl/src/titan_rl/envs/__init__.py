@@ -3,12 +3,15 @@ from titan_rl.envs.arithmetic import ArithmeticTask
 from titan_rl.envs.base import Environment, Problem, SingleTurn, StepResult, Task
 from titan_rl.envs.code import CodeTask, code_reward
 from titan_rl.envs.countdown import CountdownTask
-from titan_rl.envs.sandbox import SandboxConfig, SandboxResult, network_namespaces_available, run_sandboxed
+from titan_rl.envs.sandbox import (
+    SandboxConfig, SandboxResult, SandboxSupport, SandboxUnavailable, network_namespaces_available, run_sandboxed,
+    sandbox_support,
+)
 from titan_rl.envs.sorting import SortingTask
 from titan_rl.envs.tools import STOP_STRINGS, ToolEnv, calculator
 
 __all__ = [
     "ArithmeticTask", "CodeTask", "CountdownTask", "Environment", "Problem", "SandboxConfig", "SandboxResult",
-    "STOP_STRINGS", "SingleTurn", "SortingTask", "StepResult", "Task", "ToolEnv", "calculator", "code_reward",
-    "network_namespaces_available", "run_sandboxed",
+    "SandboxSupport", "SandboxUnavailable", "STOP_STRINGS", "SingleTurn", "SortingTask", "StepResult", "Task",
+    "ToolEnv", "calculator", "code_reward", "network_namespaces_available", "run_sandboxed", "sandbox_support",
 ]
