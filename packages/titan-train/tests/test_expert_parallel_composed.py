@@ -127,3 +127,25 @@ def _rank_killed_in_step(rank: int, world: int, port: int, config: TrainConfig, 
 
     Trainer.train_step = train_step
     train(config)
+
+
+@pytest.mark.timeout(240)
+def test_pp2_x_dp2_x_ep2_with_mtp_follows_one_process(tmp_path, jobs):
+    """The MLPerf shape in miniature (8 ranks): pipeline 2, data parallel 2 with its experts split over ep 2,
+    one MTP module on the last stage, its input embeddings handed on by the first. Kept to 10 tiny steps:
+    about a minute on 2 cores."""
+    mtp = {"model.mtp_layers": "1", "training.mtp_loss_weight": "0.3", "model.num_layers": "2",
+           "training.seq_len": "16", "training.batch_size": "8", "checkpoint.interval": "0"}
+    reference = tmp_path / "single"
+    train(job(reference, **SINGLE, **mtp))
+    folder = tmp_path / "pp2xdp2xep2"
+    jobs.on_ranks(job(folder, **mtp, **{"parallelism.pp": "2", "parallelism.dp_shard": "4", "parallelism.ep": "2",
+                                         "parallelism.pp_microbatches": "2"}), 8)
+    got, want = _records(folder), _records(reference)
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm", "mtp_loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (key, step, got[step], want[step])
+
+
+def _records(folder: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())}
