@@ -149,3 +149,20 @@ def test_pp2_x_dp2_x_ep2_with_mtp_follows_one_process(tmp_path, jobs):
 
 def _records(folder: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.parametrize("gpus,dp_shard,rows", [(256, 128, 8), (512, 256, 4)])
+def test_mlperf_recipe_degrees_on_256_and_512_gpus(gpus, dp_shard, rows):
+    """The README's table: pp 2 x dp with ep 64 inside dp; 512 GPUs keep the global batch (1024 x 4096),
+    so each data-parallel rank takes half the rows (pp_microbatches 4 there)."""
+    from titan_train.mesh import resolve_degrees
+    from titan_train.pipeline import check_pipeline
+
+    config = load_recipe("deepseek_v3_mlperf")
+    if gpus == 512:
+        config.parallelism.pp_microbatches = 4
+    degrees = resolve_degrees(config.parallelism, gpus)
+    assert (degrees.pp, degrees.dp_shard, degrees.ep, degrees.tp) == (2, dp_shard, 64, 1)
+    assert config.training.batch_size // degrees.dp == rows
+    settings = check_pipeline(config.parallelism, pp=2, rows=rows, grad_accum_steps=1, compiled=False)
+    assert rows // settings.microbatches == 1  # one sequence of 4096 tokens per microbatch
