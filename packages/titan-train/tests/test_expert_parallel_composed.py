@@ -101,6 +101,39 @@ def test_ep_composed_follows_one_process(reference, tmp_path, jobs, nproc, layou
     assert_same_biases(folder, reference)
 
 
+def test_tp2_x_ep2_follows_one_process(reference, tmp_path, jobs):
+    """Attention and dense layers tensor-parallel (MLA's latent projections whole on each tp rank, the shared
+    rope key's gradient summed over tp), the MoE
+    layers not TP-split: each tp rank routes its own sequence shard over the ep group, and their gradients
+    and loads are summed over tp. (No checkpoints: refused for ep x tp, so the biases are not compared.)"""
+    folder = tmp_path / "tp2xep2"
+    jobs.on_ranks(job(folder, **{"parallelism.tp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2",
+                                 "checkpoint.interval": "0"}), 4)
+    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"parallelism.tp": "2", "parallelism.ep": "2"}, "checkpoint.interval=10 with parallelism.ep=2 x tp=2"),
+    ({"parallelism.tp": "2", "parallelism.ep": "2", "checkpoint.interval": "0", "model.moe_aux_loss_weight": "0.1"},
+     "needs whole sequences"),
+    ({"parallelism.ep": "1", "model.moe_impl": "titan", "model.moe_routing": "forced_balance"},
+     "forced_balance needs model.moe_impl=dist_moe"),
+])
+def test_degrees_that_cannot_compose_are_errors(overrides, message):
+    from titan_train.expert_parallel import resolve_moe_impl
+
+    with pytest.raises(ValueError, match=message):
+        resolve_moe_impl(job(Path("unused"), **overrides))
+
+
+def test_forced_balance_routing_is_labelled_in_every_record(reference, tmp_path):
+    folder = tmp_path / "forced"
+    train(job(folder, **SINGLE, **{"model.moe_routing": "forced_balance", "training.steps": "2",
+                                   "checkpoint.interval": "0"}))
+    assert all(r["moe_routing"] == "forced_balance" for r in _records(folder).values())
+    assert not any("moe_routing" in r for r in _records(reference).values())  # learned routing: unlabelled
+
+
 def _free_port() -> int:
     import socket
 

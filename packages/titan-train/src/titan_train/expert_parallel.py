@@ -48,10 +48,14 @@ def resolve_moe_impl(config: TrainConfig) -> str:
     impl = m.moe_impl if m.moe_impl != "auto" else ("dist_moe" if ep > 1 else "titan")
     if ep > 1 and impl != "dist_moe":
         raise ValueError(f"parallelism.ep={ep} needs model.moe_impl=dist_moe (or auto), got {m.moe_impl!r}")
-    if ep > 1 and config.parallelism.tp > 1:
-        raise ValueError(f"parallelism.ep={ep} composes with dp, pp and cp; with parallelism.tp="
-                         f"{config.parallelism.tp} it is not supported yet (the MoE layers would need the "
-                         "sequence-parallel activations gathered per expert shard); use tp=1")
+    if ep > 1 and config.parallelism.tp > 1 and config.checkpoint.interval > 0:
+        raise ValueError(f"checkpoint.interval={config.checkpoint.interval} with parallelism.ep={ep} x tp="
+                         f"{config.parallelism.tp}: the expert shards, whole on every tp rank, cannot be saved yet "
+                         "(each tp rank would write the same pieces); use checkpoint.interval 0 or tp=1")
+    if ep > 1 and config.parallelism.tp > 1 and m.moe_aux_loss_weight > 0:
+        raise ValueError(f"model.moe_aux_loss_weight > 0 with parallelism.ep={ep} x tp={config.parallelism.tp}: "
+                         "the sequence-wise balance loss needs whole sequences, which tp splits over its ranks; "
+                         "use the aux-loss-free bias (training.moe_bias_update_rate) or tp=1")
     if m.moe_routing not in ("learned", "forced_balance"):
         raise ValueError(f"model.moe_routing must be learned or forced_balance, got {m.moe_routing!r}")
     if m.moe_routing == "forced_balance" and impl != "dist_moe":
@@ -129,6 +133,7 @@ class ExpertParallel:
             # Lets DTensor reduce an expert gradient's norm over (dp_shard_mod_ep, ep) in one all-reduce.
             self.expert_mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
         self.dp_groups = data_parallel_groups(mesh)
+        self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
         self.dp = 1
         for group in self.dp_groups:
             self.dp *= dist.get_world_size(group)
@@ -170,6 +175,19 @@ class ExpertParallel:
         return shard
 
     @torch.no_grad()
+    def _sum_over_tp(self) -> None:
+        """Every MoE parameter's gradient (experts, shared experts, router gate; local shards where sharded)
+        summed over the tp ranks, in one all-reduce."""
+        grads = [p.grad for moe in self.moes for p in moe.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return
+        flat = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(flat, group=self.tp_group)
+        torch._foreach_copy_(local, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in local]),
+                                                                             local)])
+
+    @torch.no_grad()
     def finish_gradients(self) -> None:
         """After the step's last backward: expert gradients divided by grad_divisor (ep), and the replicated
         router gates' gradients averaged over the data-parallel ranks (like every other gradient, each rank's
@@ -178,6 +196,8 @@ class ExpertParallel:
                    if w.grad is not None]
         if experts:
             torch._foreach_div_(experts, float(self.grad_divisor))
+        if self.tp_group is not None:  # each tp rank ran the MoE layers on its own sequence shard
+            self._sum_over_tp()
         grads = [moe.router.gate.weight.grad for moe in self.moes if moe.router.gate.weight.grad is not None]
         if not grads:
             return

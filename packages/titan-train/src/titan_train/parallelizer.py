@@ -141,7 +141,10 @@ class Parallelizer:
         if self.fsdp:
             self._shard(loss, pipeline, expert_parallel)
         self._materialize(model, model_cfg, pipeline)
-        expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=data_parallel_groups(self.mesh))
+        counted_by = data_parallel_groups(self.mesh)
+        if expert_parallel is not None and expert_parallel.tp_group is not None:  # tp ranks route their own shards
+            counted_by.append(expert_parallel.tp_group)
+        expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=counted_by)
         return ParallelModel(model=model, loss=loss, pipeline=pipeline, expert_parallel=expert_parallel,
                              expert_bias=expert_bias, autocast=autocast)
 
@@ -161,7 +164,10 @@ class Parallelizer:
             apply_context_parallel(model, self.mesh["cp"].get_group())
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
-            apply_tensor_parallel(model, self.mesh["tp"])
+            # Under expert parallelism the MoE layers are not TP-split: each tp rank routes its own sequence
+            # shard to the experts (ExpertParallel sums their gradients over tp).
+            local = tuple(n for n, m in model.named_modules() if m in moes) if self.degrees.ep > 1 else ()
+            apply_tensor_parallel(model, self.mesh["tp"], sequence_local=local)
         expert_parallel = None
         if self.degrees.ep > 1:
             expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
