@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli_args import apply_override
 from torch_checkpointing import Checkpointer

@@ -190,7 +190,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_loc
         if hasattr(getattr(module, "config", None), "kv_lora_rank") and isinstance(getattr(module, "wkv_a", None),
                                                                                     nn.Linear):
             _sum_shared_key_rope_gradient(module.wkv_a, module.config.kv_lora_rank, tp_mesh)
-    leftovers = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) and not inside(n.rpartition(".")[0])]
+    leftovers = [n for n, p in model.named_parameters()
+                 if not isinstance(p, DTensor) and not inside(n.rpartition(".")[0])]
     if leftovers:
         raise ValueError(f"the model's parallel plan leaves parameters without a tensor-parallel style: "
                          f"{', '.join(leftovers[:5])}")
