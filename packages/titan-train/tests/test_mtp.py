@@ -57,7 +57,7 @@ def short_documents(folder) -> str:
     return str(path)
 
 
-@pytest.mark.filterwarnings("ignore:Seems like .optimizer.step\(\).:UserWarning")
+@pytest.mark.filterwarnings(r"ignore:Seems like .optimizer.step\(\).:UserWarning")
 def test_mtp_step_matches_main_plus_lambda_mtp_by_hand(tmp_path):
     config = load_recipe("deepseek_v3_debug_ep")
     for name, value in {**JOB, "job.folder": str(tmp_path / "run"), "data.source": short_documents(tmp_path),
