@@ -103,6 +103,9 @@ def test_mtp_settings_that_cannot_run_are_errors():
     config.model.mtp_layers = 2
     with pytest.raises(ValueError, match="allowed: 0, 1"):
         model_config(config.model, vocab_needed=0)
+    config.training.mtp_loss_weight = -0.1
+    with pytest.raises(ValueError, match="training.mtp_loss_weight must be a finite number >= 0"):
+        config.training.check()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -101,6 +101,8 @@ class StepConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.mtp_loss_weight < float("inf"):
+            raise ValueError(f"training.mtp_loss_weight must be a finite number >= 0, got {self.mtp_loss_weight}")
         if self.gc_interval < 0:
             raise ValueError(f"training.gc_interval must be >= 0 (0: automatic collection), got {self.gc_interval}")
 

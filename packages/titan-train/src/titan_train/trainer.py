@@ -277,9 +277,19 @@ class Trainer:
             resumed += f" with the command line's optimizer settings ({', '.join(settings_changed)})"
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
         print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
-              f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "
+              f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep}"
+              f"{self._model_extras()}; "
               f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
               f"{c.data.source}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+
+    def _model_extras(self) -> str:
+        """What the run trains or routes unlike a plain next-token run (MTP, forced-balance routing)."""
+        m, extras = self.config.model, ""
+        if self.model_cfg_mtp:
+            extras += f", MTP {m.mtp_layers} (weight {self.config.training.mtp_loss_weight})"
+        if m.moe_routing != "learned":
+            extras += f", moe_routing={m.moe_routing}"
+        return extras
 
     def _summarize(self, result: TrainResult) -> None:
         if not result.losses:
