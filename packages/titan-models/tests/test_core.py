@@ -191,7 +191,8 @@ class _TwoMatrixFFN(nn.Module):
 
 
 @pytest.mark.parametrize(("family", "name", "mtp"), [("llama3", "debug", False), ("qwen3", "debug", False),
-                                                     ("qwen3", "debug_moe", False), ("deepseek_v3", "debug", True)])
+                                                     ("qwen3", "debug_moe", False), ("deepseek_v3", "debug", True),
+                                                     ("gpt_oss", "debug", False)])
 def test_parallel_plan_names_real_modules(family, name, mtp):
     from titan_models.override import _matches
 

@@ -16,6 +16,7 @@ from torch import nn
 
 import titan_models as tm
 from titan_models import registry
+from titan_models.components.sinks import eager_attention
 from titan_models.parallel_plan import TP_STYLES
 
 FAMILIES = [f.name for f in tm.families()]
@@ -149,18 +150,24 @@ def test_parallel_plan_names_modules_of_the_debug_model(family, name):
 
 class _CachedInner(nn.Module):
     """Keeps the keys and values of earlier calls and attends from the new queries over all of them:
-    the minimal KV cache a generator installs through `override`."""
+    the minimal KV cache a generator installs through `override` (with the base's sliding window, and
+    the sinks the attention passes, gpt-oss)."""
 
     def __init__(self, base: nn.Module):
         super().__init__()
         self.scale = base.scale
+        self.window = getattr(base, "sliding_window", None)
         self.k = self.v = None
 
-    def forward(self, q, k, v, *, context=None):
+    def forward(self, q, k, v, *, context=None, sinks=None):
         self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
         new, total = q.shape[1], self.k.shape[1]
         mask = torch.ones(new, total, dtype=torch.bool).tril(total - new)
+        if self.window is not None:  # query i sits at position total - new + i
+            mask &= ~torch.ones(new, total, dtype=torch.bool).tril(total - new - self.window)
+        if sinks is not None:
+            return eager_attention(q, self.k, self.v, scale=self.scale, mask=mask, sinks=sinks)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, self.k, self.v))
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
                                              enable_gqa=qh.shape[1] != kh.shape[1])

@@ -81,7 +81,7 @@ DEBUG = [(f.name, flavor) for f in tm.families() for flavor in f.flavors if flav
 @pytest.mark.parametrize(("family", "name"), DEBUG, ids=[f"{f}-{n}" for f, n in DEBUG])
 def test_debug_models_agree_across_attention_backends_and_train(family, name):
     config = tm.transforms.num_layers(2)(tm.flavor(family, name))
-    sdpa, flex = build(config), build(tm.transforms.attention("flex")(config))
+    sdpa, flex = build(tm.transforms.attention("sdpa")(config)), build(tm.transforms.attention("flex")(config))
     tokens = torch.randint(0, config.vocab_size, (2, 16))
     doc_ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
     with torch.no_grad():
@@ -99,6 +99,16 @@ def test_flops_per_token_uses_the_attention_head_dims():
     attention = 6 * seq * 61 * 128 * (192 + 128)  # MLA: qk head 128 + 64, v head 128
     assert tm.flops_per_token(config, seq) == 6 * (counts.active - counts.embedding) + attention
     assert tm.flops_per_token(config, seq, include_mtp=True) > tm.flops_per_token(config, seq)
+
+
+def test_gpt_oss_flops_count_sliding_windows():
+    config = tm.flavor("gpt_oss", "20b")
+    counts = tm.count_params(config)
+    seq = 4096
+    per_key = 6 * 64 * (64 + 64)  # 64 heads, qk and v head dims 64
+    attention = per_key * (12 * seq + 12 * 128)  # 12 full layers, 12 sliding ones seeing 128 keys
+    assert tm.flops_per_token(config, seq) == 6 * (counts.active - counts.embedding) + attention
+    assert tm.flops_per_token(config, 64) == 6 * (counts.active - counts.embedding) + per_key * 24 * 64
 
 
 def test_flops_per_token_counts_linear_attention_without_seq_len():

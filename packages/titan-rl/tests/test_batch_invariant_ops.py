@@ -62,19 +62,29 @@ def test_rms_norm_and_log_softmax(dtype):
             assert torch.equal(norm[r], single_norm[i]) and torch.equal(lsm[r], single_lsm[i])
 
 
-def _attention_reference(q, k, v, positions, scale):
+def _attention_reference(q, k, v, positions, scale, window=None, sinks=None):
+    """float64; with a window, slots more than window - 1 before the position are hidden; with sinks [hq],
+    exp(sink) joins each softmax denominator."""
     g = q.shape[2] // k.shape[2]
     qd, kd, vd = q.double(), k.double().repeat_interleave(g, 2), v.double().repeat_interleave(g, 2)
     scores = torch.einsum("bshd,blhd->bhsl", qd, kd) * scale
-    masked = torch.arange(k.shape[1])[None, None, None, :] > positions[:, None, :, None]
-    return torch.einsum("bhsl,blhd->bshd", scores.masked_fill(masked, -math.inf).softmax(-1), vd)
+    slots, pos = torch.arange(k.shape[1])[None, None, None, :], positions[:, None, :, None]
+    masked = (slots > pos) | ((pos - slots >= window) if window is not None else False)
+    weights = scores.masked_fill(masked, -math.inf).exp()
+    denominator = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + sinks.double().exp()[None, :, None, None]
+    return torch.einsum("bhsl,blhd->bshd", weights / denominator, vd)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_prefill_and_decode_are_invariant(dtype):
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (40, True)], ids=["causal", "window40-sinks"])
+def test_attention_prefill_and_decode_are_invariant(dtype, window, with_sinks):
     torch.manual_seed(3)
     hq, hkv, d = 4, 2, 64
     scale = d ** -0.5
+    sinks = torch.randn(hq) * 2 if with_sinks else None
+    extra = {"window": window, "sinks": sinks}
     lengths = [1, 5, 63, 64, 65, 130]
     seqs = [torch.randn(n, hq + 2 * hkv, d).to(dtype) for n in lengths]
     split = lambda t: (t[..., :hq, :], t[..., hq:hq + hkv, :], t[..., hq + hkv:, :])
@@ -82,8 +92,8 @@ def test_attention_prefill_and_decode_are_invariant(dtype):
     for x in seqs:
         q, k, v = split(x[None])
         pos = torch.arange(len(x))[None]
-        out = ops.attention(q, k, v, q_positions=pos, scale=scale)
-        assert (out.double() - _attention_reference(q, k, v, pos, scale)).abs().max() < TOL[dtype] * 10
+        out = ops.attention(q, k, v, q_positions=pos, scale=scale, **extra)
+        assert (out.double() - _attention_reference(q, k, v, pos, scale, **extra)).abs().max() < TOL[dtype] * 10
         singles.append(out[0])
     rng = random.Random(4)
     for _ in range(8):
@@ -93,14 +103,14 @@ def test_attention_prefill_and_decode_are_invariant(dtype):
         for r, i in enumerate(idx):
             X[r, :lengths[i]] = seqs[i]
         q, k, v = split(X)
-        full = ops.attention(q, k, v, q_positions=torch.arange(S).expand(len(idx), S), scale=scale)
+        full = ops.attention(q, k, v, q_positions=torch.arange(S).expand(len(idx), S), scale=scale, **extra)
         # Decode: one query per sequence at its last position, over a larger zero-initialised cache.
         cap = S + rng.randint(0, 100)
         ck, cv = torch.zeros(len(idx), cap, hkv, d, dtype=dtype), torch.zeros(len(idx), cap, hkv, d, dtype=dtype)
         ck[:, :S], cv[:, :S] = k, v
         last = torch.tensor([lengths[i] - 1 for i in idx])
         one = ops.attention(q[torch.arange(len(idx)), last][:, None], ck, cv, q_positions=last[:, None],
-                            scale=scale, kv_len=last + 1)
+                            scale=scale, kv_len=last + 1, **extra)
         for r, i in enumerate(idx):
             assert torch.equal(full[r, :lengths[i]], singles[i])
             assert torch.equal(one[r, 0], singles[i][-1])
@@ -116,4 +126,18 @@ def test_attention_gradient_matches_reference():
         t.grad = None
     _attention_reference(q, k, v, pos, 0.2).pow(2).sum().backward()
     for got, t in zip(grads, (q, k, v)):
+        assert torch.allclose(got, t.grad, atol=1e-10)
+
+
+def test_attention_gradient_with_window_and_sinks_matches_reference():
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 70, h, 32, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    sinks = (torch.randn(4, dtype=torch.float64) * 2).requires_grad_()
+    pos = torch.arange(70).expand(2, 70)
+    ops.attention(q, k, v, q_positions=pos, scale=0.2, window=20, sinks=sinks).pow(2).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v, sinks)]
+    for t in (q, k, v, sinks):
+        t.grad = None
+    _attention_reference(q, k, v, pos, 0.2, window=20, sinks=sinks).pow(2).sum().backward()
+    for got, t in zip(grads, (q, k, v, sinks)):
         assert torch.allclose(got, t.grad, atol=1e-10)

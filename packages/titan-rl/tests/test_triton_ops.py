@@ -56,6 +56,20 @@ INTERPRETER_CHECK = textwrap.dedent('''
         attend(qq, k, v, q_positions=pos, scale=0.2).pow(2).sum().backward()
         grads.append(qq.grad)
     assert torch.allclose(grads[0], grads[1], atol=1e-4)
+    # sliding window (crossing the 64-key blocks) and sinks, prefill then decode at the last position
+    sinks = torch.randn(4) * 2
+    w = 20
+    hide = (torch.arange(70)[None, None, None] > pos[:, None, :, None]) | \
+        (pos[:, None, :, None] - torch.arange(70)[None, None, None] >= w)
+    s = torch.einsum("bshd,blhd->bhsl", q.double(), k.double().repeat_interleave(g, 2)) * 0.2
+    e = s.masked_fill(hide, float("-inf")).exp()
+    ref = torch.einsum("bhsl,blhd->bshd", e / (e.sum(-1, keepdim=True) + sinks.double().exp()[None, :, None, None]),
+                       v.double().repeat_interleave(g, 2))
+    att = T.attention(q, k, v, q_positions=pos, scale=0.2, window=w, sinks=sinks)
+    assert (att.double() - ref).abs().max() < 1e-5
+    one = T.attention(q[:1, 69:70], ck, cv, q_positions=pos[:1, 69:70], scale=0.2, kv_len=torch.tensor([70]),
+                      window=w, sinks=sinks)
+    assert torch.equal(one[0, 0], att[0, 69])
     print("TRITON-INTERPRETER-OK")
 ''')
 
@@ -101,14 +115,20 @@ def test_triton_ops_are_batch_invariant_on_gpu(dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generator_and_trainer_agree_bitwise_on_gpu(dtype):
+@pytest.mark.parametrize("family", ["llama3", "gpt_oss"])
+def test_generator_and_trainer_agree_bitwise_on_gpu(dtype, family):
     import random
 
     import titan_models as tm
 
     from titan_rl import BuiltinGenerator, SamplingConfig, batch_invariant, token_logprobs
-    config = tm.llama3.Llama3Config(vocab_size=2048, dim=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                                    ffn_dim=768, max_seq_len=1024, dtype=dtype)
+    if family == "llama3":
+        config = tm.llama3.Llama3Config(vocab_size=2048, dim=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                                        ffn_dim=768, max_seq_len=1024, dtype=dtype)
+    else:  # sinks, a 32-key window (prompts reach 200 tokens) and the MoE
+        config = tm.gpt_oss.GptOssConfig(vocab_size=2048, dim=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                                         head_dim=64, moe=tm.gpt_oss.gpt_oss_moe(num_experts=8, top_k=2, expert_dim=128),
+                                         sliding_window=32, max_seq_len=1024, dtype=dtype)
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device="cuda")

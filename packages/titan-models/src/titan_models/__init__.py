@@ -1,5 +1,5 @@
-"""Shared model definitions (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, Qwen3.5 dense and MoE, Qwen3-Next),
-typed configs and Hugging Face weight interop."""
+"""Shared model definitions (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, Qwen3.5 dense and MoE, Qwen3-Next,
+gpt-oss), typed configs and Hugging Face weight interop."""
 
 __version__ = "0.1.0"
 
@@ -8,7 +8,7 @@ from titan_models.accounting import ParamCount, count_params, flops_per_token
 from titan_models.context import AttentionContext
 from titan_models.hf import from_hf, to_hf
 from titan_models.model_config import ModelConfigBase, check_model_config
-from titan_models.models import deepseek_v3, llama3, qwen3
+from titan_models.models import deepseek_v3, gpt_oss, llama3, qwen3
 from titan_models.models.transformer import Transformer
 from titan_models.override import override
 from titan_models.parallel_plan import ParallelPlan
@@ -18,7 +18,7 @@ from titan_models.registry import (
 
 __all__ = [
     "__version__", "AttentionContext", "check_model_config", "count_params", "deepseek_v3", "families",
-    "Family", "family", "family_of", "flavor", "flavors", "flops_per_token", "from_hf", "llama3",
+    "Family", "family", "family_of", "flavor", "flavors", "flops_per_token", "from_hf", "gpt_oss", "llama3",
     "ModelConfigBase", "override", "ParallelPlan", "ParamCount", "PublishedSize", "qwen3", "register",
     "TinyHFCase", "to_hf", "Transformer", "transforms",
 ]

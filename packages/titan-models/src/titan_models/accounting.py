@@ -8,7 +8,8 @@ v_head_dim) + the linear-attention layers' term below:
   not). 6 = 2 (multiply-add) * 3 (forward, and backward for activations and for weights).
 - The second term is attention's score and value matmuls (q.k over seq_len keys and p.v), again
   * 2 * 3, not halved for causality (the convention of PaLM's MFU and torchtitan; it is 12 * L * H
-  * head_dim * seq_len when qk and v head dims are equal).
+  * head_dim * seq_len when qk and v head dims are equal). A sliding-window layer (gpt-oss) sees
+  min(seq_len, window) keys per query in place of seq_len; sinks add no matmul.
 - Linear-attention layers (Gated DeltaNet) have no seq_len term: their chunked form costs, per
   token and value head, C * (3 * dk + 2 * dv) + 3 * dk * dv multiply-adds (chunk C: the k.k^T and
   q.k^T scores and the two triangular solves within the chunk, the score-weighted values, and three
@@ -82,7 +83,9 @@ def flops_per_token(model_or_config: Any, seq_len: int, *, include_mtp: bool = F
         dims = getattr(module, "score_dims", None)
         if dims is not None:
             heads, qk_dim, v_dim = dims
-            attention += 6 * seq_len * heads * (qk_dim + v_dim)
+            window = getattr(module, "sliding_window", None)
+            keys = seq_len if window is None else min(seq_len, window)
+            attention += 6 * keys * heads * (qk_dim + v_dim)
         linear = getattr(module, "delta_rule_dims", None)
         if linear is not None:
             heads, dk, dv, chunk = linear

@@ -41,8 +41,9 @@ class ModelConfig:
     """Override the flavor's layer count (0 keeps it)."""
     vocab_size: int = 0
     """Override the flavor's vocabulary size (0 keeps it), e.g. to fit a byte-level tokenizer snugly."""
-    attention: Literal["default", "sdpa", "flex"] = "default"
-    """Attention backend; documents in a packed sequence are masked by either."""
+    attention: Literal["default", "sdpa", "flex", "eager"] = "default"
+    """Attention backend; documents in a packed sequence are masked by each. Attention sinks (gpt-oss) run in
+    flex or eager; sdpa runs those layers eagerly."""
     init_seed: int = 0
     """Seed of model.init_weights: the same seed gives the same weights on any parallel layout."""
     hf_path: str = ""

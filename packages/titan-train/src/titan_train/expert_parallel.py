@@ -86,13 +86,26 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
             continue  # e.g. mtp.layer.moe on a model without multi-token prediction
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
+            _check_dist_moe_supports(fqn, old.config)
             config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha,
-                                         routing=routing)
+                                             routing=routing)
             with torch.device(old.router.gate.weight.device):
                 return config.build()
 
         replaced += tm.override(model, pattern, factory)
     return replaced
+
+
+def _check_dist_moe_supports(fqn: str, moe_config: object) -> None:
+    """dist-moe's layer routes by softmax/sigmoid scores into plain SwiGLU experts without biases; gpt-oss's
+    options would be dropped silently, so they stop here."""
+    unsupported = [name for name, plain in (("router_bias", False), ("expert_linear_bias", False), ("activation", None))
+                   if getattr(moe_config, name, plain) != plain]
+    if getattr(moe_config, "score_func", "softmax") == "topk_softmax":
+        unsupported.append("score_func='topk_softmax'")
+    if unsupported:
+        raise ValueError(f"{fqn}: dist-moe's MoE layer does not implement {', '.join(unsupported)} (gpt-oss); "
+                         "use model.moe_impl=titan with parallelism.ep=1")
 
 
 def split_dp_shard(mesh: DeviceMesh, ep: int) -> DeviceMesh:

@@ -181,6 +181,16 @@ def deepseek_v3_mlperf() -> TrainConfig:
     )
 
 
+@register_recipe("gpt_oss_debug")
+def gpt_oss_debug() -> TrainConfig:
+    """The main job with the debug gpt-oss: sinks, sliding-window layers of 64 keys, 8 clamped-SwiGLU experts."""
+    config = llama3_debug()
+    config.job.folder = "runs/gpt_oss_debug"
+    config.model = ModelConfig(family="gpt_oss", flavor="debug", vocab_size=384)
+    config.training.moe_bias_update_rate = 0.0  # gpt-oss routes without a selection bias (HF has no place for it)
+    return config
+
+
 @register_recipe("llama3_debug_muon")
 def llama3_debug_muon() -> TrainConfig:
     """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no

@@ -1,12 +1,14 @@
-"""Grouped-query attention and the replaceable inner attentions (SDPA, flex_attention).
+"""Grouped-query attention and the replaceable inner attentions (SDPA, flex_attention, eager).
 
 An inner attention is a module `inner(q, k, v, *, context) -> out` with q [b, s, hq, d],
-k/v [b, s, hkv, d] (hq a multiple of hkv) and out [b, s, hq, d_v]; it applies the causal mask and
-the document mask from `context.document_ids`. A generator replaces it to own a KV cache.
+k/v [b, s, hkv, d] (hq a multiple of hkv) and out [b, s, hq, d_v]; it applies the causal mask,
+its `sliding_window` (None: none) and the document mask from `context.document_ids`. A generator
+replaces it to own a KV cache. Attention with sinks (gpt-oss) also passes `sinks=` [hq], a learned
+logit per head in the softmax denominator: flex folds it in exactly from its log-sum-exp, the eager
+path concatenates it to the scores, and SDPA, which cannot express it, runs the eager path.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -15,59 +17,85 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_models.components.attention_masks import block_mask, cached_dense_mask, dense_mask
 from titan_models.components.norms import NormConfig
 from titan_models.components.projections import project
 from titan_models.components.rope import apply_rotary
+from titan_models.components.sinks import AttentionSinks, eager_attention, fold_sinks
 from titan_models.context import AttentionContext
 
-AttentionBackend = Literal["sdpa", "flex"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex")
+AttentionBackend = Literal["sdpa", "flex", "eager"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex", "eager")
 
 
-def build_inner_attention(backend: str, *, scale: float) -> nn.Module:
+def build_inner_attention(backend: str, *, scale: float, sliding_window: int | None = None) -> nn.Module:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of keys or None, got {sliding_window}")
     if backend == "sdpa":
-        return SDPAttention(scale=scale)
+        return SDPAttention(scale=scale, sliding_window=sliding_window)
     if backend == "flex":
-        return FlexAttention(scale=scale)
+        return FlexAttention(scale=scale, sliding_window=sliding_window)
+    if backend == "eager":
+        return EagerAttention(scale=scale, sliding_window=sliding_window)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
 
 
-def _document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] ids -> [b, 1, s, s] bool, True where query i may attend key j (causal, same document)."""
-    seq = document_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
-    return (same_doc & causal)[:, None]
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int | None,
           context: AttentionContext | None) -> torch.Tensor:
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
     gqa = q.shape[1] != k.shape[1]
-    doc_ids = None if context is None else context.document_ids
-    if doc_ids is None:
+    mask = cached_dense_mask(q.shape[2], q.device, window=window, context=context)
+    if mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        mask = context.cached(("dense_mask", doc_ids.shape, doc_ids.device), lambda: _document_mask(doc_ids))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
-class SDPAttention(nn.Module):
-    """torch's scaled_dot_product_attention: causal, or a dense causal+document mask when
-    the context carries document ids."""
+class _InnerAttention(nn.Module):
+    """What every inner attention holds: the softmax scale and the sliding window (None: full causal)."""
 
-    def __init__(self, *, scale: float):
+    def __init__(self, *, scale: float, sliding_window: int | None = None):
         super().__init__()
         self.scale = scale
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context: AttentionContext | None = None
-    ) -> torch.Tensor:
-        return _sdpa(q, k, v, scale=self.scale, context=context)
+        self.sliding_window = sliding_window
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale:.6g}"
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return f"scale={self.scale:.6g}{window}"
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int | None,
+           context: AttentionContext | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    mask = cached_dense_mask(q.shape[1], q.device, window=window, context=context)
+    if mask is None:
+        mask = dense_mask(q.shape[1], q.device, window=None, document_ids=None)
+    return eager_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def _sdpa_or_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int | None,
+                   context: AttentionContext | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    if sinks is not None:  # SDPA has no term for sinks
+        return _eager(q, k, v, scale=scale, window=window, context=context, sinks=sinks)
+    return _sdpa(q, k, v, scale=scale, window=window, context=context)
+
+
+class EagerAttention(_InnerAttention):
+    """Scores materialised [b, h, s, s], masked, softmaxed with the sinks in the denominator (see
+    components/sinks.py): the reference path, and what SDPA falls back to when there are sinks."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context: AttentionContext | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return _eager(q, k, v, scale=self.scale, window=self.sliding_window, context=context, sinks=sinks)
+
+
+class SDPAttention(_InnerAttention):
+    """torch's scaled_dot_product_attention: causal, or a dense causal (+window, +document) mask.
+    SDPA has no term for attention sinks, so with sinks it runs the eager path (EagerAttention)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context: AttentionContext | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return _sdpa_or_eager(q, k, v, scale=self.scale, window=self.sliding_window, context=context, sinks=sinks)
 
 
 _compiled_flex = None
@@ -84,73 +112,36 @@ def _flex_attention():
     return _compiled_flex
 
 
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
+class FlexAttention(_InnerAttention):
+    """torch's flex_attention with a block mask of the causal (+window, +document) pattern, built
+    once per context. Sinks are folded in from the log-sum-exp flex returns (fold_sinks, exact).
+    On CPU with autograd (which flex_attention lacks there) it computes the same masks with SDPA,
+    or with the eager path when there are sinks."""
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context: AttentionContext | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-@functools.lru_cache(maxsize=16)
-def _causal_block_mask(seq: int, device: torch.device):
-    return _create_block_mask(_causal, None, seq, device)
-
-
-_compiled_create_block_mask = None
-
-
-def _create_block_mask(mask_mod, batch: int | None, seq: int, device: torch.device):
-    """Compiled on CUDA (the eager version materialises the full seq x seq mask)."""
-    global _compiled_create_block_mask
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    if device.type != "cuda":
-        return create_block_mask(mask_mod, batch, None, seq, seq, device=device)
-    if _compiled_create_block_mask is None:
-        _compiled_create_block_mask = torch.compile(create_block_mask)
-    return _compiled_create_block_mask(mask_mod, batch, None, seq, seq, device=device)
-
-
-class FlexAttention(nn.Module):
-    """torch's flex_attention with a causal block mask, intersected with the document mask
-    when the context carries document ids (the block mask is built once per context).
-    On CPU with autograd (which flex_attention lacks there) it computes the same masks with SDPA."""
-
-    def __init__(self, *, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    @staticmethod
-    def _block_mask(batch: int, seq: int, device: torch.device, document_ids: torch.Tensor):
-        def doc_mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
-
-        return _create_block_mask(doc_mask_mod, batch, seq, device)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context: AttentionContext | None = None
-    ) -> torch.Tensor:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        if not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            # flex_attention has no CPU backward; the same masks through SDPA give the same result.
-            return _sdpa(q, k, v, scale=self.scale, context=context)
+        if not q.is_cuda and torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, sinks)):
+            # flex_attention has no CPU backward; the same masks through SDPA/eager give the same result.
+            return _sdpa_or_eager(q, k, v, scale=self.scale, window=self.sliding_window, context=context,
+                                  sinks=sinks)
         batch, seq = q.shape[:2]
-        doc_ids = None if context is None else context.document_ids
-        key = ("flex_block_mask", batch, seq, q.device)  # one document mask per context
-        if context is None or doc_ids is None:
-            block_mask = _causal_block_mask(seq, q.device)
-        else:
-            block_mask = context.cached(key, lambda: self._block_mask(batch, seq, q.device, doc_ids))
+        mask = block_mask(batch, seq, q.device, window=self.sliding_window, context=context)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        gqa = q.shape[1] != k.shape[1]
+        kwargs = dict(block_mask=mask, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],
+                      return_aux=AuxRequest(lse=True) if sinks is not None else None)
         if q.is_cuda:
-            out = _flex_attention()(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=gqa)
+            out = _flex_attention()(q, k, v, **kwargs)
         else:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-                out = flex_attention(q, k, v, block_mask=block_mask, scale=self.scale, enable_gqa=gqa)
+                out = flex_attention(q, k, v, **kwargs)
+        if sinks is not None:
+            out, aux = out
+            out = fold_sinks(out, aux.lse, sinks)
         return out.transpose(1, 2)
-
-    def extra_repr(self) -> str:
-        return f"scale={self.scale:.6g}"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -166,6 +157,9 @@ class AttentionConfig:
     qk_norm: NormConfig | None = None
     output_gate: bool = False
     backend: AttentionBackend = "sdpa"
+    bias: bool = False  # biases on the q/k/v/o projections (gpt-oss)
+    sinks: bool = False  # a learned per-head sink logit in the softmax denominator (gpt-oss)
+    sliding_window: int | None = None  # attend to the last `sliding_window` keys only (itself included)
 
     def build(self, dim: int) -> "Attention":
         if self.num_heads % self.num_kv_heads:
@@ -180,18 +174,21 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.score_dims = (config.num_heads, config.head_dim, config.head_dim)  # for FLOP counting
+        self.sliding_window = config.sliding_window  # for FLOP counting (keys per query)
         self.output_gate = config.output_gate
         q_rows = config.num_heads * config.head_dim * (2 if config.output_gate else 1)
-        self.wq = nn.Linear(dim, q_rows, bias=False)
-        self.wk = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.num_heads * config.head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, q_rows, bias=config.bias)
+        self.wk = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=config.bias)
+        self.wv = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=config.bias)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, dim, bias=config.bias)
+        self.sinks = AttentionSinks(config.num_heads) if config.sinks else None
         if config.qk_norm is not None:
             self.q_norm = config.qk_norm.build(config.head_dim)
             self.k_norm = config.qk_norm.build(config.head_dim)
         else:
             self.q_norm = self.k_norm = None
-        self.inner = build_inner_attention(config.backend, scale=config.head_dim**-0.5)
+        self.inner = build_inner_attention(config.backend, scale=config.head_dim**-0.5,
+                                           sliding_window=config.sliding_window)
 
     def forward(
         self,
@@ -211,7 +208,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.inner(q, k, v, context=context)  # [b, s, hq, d]
+        if self.sinks is None:
+            out = self.inner(q, k, v, context=context)  # [b, s, hq, d]
+        else:
+            out = self.inner(q, k, v, context=context, sinks=self.sinks())
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.wo(out.reshape(batch, seq, -1))

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward."""
+"""SwiGLU feed-forward, and the clamped SwiGLU gpt-oss's experts use."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +8,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_models.components.projections import project
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClampedSwiGLU:
+    """(clamp(up, -limit, limit) + up_shift) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
+
+    gpt-oss's defaults (limit 7, alpha 1.702, shift 1); the clamps bound the activations of
+    low-precision training. alpha=1, up_shift=0 is a clamped plain SwiGLU (silu(g) * up).
+    """
+
+    limit: float = 7.0
+    alpha: float = 1.702
+    up_shift: float = 1.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + self.up_shift) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -5,8 +5,13 @@ chosen by top-k of `scores + expert_bias` (optionally limited to the `topk_group
 expert groups), and weighted by the un-biased scores of the chosen experts (renormalised when
 `norm_topk_prob`, then times `route_scale`). The bias therefore steers only selection, which is
 the aux-loss-free balancing of DeepSeek-V3; a trainer updates it from `tokens_per_expert`.
+With `score_func="topk_softmax"` (gpt-oss, Mixtral) the experts are the top-k of
+`logits + expert_bias` and their weights the softmax over the chosen experts' logits alone.
 Shared experts (one SwiGLU FFN every token passes) are added to the routed output, optionally
 scaled per token by a sigmoid gate (Qwen2-MoE / Qwen3-Next / Qwen3.5).
+
+gpt-oss adds a router bias (`router_bias`, part of the logits, unlike `expert_bias`), biases on
+every expert projection (`expert_linear_bias`) and a clamped SwiGLU (`activation`).
 """
 from __future__ import annotations
 
@@ -17,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_models.components.ffn import FeedForward
+from titan_models.components.ffn import ClampedSwiGLU, FeedForward, swiglu
 
 ExpertImplementation = Literal["auto", "loop", "grouped_mm"]
 EXPERT_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "loop", "grouped_mm")
+SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "topk_softmax")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -31,18 +37,23 @@ class MoEConfig:
     num_shared_experts: int = 0  # shared hidden width = num_shared_experts * expert_dim
     shared_expert_dim: int | None = None  # the shared experts' hidden width when set (Qwen2/3-Next/3.5: its own size)
     shared_expert_gate: bool = False  # scale the shared output by sigmoid(x . w_gate) per token (Qwen3-Next/3.5)
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
     route_scale: float = 1.0
     implementation: ExpertImplementation = "auto"
+    router_bias: bool = False  # a bias in the router's logits (gpt-oss)
+    expert_linear_bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
+    activation: ClampedSwiGLU | None = None  # None: silu(gate) * up
 
     def build(self, dim: int) -> "MoE":
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
-        if self.score_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+        if self.score_func == "topk_softmax" and self.n_group > 1:
+            raise ValueError("score_func='topk_softmax' does not combine with group-limited routing (n_group > 1)")
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise ValueError(
                 f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
@@ -70,12 +81,16 @@ class Router(nn.Module):
     def __init__(self, dim: int, config: MoEConfig):
         super().__init__()
         self.config = config
-        self.gate = nn.Linear(dim, config.num_experts, bias=False)
+        self.gate = nn.Linear(dim, config.num_experts, bias=config.router_bias)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, dim] -> (weights [tokens, top_k] float32, experts [tokens, top_k] int64)."""
         cfg = self.config
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+        bias = None if self.gate.bias is None else self.gate.bias.float()
+        logits = F.linear(x.float(), self.gate.weight.float(), bias)  # [T, E]
+        if cfg.score_func == "topk_softmax":
+            experts = (logits + expert_bias.float()).topk(cfg.top_k, dim=-1, sorted=False).indices  # [T, k]
+            return logits.gather(1, experts).softmax(dim=-1) * cfg.route_scale, experts
         scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
         choice = scores + expert_bias.float()
         if cfg.n_group > 1:
@@ -93,7 +108,8 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stacked Linear-style: w1/w3 [E, expert_dim, dim], w2 [E, dim, expert_dim].
+    """E SwiGLU experts stacked Linear-style: w1/w3 [E, expert_dim, dim], w2 [E, dim, expert_dim],
+    with `expert_linear_bias` also w1_bias/w3_bias [E, expert_dim] and w2_bias [E, dim].
 
     `forward(x, counts)` takes rows already sorted by expert (x [rows, dim], counts [E] summing to
     rows) and returns [rows, dim]; this is the seam an expert-parallel or kernel library replaces.
@@ -105,6 +121,13 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(config.num_experts, config.expert_dim, dim))
         self.w2 = nn.Parameter(torch.empty(config.num_experts, dim, config.expert_dim))
         self.w3 = nn.Parameter(torch.empty(config.num_experts, config.expert_dim, dim))
+        self.activation = config.activation or swiglu
+        if config.expert_linear_bias:
+            self.w1_bias = nn.Parameter(torch.zeros(config.num_experts, config.expert_dim))
+            self.w2_bias = nn.Parameter(torch.zeros(config.num_experts, dim))
+            self.w3_bias = nn.Parameter(torch.zeros(config.num_experts, config.expert_dim))
+        else:
+            self.w1_bias = self.w2_bias = self.w3_bias = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         impl = self.implementation
@@ -121,20 +144,30 @@ class GroupedExperts(nn.Module):
         for expert, rows in enumerate(counts.tolist()):  # one host sync for all experts
             if rows:
                 xe = x[start : start + rows]
-                h = F.silu(xe @ self.w1[expert].T) * (xe @ self.w3[expert].T)
-                out[start : start + rows] = h @ self.w2[expert].T
+                gate, up = xe @ self.w1[expert].T, xe @ self.w3[expert].T
+                if self.w1_bias is not None:
+                    gate, up = gate + self.w1_bias[expert], up + self.w3_bias[expert]
+                down = self.activation(gate, up) @ self.w2[expert].T
+                out[start : start + rows] = down if self.w2_bias is None else down + self.w2_bias[expert]
                 start += rows
         return out
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
-        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
-        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets).type_as(x)
+        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        if self.w1_bias is not None:  # each row gets its expert's bias (output_size: no host sync)
+            gate = gate + self.w1_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+            up = up + self.w3_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        out = torch._grouped_mm(self.activation(gate, up), self.w2.transpose(-2, -1), offs=offsets)
+        if self.w2_bias is not None:
+            out = out + self.w2_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return out.type_as(x)
 
     def extra_repr(self) -> str:
         e, ffn, dim = self.w1.shape
-        return f"num_experts={e}, dim={dim}, expert_dim={ffn}, implementation={self.implementation}"
+        return (f"num_experts={e}, dim={dim}, expert_dim={ffn}, bias={self.w1_bias is not None}, "
+                f"implementation={self.implementation}")
 
 
 class MoE(nn.Module):

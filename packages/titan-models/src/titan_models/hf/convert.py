@@ -96,8 +96,12 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     params = model.state_dict(keep_vars=True)
     present = files.names()
     plan = _located(_load_plan(converter, config, model), converter.text_prefix(present))
+    # tensors in a layout of the converter's own (gpt-oss's fused, interleaved, MXFP4 experts)
+    layouts = {name: layout for name in plan
+               if (layout := converter.disk_layout(config, name, tuple(params[name].shape), present)) is not None}
 
-    expected = {source_name(source) for sources in plan.values() for source in sources}
+    expected = {source_name(source) for name, sources in plan.items() if name not in layouts for source in sources}
+    expected |= {hf_name for layout in layouts.values() for hf_name in layout}
     missing = sorted(expected - present)
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} "
@@ -111,7 +115,13 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         warnings.warn(f"{folder}: from_hf loads the text model only; {len(others)} tensors are not loaded "
                       f"({_by_prefix(others)}): {others[:10]}{' ...' if len(others) > 10 else ''}", stacklevel=2)
     for name, sources in plan.items():
-        _check_shapes(folder, config, name, tuple(params[name].shape), sources, files)
+        if name in layouts:
+            for hf_name, want in layouts[name].items():
+                if files.shape(hf_name) != want:
+                    raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(files.shape(hf_name))}, expected "
+                                     f"{list(want)} (for {name} of {type(config).__name__})")
+        else:
+            _check_shapes(folder, config, name, tuple(params[name].shape), sources, files)
 
     model.to_empty(device=device or "cpu")
     model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
@@ -119,6 +129,9 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     fused: dict[str, torch.Tensor] = {}  # the fused HF tensor last read (its parts are planned together)
     with torch.no_grad():
         for name, sources in plan.items():
+            if name in layouts:
+                state[name].copy_(converter.load(config, name, files, present))
+                continue
             if not sources:
                 state[name].zero_()
                 continue
@@ -184,6 +197,7 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # as stored, even after .to()
     entries = []
     fused_parts: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    own_layout: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> titan tensors in the converter's layout
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "output.weight":
             continue
@@ -199,13 +213,19 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
                 warnings.warn(f"{name} is not stored by Hugging Face {hf_config['architectures'][0]}; "
                               "its nonzero values are dropped", stacklevel=2)
             continue
-        if len(hf_names) == 1 and isinstance(hf_names[0], Rows):
+        if converter.disk_layout(config, name, tuple(tensor.shape), set()) is not None:
+            (hf_name,) = hf_names
+            if hf_name not in own_layout:
+                entries.append(hf_name)  # its place in the file order, resolved below
+            own_layout.setdefault(hf_name, {})[name] = tensor
+        elif len(hf_names) == 1 and isinstance(hf_names[0], Rows):
             fused_parts.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
         elif len(hf_names) == 1:
             entries.append((hf_names[0], tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().contiguous()))
         else:
             for e, hf_name in enumerate(hf_names):
                 entries.append((hf_name, tuple(tensor.shape[1:]), tensor.dtype, lambda t=tensor, e=e: t[e].cpu().clone()))
+    entries = [_own_layout_entry(converter, config, e, own_layout[e]) if isinstance(e, str) else e for e in entries]
     for hf_name, parts in fused_parts.items():
         entries.append(_fused_entry(hf_name, parts))
     for hf_name, tensor in converter.extra_tensors(model):
@@ -231,6 +251,13 @@ def _fused_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]]
         return out
 
     return hf_name, shape, first.dtype, make
+
+
+def _own_layout_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
+    """The write entry of HF tensor `hf_name`, made by the converter from the titan tensors `parts`."""
+    name, tensor = next(iter(parts.items()))
+    shape = converter.disk_layout(config, name, tuple(tensor.shape), set())[hf_name]
+    return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,8 @@ class Transformer(nn.Module):
 
         Each parameter draws from its own generator seeded by (seed, its name), so the values do
         not depend on which other modules exist: a pipeline stage holding layers 8..15 gets the
-        same weights as the full model. Scheme: embeddings N(0, 1) (N(0, dim^-1/2) when tied);
-        output N(0, dim^-1/2); norms ones (zero-centred norms zeros; biases zero); a module's own
+        same weights as the full model. Scheme: projection biases zero; embeddings N(0, 1) (N(0, dim^-1/2)
+        when tied); output N(0, dim^-1/2); norms ones (zero-centred norms zeros; biases zero); a module's own
         `init_parameter(name, param, generator)` where it returns True (Gated DeltaNet's decay); projections that write into the residual
         stream (wo, w2) N(0, 0.02 / sqrt(2 * num_layers)); every other matrix N(0, 0.02); normals
         truncated at 3 std.
@@ -134,6 +134,9 @@ class Transformer(nn.Module):
             if hasattr(module, "init_parameter"):  # a module with its own scheme for some parameters
                 if module.init_parameter(pname, param, generator):
                     continue
+            if pname == "bias" or pname.endswith("_bias"):  # projection biases (gpt-oss) start at zero
+                param.zero_()
+                continue
             if leaf.endswith("norm") or leaf in _NORM_LEAVES:
                 if name.endswith("bias"):
                     param.zero_()

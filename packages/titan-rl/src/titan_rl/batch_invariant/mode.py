@@ -11,8 +11,10 @@ import titan_models as tm
 from torch import nn
 from titan_models.components.ffn import FeedForward
 from titan_models.components.gated_deltanet import GatedDeltaNet
+from titan_models.components.moe import MoE
 from titan_models.components.norms import RMSNorm, ZeroCenteredRMSNorm
 
+from titan_rl.batch_invariant.moe import BatchInvariantMoE
 from titan_rl.batch_invariant.modules import (
     BatchInvariantAttention, BatchInvariantFeedForward, BatchInvariantLinear, BatchInvariantRMSNorm,
 )
@@ -25,7 +27,8 @@ def is_batch_invariant(model: nn.Module) -> bool:
 def batch_invariant(model: nn.Module) -> nn.Module:
     """Switch `model` (in place) to batch-invariant computation and return it. Idempotent.
 
-    Raises ValueError for models with MoE layers or LayerNorm (not provided in batch-invariant form).
+    Raises ValueError for models with LayerNorm or group-limited MoE routing (not provided in
+    batch-invariant form).
     """
     if is_batch_invariant(model):
         return model
@@ -33,15 +36,21 @@ def batch_invariant(model: nn.Module) -> nn.Module:
     if not isinstance(layers, nn.ModuleDict):
         raise TypeError(f"batch_invariant() expects a titan-models Transformer (with .layers); got {type(model).__name__}")
     names = dict(model.named_modules())
-    unsupported = sorted(n for n, m in names.items() if n.endswith(".moe") or isinstance(m, nn.LayerNorm))
+    unsupported = sorted(n for n, m in names.items() if isinstance(m, nn.LayerNorm) or
+                         (isinstance(m, MoE) and m.config.n_group > 1))
     if unsupported:
-        raise ValueError(f"batch_invariant() supports dense models with RMSNorm; found unsupported modules {unsupported[:4]}")
+        raise ValueError(f"batch_invariant() supports RMSNorm models whose MoE layers (if any) route without "
+                         f"expert groups; found unsupported modules {unsupported[:4]}")
     linear = sorted(n for n, m in names.items() if isinstance(m, (GatedDeltaNet, ZeroCenteredRMSNorm)))
     if linear:
         raise ValueError("batch_invariant() does not support linear-attention models (Gated DeltaNet, zero-centred "
                          f"norms: no fixed-order kernels yet); found {linear[:4]}")
-    # Order matters: FeedForward first (it takes over its own w1/w2/w3), then the remaining modules.
+    # Order matters: MoE layers first (they keep their router, experts and shared experts), then
+    # FeedForward (it takes over its own w1/w2/w3), then the remaining modules.
     for name, module in names.items():
+        if isinstance(module, MoE):
+            tm.override(model, name, lambda _, old: BatchInvariantMoE(old))
+    for name, module in dict(model.named_modules()).items():
         if isinstance(module, FeedForward):
             tm.override(model, name, lambda _, old: BatchInvariantFeedForward(old))
     for name, module in dict(model.named_modules()).items():
@@ -59,5 +68,6 @@ def _invariant_inner(old: nn.Module) -> nn.Module:
     # A generator may have wrapped the inner attention already: swap what it wraps.
     wrapped = getattr(old, "base", None)
     if wrapped is not None and hasattr(old, "replace_base"):
-        return old.replace_base(BatchInvariantAttention(scale=wrapped.scale))
-    return BatchInvariantAttention(scale=old.scale)
+        return old.replace_base(BatchInvariantAttention(scale=wrapped.scale,
+                                                        sliding_window=getattr(wrapped, "sliding_window", None)))
+    return BatchInvariantAttention(scale=old.scale, sliding_window=getattr(old, "sliding_window", None))

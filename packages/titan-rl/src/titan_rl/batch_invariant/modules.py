@@ -46,25 +46,31 @@ class BatchInvariantFeedForward(nn.Module):
 
 
 class BatchInvariantAttention(nn.Module):
-    """Inner attention (`inner(q, k, v, *, context)`): causal over the sequence, fixed reduction order.
+    """Inner attention (`inner(q, k, v, *, context, sinks=None)`): causal over the sequence (within
+    `sliding_window` when set), attention sinks when given, fixed reduction order.
     Packed documents (context.document_ids) are not supported in this mode."""
 
-    def __init__(self, *, scale: float) -> None:
+    def __init__(self, *, scale: float, sliding_window: int | None = None) -> None:
         super().__init__()
         self.scale = scale
+        self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context=None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if context is not None and getattr(context, "document_ids", None) is not None:
             raise ValueError("batch-invariant attention does not support packed documents (context.document_ids); "
                              "pad sequences instead")
         b, s = q.shape[:2]
         positions = torch.arange(s, device=q.device).expand(b, s)
-        return ops.attention(q, k, v, q_positions=positions, scale=self.scale)
+        return ops.attention(q, k, v, q_positions=positions, scale=self.scale, window=self.sliding_window,
+                             sinks=sinks)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
-               kv_len: torch.Tensor) -> torch.Tensor:
+               kv_len: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Over a KV cache: k, v [b, L, hkv, d] with slot j = position j (used by the generator)."""
-        return ops.attention(q, k, v, q_positions=q_positions, scale=self.scale, kv_len=kv_len)
+        return ops.attention(q, k, v, q_positions=q_positions, scale=self.scale, kv_len=kv_len,
+                             window=self.sliding_window, sinks=sinks)
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale:.6g}"
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return f"scale={self.scale:.6g}{window}"

@@ -39,7 +39,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor, scale: float,
-              kv_len: torch.Tensor | None = None) -> torch.Tensor:
+              kv_len: torch.Tensor | None = None, window: int | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     if _use_triton(q):
-        return _triton_ops().attention(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len)
-    return torch_ops.attention(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len)
+        return _triton_ops().attention(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len, window=window,
+                                       sinks=sinks)
+    return torch_ops.attention(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len, window=window,
+                               sinks=sinks)

@@ -21,7 +21,9 @@ the machine that runs them) shape these implementations:
 Attention walks the keys in fixed blocks of KEY_BLOCK from slot 0 with an online softmax: keys past
 a query's position are masked to probability exactly 0, and a block that is entirely masked leaves
 the running max, sum and accumulator bitwise unchanged (scale 1.0, add 0.0), so a query's result
-does not depend on how many keys (or padding) follow it.
+does not depend on how many keys (or padding) follow it. A sliding window masks the slots before
+position - window + 1 the same way; attention sinks (a per-head logit in the denominator) join each
+row's softmax after the last block, in the same fixed order for every row.
 """
 from __future__ import annotations
 
@@ -114,10 +116,16 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return e / tree_sum(e, keepdim=True)
 
 
-def _visible(q_positions: torch.Tensor, L: int, kv_len: torch.Tensor | None) -> torch.Tensor:
-    """[b, 1, s, L] bool: key slot j is visible to a query at position p iff j <= p (and j < kv_len)."""
+def _visible(q_positions: torch.Tensor, L: int, kv_len: torch.Tensor | None, window: int | None = None
+             ) -> torch.Tensor:
+    """[b, 1, s, L] bool: key slot j is visible to a query at position p iff j <= p (and j < kv_len,
+    and p - j < window)."""
     limit = q_positions if kv_len is None else torch.minimum(q_positions, kv_len[:, None] - 1)
-    return (torch.arange(L, device=q_positions.device)[None, None, :] <= limit[:, :, None])[:, None]
+    slots = torch.arange(L, device=q_positions.device)[None, None, :]
+    visible = slots <= limit[:, :, None]
+    if window is not None:
+        visible = visible & (q_positions[:, :, None] - slots < window)
+    return visible[:, None]
 
 
 class _Attention(torch.autograd.Function):
@@ -125,49 +133,64 @@ class _Attention(torch.autograd.Function):
     and much cheaper than differentiating through the blocked loop)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, kv_len, scale):
-        ctx.save_for_backward(q, k, v, q_positions, kv_len)
-        ctx.scale = scale
-        return _attention_forward(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len)
+    def forward(ctx, q, k, v, q_positions, kv_len, scale, window=None, sinks=None):
+        ctx.save_for_backward(q, k, v, q_positions, kv_len, sinks)
+        ctx.scale, ctx.window = scale, window
+        return _attention_forward(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len, window=window,
+                                  sinks=sinks)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, q_positions, kv_len = ctx.saved_tensors
-        return (*sdpa_attention_grad(q, k, v, q_positions, kv_len, ctx.scale, grad), None, None, None)
+        q, k, v, q_positions, kv_len, sinks = ctx.saved_tensors
+        if sinks is None:
+            grads = sdpa_attention_grad(q, k, v, q_positions, kv_len, ctx.scale, grad, window=ctx.window)
+            return (*grads, None, None, None, None, None)
+        gq, gk, gv, gsinks = eager_sink_grad(q, k, v, sinks, q_positions, kv_len, ctx.scale, ctx.window, grad)
+        return gq, gk, gv, None, None, None, None, gsinks
 
 
-def sdpa_attention_grad(q, k, v, q_positions, kv_len, scale, grad):
+def sdpa_attention_grad(q, k, v, q_positions, kv_len, scale, grad, *, window=None):
     """Gradients of the attention contract (same mask) through torch's SDPA, for q, k, v."""
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        mask = _visible(q_positions, k.shape[1], kv_len)
+        mask = _visible(q_positions, k.shape[1], kv_len, window)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
         return torch.autograd.grad(out, (q, k, v), grad)
 
 
+def eager_sink_grad(q, k, v, sinks, q_positions, kv_len, scale, window, grad):
+    """Gradients for q, k, v and the sinks through titan-models' eager sink attention (same mask)."""
+    from titan_models.components.sinks import eager_attention
+
+    with torch.enable_grad():
+        q, k, v, sinks = (t.detach().requires_grad_() for t in (q, k, v, sinks))
+        mask = _visible(q_positions, k.shape[1], kv_len, window)
+        out = eager_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        return torch.autograd.grad(out, (q, k, v, sinks), grad)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
-              scale: float, kv_len: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float, kv_len: torch.Tensor | None = None, window: int | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention by position over key slots.
 
     q [b, s, hq, d]; k, v [b, L, hkv, d] where key slot j holds position j; q_positions [b, s].
-    Query (i, position p) attends slots j <= p (and j < kv_len[b] if given). Returns [b, s, hq, d_v]
-    in q's dtype; softmax statistics and the accumulator are float32.
+    Query (i, position p) attends slots j <= p (and j < kv_len[b] if given, and p - j < window if
+    given), with sinks [hq] in the softmax denominator if given. Returns [b, s, hq, d_v] in q's dtype;
+    softmax statistics and the accumulator are float32.
     """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Attention.apply(q, k, v, q_positions, kv_len, scale)
-    return _attention_forward(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        return _Attention.apply(q, k, v, q_positions, kv_len, scale, window, sinks)
+    return _attention_forward(q, k, v, q_positions=q_positions, scale=scale, kv_len=kv_len, window=window,
+                              sinks=sinks)
 
 
 def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
-                       scale: float, kv_len: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention by position over key slots.
-
-    q [b, s, hq, d]; k, v [b, L, hkv, d] where key slot j holds position j; q_positions [b, s].
-    Query (i, position p) attends slots j <= p (and j < kv_len[b] if given). Returns [b, s, hq, d_v]
-    in q's dtype; softmax statistics and the accumulator are float32.
-    """
+                       scale: float, kv_len: torch.Tensor | None = None, window: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """See `attention`: blocks of KEY_BLOCK keys from slot 0, online softmax, sinks joined last."""
     b, s, hq, d = q.shape
     L, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
@@ -195,7 +218,10 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_p
         vb = vh[:, :, start:start + KEY_BLOCK]
         scores = torch.matmul(qh, kb.transpose(-1, -2)).to(acc_dtype) * scale   # [b, hkv, R, KB]
         slots = torch.arange(start, start + KEY_BLOCK, device=q.device)
-        scores = scores.masked_fill(slots > limit, float("-inf"))
+        hidden = slots > limit
+        if window is not None:
+            hidden = hidden | (row_pos - slots >= window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
         alpha = torch.exp(m - m_safe)
@@ -203,5 +229,12 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_p
         denom = denom * alpha + tree_sum(p, keepdim=True)
         acc = acc * alpha + torch.matmul(p.to(v.dtype), vb).to(acc_dtype)
         m = m_new
+    if sinks is not None:  # one more "key" per head with no value: rescale to the larger max, add its mass
+        sink = sinks.to(acc_dtype).view(1, hkv, g, 1, 1).expand(1, hkv, g, s, 1).reshape(1, hkv, g * s, 1)
+        sink = F.pad(sink, (0, 0, 0, R - rows), value=float("-inf"))    # padded rows: no sink
+        m_final = torch.maximum(m, sink)
+        alpha = torch.exp(m - m_final)
+        denom = denom * alpha + torch.exp(sink - m_final)
+        acc = acc * alpha
     out = (acc / denom)[:, :, :rows]                                 # [b, hkv, g*s, dv]
     return out.reshape(b, hkv, g, s, dv).reshape(b, hq, s, dv).permute(0, 2, 1, 3).to(q.dtype)

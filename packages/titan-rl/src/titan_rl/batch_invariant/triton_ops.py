@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_rl.batch_invariant.torch_ops import sdpa_attention_grad
+from titan_rl.batch_invariant.torch_ops import eager_sink_grad, sdpa_attention_grad
 from titan_rl.batch_invariant.triton_interpreter import backport_scalar_index
 
 backport_scalar_index()  # only the CPU interpreter of triton < 3.7 needs it; compiled kernels are unaffected
@@ -179,10 +179,10 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, S, L, HQ, G, scale,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, sink_ptr, S, L, HQ, G, scale, window,
                       sqb, sqs, sqh, skb, skl, skh, svb, svl, svh, sob, sos, soh, spb,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -196,16 +196,20 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, S, L, HQ, 
     pos = tl.load(pos_ptr + b * spb + rows, mask=row_ok, other=0)
     limit = tl.minimum(pos, tl.load(kvlen_ptr + b) - 1)  # slot j is visible iff j <= limit
     hi = tl.minimum(tl.max(tl.where(row_ok, limit, 0), axis=0) + 1, L)
+    # Blocks left of every row's window leave the initial state unchanged: start at the first block
+    # (on the same block grid from slot 0) that some row of the tile can see.
+    first = tl.min(tl.where(row_ok, pos - window + 1, L), axis=0)
+    lo = tl.maximum(first, 0) // BLOCK_N * BLOCK_N
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         slots = n0 + tl.arange(0, BLOCK_N)
         in_range = slots < L
         k = tl.load(k_ptr + b * skb + slots[None, :] * skl + hk * skh + dcol[:, None], mask=in_range[None, :], other=0.0)
         v = tl.load(v_ptr + b * svb + slots[:, None] * svl + hk * svh + vcol[None, :], mask=in_range[:, None], other=0.0)
         s = tl.dot(q, k, input_precision=PRECISION) * scale
-        visible = (slots[None, :] <= limit[:, None]) & in_range[None, :]
+        visible = (slots[None, :] <= limit[:, None]) & in_range[None, :] & (pos[:, None] - slots[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -214,6 +218,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, S, L, HQ, 
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if HAS_SINKS:  # the head's sink joins the denominator: rescale to the larger max, add its mass
+        sink = tl.load(sink_ptr + h).to(tl.float32)
+        m_final = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_final)
+        l = l * alpha + tl.exp(sink - m_final)
+        acc = acc * alpha[:, None]
     out = acc / l[:, None]
     tl.store(o_ptr + b * sob + rows[:, None] * sos + h * soh + vcol[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None])
@@ -221,7 +231,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, S, L, HQ, 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, kv_len, scale):
+    def forward(ctx, q, k, v, q_positions, kv_len, scale, window=None, sinks=None):
         b, s, hq, d = q.shape
         L, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -231,23 +241,31 @@ class _Attention(torch.autograd.Function):
         out = torch.empty(b, s, hq, dv, dtype=q.dtype, device=q.device)
         bm, bn = ATTN_TILE
         grid = (triton.cdiv(s, bm), b * hq)
-        _attention_kernel[grid](q, k, v, out, pos, lens, s, L, hq, hq // hkv, scale,
+        sink_arg = sinks.contiguous() if sinks is not None else out  # any pointer when HAS_SINKS is off
+        _attention_kernel[grid](q, k, v, out, pos, lens, sink_arg, s, L, hq, hq // hkv, scale,
+                                window if window is not None else 2**30,
                                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                                 pos.stride(0), D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(q.dtype),
-                                num_warps=4)
-        ctx.save_for_backward(q, k, v, q_positions, kv_len)
-        ctx.scale = scale
+                                HAS_SINKS=sinks is not None, num_warps=4)
+        ctx.save_for_backward(q, k, v, q_positions, kv_len, sinks)
+        ctx.scale, ctx.window = scale, window
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        # Recompute with torch's SDPA (masked, memory-efficient kernel on CUDA) and differentiate that.
-        q, k, v, q_positions, kv_len = ctx.saved_tensors
-        return (*sdpa_attention_grad(q, k, v, q_positions, kv_len, ctx.scale, grad), None, None, None)
+        # Recompute with torch's SDPA (masked, memory-efficient kernel on CUDA), or the eager sink
+        # attention, and differentiate that.
+        q, k, v, q_positions, kv_len, sinks = ctx.saved_tensors
+        if sinks is None:
+            grads = sdpa_attention_grad(q, k, v, q_positions, kv_len, ctx.scale, grad, window=ctx.window)
+            return (*grads, None, None, None, None, None)
+        gq, gk, gv, gsinks = eager_sink_grad(q, k, v, sinks, q_positions, kv_len, ctx.scale, ctx.window, grad)
+        return gq, gk, gv, None, None, None, None, gsinks
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor, scale: float,
-              kv_len: torch.Tensor | None = None) -> torch.Tensor:
+              kv_len: torch.Tensor | None = None, window: int | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as torch_ops.attention (head dims must be powers of two, >= 16)."""
-    return _Attention.apply(q, k, v, q_positions, kv_len, scale)
+    return _Attention.apply(q, k, v, q_positions, kv_len, scale, window, sinks)

@@ -3,7 +3,9 @@
 `install_kv_cache(model)` wraps every `layers.N.attention.inner` (through titan-models' `override`)
 in a `KVCacheAttention`. Called with an ordinary context (or none), the wrapper is transparent (the
 trainer's forward is unchanged); called with a `GenerationContext`, it writes this step's k/v into the
-cache at the tokens' positions and attends over the cache.
+cache at the tokens' positions and attends over the cache, with the wrapped attention's
+`sliding_window` (keys older than the window are masked; the cache keeps every slot) and the
+attention sinks the model passes (`sinks=`, gpt-oss; the eager sink softmax over the cache).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 import titan_models as tm
 import torch
 import torch.nn.functional as F
+from titan_models.components.sinks import eager_attention
 from torch import nn
 
 
@@ -40,9 +43,15 @@ class KVCacheAttention(nn.Module):
     def scale(self) -> float:
         return self.base.scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context=None) -> torch.Tensor:
+    @property
+    def sliding_window(self) -> int | None:
+        return getattr(self.base, "sliding_window", None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context=None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        extra = {} if sinks is None else {"sinks": sinks}  # inner attentions without sinks take no such kwarg
         if not isinstance(context, GenerationContext):
-            return self.base(q, k, v, context=context)
+            return self.base(q, k, v, context=context, **extra)
         b, s, hkv, d = k.shape
         if self.name not in context.caches:
             shape = (b, context.capacity, hkv)
@@ -53,14 +62,23 @@ class KVCacheAttention(nn.Module):
         cache_v.scatter_(1, slots.expand(b, s, hkv, v.shape[-1]), v)
         attend = getattr(self.base, "attend", None)
         if attend is not None:
-            return attend(q, cache_k, cache_v, q_positions=context.positions, kv_len=context.kv_len)
-        return _sdpa_over_cache(q, cache_k, cache_v, context.positions, context.kv_len, self.base.scale)
+            return attend(q, cache_k, cache_v, q_positions=context.positions, kv_len=context.kv_len, **extra)
+        mask = _cache_mask(cache_k.shape[1], context.positions, context.kv_len, self.sliding_window)
+        if sinks is not None:  # SDPA has no term for sinks
+            return eager_attention(q, cache_k, cache_v, scale=self.base.scale, mask=mask[:, None], sinks=sinks)
+        return _sdpa_over_cache(q, cache_k, cache_v, mask, self.base.scale)
 
 
-def _sdpa_over_cache(q, cache_k, cache_v, positions, kv_len, scale):
-    """Normal (not batch-invariant) mode: SDPA with a mask slot <= position and slot < kv_len."""
-    slots = torch.arange(cache_k.shape[1], device=q.device)
-    mask = (slots[None, None, :] <= positions[:, :, None]) & (slots[None, None, :] < kv_len[:, None, None])
+def _cache_mask(slots: int, positions: torch.Tensor, kv_len: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[b, s, L] bool: slot <= position, slot < kv_len, and within the window (position - slot < window)."""
+    slot = torch.arange(slots, device=positions.device)[None, None, :]
+    pos = positions[:, :, None]
+    mask = (slot <= pos) & (slot < kv_len[:, None, None])
+    return mask if window is None else mask & (pos - slot < window)
+
+
+def _sdpa_over_cache(q, cache_k, cache_v, mask, scale):
+    """Normal (not batch-invariant) mode: SDPA over the cache slots `mask` [b, s, L] allows."""
     qh, kh, vh = (t.transpose(1, 2) for t in (q, cache_k, cache_v))  # [b, heads, s|L, d]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale,
                                          enable_gqa=qh.shape[1] != kh.shape[1])
