@@ -29,7 +29,8 @@ from titan_train_ranks import spawn_ranks  # noqa: E402
 
 # A tiny, fast job: the debug Llama cut to 2 layers, short sequences, fp32 on CPU, nothing to resume.
 # job.device cpu: on a GPU machine "auto" would put every gloo rank of a CPU test on cuda:LOCAL_RANK.
-TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4", "metrics.tensorboard": "false",
+TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",
+        "metrics.tensorboard": "false",
         "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false"}
 
 

@@ -157,8 +157,8 @@ def test_expert_parallel_needs_dist_moe():
     config.model.moe_impl = "titan"
     with pytest.raises(ValueError, match="parallelism.ep=2 needs model.moe_impl=dist_moe"):
         resolve_moe_impl(config)
-    config.model.moe_impl, config.parallelism.cp = "auto", 2
-    with pytest.raises(ValueError, match="with parallelism.cp > 1 it is not supported yet"):
+    config.model.moe_impl, config.parallelism.tp, config.checkpoint.interval = "auto", 2, 5
+    with pytest.raises(ValueError, match="checkpoint.interval=5 with parallelism.ep=2 x tp=2"):
         resolve_moe_impl(config)
 
 

@@ -54,6 +54,14 @@ class ModelConfig:
     expert parallelism). auto: dist_moe when parallelism.ep > 1, else titan."""
     moe_aux_loss_weight: float = 0.0
     """dist_moe only: weight of DeepSeek-V3's sequence-wise balance loss added to the objective (0: off)."""
+    moe_routing: Literal["learned", "forced_balance"] = "learned"
+    """learned: the router's top-k. forced_balance (dist_moe only, for measurement): tokens dealt evenly to
+    the experts whatever the router says (weights still from its scores), so every expert gets the same
+    load; it changes the workload, so every metrics record says `moe_routing`."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules trained beside the main model (DeepSeek-V3: 1; titan-models builds
+    depth 0 or 1). The MTP module predicts token i + 2 from the main model's hidden state at i and the
+    embedding of token i + 1; its loss, weighted by training.mtp_loss_weight, joins the objective."""
 
 
 @dataclass(kw_only=True)
@@ -83,6 +91,9 @@ class StepConfig:
     fused_kernels: bool = True
     """On CUDA, titan-train's Triton kernels for the loss's softmax gradient and the SwiGLU backward
     (false: torch ops, fused by torch.compile where compile.enabled)."""
+    mtp_loss_weight: float = 0.1
+    """lambda of DeepSeek-V3's objective main + lambda * MTP loss (each a mean over its scored tokens;
+    the report used 0.3, then 0.1); applies when model.mtp_layers > 0."""
     moe_bias_update_rate: float = 1e-3
     """MoE aux-loss-free balancing: after each optimizer step, expert_bias += rate * sign(mean load - load),
     with the loads counted over the step's whole global batch (0 disables)."""
@@ -91,6 +102,8 @@ class StepConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.mtp_loss_weight < float("inf"):
+            raise ValueError(f"training.mtp_loss_weight must be a finite number >= 0, got {self.mtp_loss_weight}")
         if self.gc_interval < 0:
             raise ValueError(f"training.gc_interval must be >= 0 (0: automatic collection), got {self.gc_interval}")
 

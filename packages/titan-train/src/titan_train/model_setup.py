@@ -36,10 +36,27 @@ def model_config(config: ModelConfig, *, vocab_needed: int):
         model_cfg = tm.transforms.compose(*transforms)(model_cfg)
     if config.vocab_size and not config.hf_path:
         model_cfg = dataclasses.replace(model_cfg, vocab_size=config.vocab_size)
+    model_cfg = _with_mtp(model_cfg, config)
     if model_cfg.vocab_size < vocab_needed:
         raise ValueError(f"the tokenizer needs a vocabulary of {vocab_needed}, but {config.family} {config.flavor} "
                          f"has vocab_size {model_cfg.vocab_size}")
     return model_cfg
+
+
+def _with_mtp(model_cfg, config: ModelConfig):
+    """The config with model.mtp_layers multi-token-prediction modules (a family that has them: `mtp`)."""
+    if config.mtp_layers < 0:
+        raise ValueError(f"model.mtp_layers must be >= 0, got {config.mtp_layers}")
+    if not hasattr(model_cfg, "mtp"):
+        if config.mtp_layers:
+            raise ValueError(f"model.mtp_layers={config.mtp_layers}: the {model_cfg.family} family has no "
+                             "multi-token-prediction module (deepseek_v3 has)")
+        return model_cfg
+    if config.mtp_layers > 1:
+        raise ValueError(f"model.mtp_layers={config.mtp_layers}: titan-models builds one MTP module "
+                         "(depth 1, as DeepSeek-V3 trains); allowed: 0, 1")
+    # A flavor or Hugging Face folder that has an MTP module keeps it only when it is trained.
+    return dataclasses.replace(model_cfg, mtp=config.mtp_layers == 1)
 
 
 def build_on_meta(model_cfg) -> nn.Module:
@@ -58,7 +75,10 @@ def initial_state(model_cfg, *, seed: int, hf_path: str, adapters=None) -> dict[
     if adapters is not None:
         adapters.apply(reference)
         adapters.reset(reference)
-    return reference.state_dict()
+    state = reference.state_dict()
+    if hf_path and not getattr(model_cfg, "mtp", False):  # the folder's MTP module, not trained (model.mtp_layers 0)
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    return state
 
 
 def materialize(model: nn.Module, model_cfg, *, device: torch.device, seed: int, distributed: bool,

@@ -74,6 +74,16 @@ class Parallelizer:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
                                               grad_accum_steps=t.grad_accum_steps,
                                               compiled=run.compile.uses_torch_compile)
+        if run.model.mtp_layers > 0:
+            for name in ("tp", "cp"):
+                if getattr(degrees, name) > 1:
+                    raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with parallelism.{name}="
+                                     f"{getattr(degrees, name)} is not supported yet (the MTP block is not split over "
+                                     f"{name}); use parallelism.{name}=1 (dp, pp and ep compose with it)")
+            if run.compile.effective_mode == "graph":
+                raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with compile.mode graph is not supported "
+                                 "yet (the captured step holds the main loss only); use compile.mode none, blocks "
+                                 "or regions")
         if degrees.cp > 1:
             check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
         if run.compile.effective_mode == "graph":
@@ -122,9 +132,6 @@ class Parallelizer:
             self.adapters.apply(model)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
-        if layout is not None and moes and t.moe_bias_update_rate > 0:
-            raise ValueError("parallelism.pp > 1 with MoE layers: the expert-bias update does not count the "
-                             "pipeline's microbatches yet; set training.moe_bias_update_rate 0")
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu
@@ -151,7 +158,10 @@ class Parallelizer:
         if self.fsdp:
             self._shard(loss, pipeline, expert_parallel)
         self._materialize(model, model_cfg, pipeline)
-        expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=data_parallel_groups(self.mesh))
+        counted_by = data_parallel_groups(self.mesh)
+        if expert_parallel is not None and expert_parallel.tp_group is not None:  # tp ranks route their own shards
+            counted_by.append(expert_parallel.tp_group)
+        expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=counted_by)
         return ParallelModel(model=model, loss=loss, pipeline=pipeline, expert_parallel=expert_parallel,
                              expert_bias=expert_bias, autocast=autocast)
 
@@ -171,7 +181,10 @@ class Parallelizer:
             apply_context_parallel(model, self.mesh["cp"].get_group())
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
-            apply_tensor_parallel(model, self.mesh["tp"])
+            # Under expert parallelism the MoE layers are not TP-split: each tp rank routes its own sequence
+            # shard to the experts (ExpertParallel sums their gradients over tp).
+            local = tuple(n for n, m in model.named_modules() if m in moes) if self.degrees.ep > 1 else ()
+            apply_tensor_parallel(model, self.mesh["tp"], sequence_local=local)
         expert_parallel = None
         if self.degrees.ep > 1:
             expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)

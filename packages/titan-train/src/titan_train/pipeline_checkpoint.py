@@ -139,6 +139,15 @@ class StageEntries:
         self.inner.load_state_dict(state)
 
 
+def _copy_containers(tree: Any) -> Any:
+    """The dicts and lists of `tree` copied, its leaves (tensors, numbers) shared."""
+    if isinstance(tree, dict):
+        return {key: _copy_containers(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_containers(value) for value in tree]
+    return tree
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, step = [], 1
     for n in reversed(shape):

@@ -166,6 +166,34 @@ def deepseek_v3_debug_ep() -> TrainConfig:
 def kimi_linear_debug_ep() -> TrainConfig:
     """The debug Kimi Linear (KDA + RoPE-free MLA; shared + 8 routed experts) with expert parallelism 2."""
     return _debug_moe_ep("kimi_linear", "debug", "runs/kimi_linear_debug_ep")
+@register_recipe("deepseek_v3_debug_mtp_pp_ep")
+def deepseek_v3_debug_mtp_pp_ep() -> TrainConfig:
+    """The MLPerf shape in miniature on 8 ranks: debug DeepSeek-V3 + one MTP module, pp 2 x dp 4 with its
+    experts split over ep 2 (torchrun --nproc-per-node 8)."""
+    config = _debug_moe_ep("deepseek_v3", "debug", "runs/deepseek_v3_debug_mtp_pp_ep")
+    config.model.mtp_layers = 1
+    config.training.mtp_loss_weight = 0.3
+    config.parallelism = ParallelismConfig(pp=2, ep=2, pp_schedule="1F1B", pp_microbatches=2)
+    return config
+
+
+@register_recipe("deepseek_v3_mlperf")
+def deepseek_v3_mlperf() -> TrainConfig:
+    """DeepSeek-V3 671B + one MTP module as the update's MLPerf run: pp 2 x dp 128 with experts over ep 64 on
+    256 GPUs (32 nodes of 8; README: the 256 / 512 GPU table). Point data.source / data.tokenizer at the corpus."""
+    return TrainConfig(
+        job=JobConfig(folder="runs/deepseek_v3_mlperf"),
+        model=ModelConfig(family="deepseek_v3", flavor="671B", mtp_layers=1, moe_impl="dist_moe"),
+        # 1024 sequences of 4096 tokens: 8 per data-parallel rank, one per pipeline microbatch
+        training=StepConfig(steps=10000, batch_size=1024, seq_len=4096, mixed_precision="bf16", mtp_loss_weight=0.3,
+                            moe_bias_update_rate=1e-3),
+        optimizer=OptimizerConfig(lr=2.2e-4, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(kind="cosine", warmup_steps=2000, min_lr_ratio=0.1),
+        data=DataConfig(source="random"),
+        parallelism=ParallelismConfig(pp=2, ep=64, pp_schedule="1F1B", pp_microbatches=8),
+        checkpoint=CheckpointConfig(interval=500),
+        activation_checkpoint=ActivationCheckpointConfig(mode="full"),
+    )
 
 
 @register_recipe("gpt_oss_debug")

@@ -23,6 +23,7 @@ from .grad_norm import clip_by_total_norm
 from .memory_estimate import check_memory_fits
 from .metrics import memory_gib, peak_flops
 from .model_setup import model_config
+from .multi_token import MTPBatch, mtp_batch, mtp_weight
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
 from .optimizer_settings import OptimizerSettings
 from .process_group import process_group, select_device
@@ -72,6 +73,7 @@ class Trainer:
         self.tokenizer = config.data.build_tokenizer()
         vocab_needed = 0 if self.tokenizer is None else self.tokenizer.vocab_size
         self.model_cfg = model_config(config.model, vocab_needed=vocab_needed)
+        self.model_cfg_mtp = bool(getattr(self.model_cfg, "mtp", False))  # model.mtp_layers > 0
         check_memory_fits(config, self.model_cfg, self.degrees, device=device,
                           n_params=tm.count_params(self.model_cfg).total)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
@@ -108,7 +110,8 @@ class Trainer:
                              "titan-train export --job.folder DIR --out HF_DIR instead")
         if self.rank == 0:
             save_config(config, self.folder)  # what titan-train export rebuilds the model from
-        self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
+        # MTP's block and second output projection are work the step does (model.mtp_layers > 0)
+        self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len, include_mtp=self.model_cfg_mtp)
         self.peak = peak_flops(device)
 
     # --- one optimizer step -------------------------------------------------------------------------
@@ -117,45 +120,38 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm), 0-dim tensors that
-        may still be computing (NonFiniteGuard says when a non-finite one stops the run)."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm, mtp_loss), 0-dim
+        tensors that may still be computing (NonFiniteGuard says when a non-finite one stops the run);
+        mtp_loss is 0 without multi-token prediction."""
         t = self.config.training
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
         scored = int((batch.labels != IGNORE_INDEX).sum())
         scale = self.parallelizer.loss_scale(scored)
+        mtp, mtp_scored, weight = None, 0, 0.0
+        if self.model_cfg_mtp:
+            mtp = mtp_batch(batch.tokens, batch.labels, batch.document_ids)
+            mtp_scored = int((mtp.labels != IGNORE_INDEX).sum())
+            weight = mtp_weight(t.mtp_loss_weight, scored=scored, mtp_scored=mtp_scored)
         local, positions = self._local_rows(batch)
         rows = local.tokens.shape[0]
-        micro_rows = rows // t.grad_accum_steps
+        if mtp is not None:  # whole rows: MTP does not compose with cp (Parallelizer refuses it)
+            mtp = mtp.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
         if self.pipeline is not None:  # the schedule splits the rows into microbatches, FSDP reduces once
             if positions is None:
                 positions = torch.arange(t.seq_len, device=self.device).expand(rows, -1)
-            loss_sum = self.pipeline.step(local.tokens, local.labels, positions, local.document_ids, scale=scale)
+            sums = self.pipeline.step(local.tokens, local.labels, positions, local.document_ids, scale=scale,
+                                      mtp=mtp, mtp_weight=weight)
         else:
-            loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-            for i in range(t.grad_accum_steps):
-                micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
-                micro_positions = None if positions is None else positions[i * micro_rows:(i + 1) * micro_rows]
-                # fully_shard reduces once, after the last microbatch (flexshard: after every one)
-                if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
-                    self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
-                if self.graph_step is not None:
-                    micro_loss = self.graph_step(micro.tokens, micro.labels, micro.document_ids, micro_positions,
-                                                 scale, last=i == t.grad_accum_steps - 1)
-                else:
-                    with self._autocast():
-                        micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
-                    (micro_loss * scale).backward()
-                loss_sum += micro_loss.detach().float()
-                self.parallel.expert_bias.accumulate()
+            sums = self._accumulate(local, positions, mtp, scale=scale, mtp_weight=weight)
         if self.parallel.expert_parallel is not None:
             self.parallel.expert_parallel.finish_gradients()
         grad_norm = self._clip_gradients()
         if dist.is_initialized():
-            dist.all_reduce(loss_sum)  # dp and cp ranks hold other tokens, pp ranks other stages
+            dist.all_reduce(sums)  # dp and cp ranks hold other tokens, pp ranks other stages
             if self.degrees.tp > 1:
-                loss_sum /= self.degrees.tp  # tp ranks all hold the same (vocabulary-parallel) loss
-        loss = loss_sum / max(scored, 1)
+                sums /= self.degrees.tp  # tp ranks all hold the same (vocabulary-parallel) loss
+        loss, mtp_loss = sums[0] / max(scored, 1), sums[1] / max(mtp_scored, 1)
         try:
             self.guard.before_update(step, loss, grad_norm)
         except NonFiniteLossError:
@@ -167,7 +163,37 @@ class Trainer:
         self.parallel.expert_bias.update()  # after the step, as aux-loss-free balancing prescribes
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm
+        return loss, grad_norm, mtp_loss
+
+    def _accumulate(self, local, positions: torch.Tensor | None, mtp: MTPBatch | None, *, scale: float,
+                    mtp_weight: float) -> torch.Tensor:
+        """Forward/backward of this rank's rows, training.grad_accum_steps microbatches at a time; returns
+        the summed (main, MTP) losses [2] of those rows."""
+        steps = self.config.training.grad_accum_steps
+        micro_rows = local.tokens.shape[0] // steps
+        sums = torch.zeros(2, device=self.device, dtype=torch.float32)
+        for i in range(steps):
+            rows = slice(i * micro_rows, (i + 1) * micro_rows)
+            micro = local.rows(rows.start, rows.stop)
+            micro_positions = None if positions is None else positions[rows]
+            extra = {} if mtp is None else {"mtp_tokens": mtp.tokens[rows], "mtp_labels": mtp.labels[rows]}
+            # fully_shard reduces once, after the last microbatch (flexshard: after every one)
+            if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
+                self.loss_module.set_requires_gradient_sync(i == steps - 1)
+            if self.graph_step is not None:  # compile.mode graph (refused with MTP): the captured step
+                sums[0] += self.graph_step(micro.tokens, micro.labels, micro.document_ids, micro_positions, scale,
+                                           last=i == steps - 1).detach().float()
+                continue
+            with self._autocast():
+                micro_sums = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions,
+                                              **extra)
+            if mtp is None:
+                (micro_sums * scale).backward()
+                sums[0] += micro_sums.detach().float()
+            else:  # the objective: main + mtp_weight * MTP sums (multi_token.mtp_weight)
+                ((micro_sums[0] + mtp_weight * micro_sums[1]) * scale).backward()
+                sums += micro_sums.detach().float()
+        return sums
 
     def _local_rows(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:
         """This rank's rows of the global batch on the device (under cp: its chunks of each sequence, and
@@ -247,14 +273,14 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
                 self.profiler.before(step)
-                loss, grad_norm = self.train_step(step)
+                loss, grad_norm, mtp_loss = self.train_step(step)
                 self.profiler.after(step)
                 if self.checkpoints is not None and config.checkpoint.interval and step == start + 1:
                     self.checkpoints.reserve(self.checkpoints.state(  # the state now has its optimizer moments
                         self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
                 if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
                     gc.collect(1)
-                pending.append(_PendingStep(step, lr, loss, grad_norm, time.perf_counter() - began))
+                pending.append(_PendingStep(step, lr, loss, grad_norm, mtp_loss, time.perf_counter() - began))
                 evaluate = self.validator is not None and self.validator.due(step, t.steps)
                 log = step % config.metrics.log_interval == 0 or step == t.steps or evaluate
                 interval = config.checkpoint.interval
@@ -268,7 +294,7 @@ class Trainer:
                     if log and is_main:
                         metrics.write(record)
                         bar.update(step, loss=record["loss"], tokens_per_s=record["tokens_per_s"], mfu=record["mfu"],
-                                   memory_gib=record["memory_gib"])
+                                   memory_gib=record["memory_gib"], mtp_loss=record.get("mtp_loss"))
                 if save:
                     self.checkpoints.save(step, self.checkpoints.state(
                         self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
@@ -324,10 +350,11 @@ class Trainer:
         record of the last one, whose throughput covers all of them (the wait included)."""
         began = time.perf_counter()
         self.guard.check()
-        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float()]) for p in pending]).tolist()
+        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float(), p.mtp_loss.float()])
+                              for p in pending]).tolist()
         pending[-1].seconds += time.perf_counter() - began
         tokens_per_step = self.config.training.batch_size * self.config.training.seq_len
-        for p, (loss, _) in zip(pending, values):
+        for p, (loss, _, _) in zip(pending, values):
             result.losses[p.step] = loss
             if p.step > first:  # the first step includes the warm-up
                 timing.tokens, timing.seconds = timing.tokens + tokens_per_step, timing.seconds + p.seconds
@@ -336,8 +363,14 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         mfu = self.flops_per_token * tokens_per_s / (self.peak * world) if self.peak else None
         last = pending[-1]
-        return {"step": last.step, "loss": values[-1][0], "tokens_per_s": tokens_per_s, "lr": last.lr,
-                "grad_norm": values[-1][1], "mfu": mfu, "memory_gib": memory_gib(self.device), "step_seconds": seconds}
+        record = {"step": last.step, "loss": values[-1][0], "tokens_per_s": tokens_per_s, "lr": last.lr,
+                  "grad_norm": values[-1][1], "mfu": mfu, "memory_gib": memory_gib(self.device),
+                  "step_seconds": seconds}
+        if self.model_cfg_mtp:  # beside the main loss, which stays comparable with runs without MTP
+            record["mtp_loss"] = values[-1][2]
+        if self.config.model.moe_routing != "learned":  # forced routing changes the workload: say so everywhere
+            record["moe_routing"] = self.config.model.moe_routing
+        return record
 
     def _announce(self, start: int, settings_changed: list[str]) -> None:
         c, d = self.config, self.degrees
@@ -348,9 +381,19 @@ class Trainer:
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
         data = ", ".join(f"{source} ({weight:g})" for source, weight in c.data.sources) or c.data.source
         print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
-              f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "
+              f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep}"
+              f"{self._model_extras()}; "
               f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
               f"{data}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+
+    def _model_extras(self) -> str:
+        """What the run trains or routes unlike a plain next-token run (MTP, forced-balance routing)."""
+        m, extras = self.config.model, ""
+        if self.model_cfg_mtp:
+            extras += f", MTP {m.mtp_layers} (weight {self.config.training.mtp_loss_weight})"
+        if m.moe_routing != "learned":
+            extras += f", moe_routing={m.moe_routing}"
+        return extras
 
     def _summarize(self, result: TrainResult) -> None:
         if not result.losses:
@@ -372,6 +415,7 @@ class _PendingStep:
     lr: float
     loss: torch.Tensor
     grad_norm: torch.Tensor
+    mtp_loss: torch.Tensor
     seconds: float
     """Wall time of train_step (plus, for the last step before a read-back, the wait for the device)."""
 
