@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan_models import registry
-from titan_models.hf.converter import Converter, check_field_types
+from titan_models.hf.converter import Converter, HFSource, Rows, check_field_types, source_name
 from titan_models.hf.names import NoHFName
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
@@ -46,14 +46,44 @@ def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
 
 
 def _load_plan(converter: Converter, config: Any, model: nn.Module, present: set[str]
-               ) -> dict[str, dict[str, tuple[int, ...]]]:
-    """titan state name -> HF tensors that hold it, with their shapes on disk (none = zero)."""
+               ) -> dict[str, dict[HFSource, tuple[int, ...]]]:
+    """titan state name -> HF tensors (or rows of one) that hold it, with their shapes on disk (none = zero)."""
     plan = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if config.tie_embeddings and name == "output.weight":
             continue
         plan[name] = converter.hf_shapes(config, name, tuple(tensor.shape), present)
     return plan
+
+
+class _TextView:
+    """A folder's tensors as a causal-LM checkpoint names them: a composite checkpoint's decoder
+    (`model.language_model.*`, the converter's `text_prefix`) appears as `model.*`, so converters
+    map names one way whatever the checkpoint. The last tensor read is kept, since the parts of a
+    fused tensor are read one after another."""
+
+    def __init__(self, files: SafetensorsFolder, prefix: str):
+        self.files, self.prefix = files, prefix
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def located(self, name: str) -> str:
+        if self.prefix == "model." or not name.startswith("model."):
+            return name
+        return self.prefix + name.removeprefix("model.")
+
+    def names(self) -> set[str]:
+        if self.prefix == "model.":
+            return self.files.names()
+        return {"model." + n.removeprefix(self.prefix) if n.startswith(self.prefix) else n
+                for n in self.files.names()}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.files.shape(self.located(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self.files.get(self.located(name)))
+        return self._last[1]
 
 
 def _read_folder(folder: Path) -> tuple[Any, Converter, SafetensorsFolder]:
@@ -94,36 +124,61 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         config = dataclasses.replace(config, dtype=dtype)
     with torch.device("meta"):
         model = config.build()
-    present = files.names()
+    view = _TextView(files, converter.text_prefix(files.names()))
+    present = view.names()
     plan = _load_plan(converter, config, model, present)
 
-    expected = {hf_name for names in plan.values() for hf_name in names}
-    missing = sorted(expected - present)
+    expected = {source_name(source) for sources in plan.values() for source in sources}
+    missing = sorted(view.located(n) for n in expected - present)
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} "
                          f"({len(missing)} in all) for {type(config).__name__}")
-    unexpected = sorted(n for n in present - expected if not converter.ignorable(config, n))
+    others = sorted(n for n in present - expected if not converter.ignorable(config, n))
+    unexpected = [n for n in others if not converter.reported(config, n)]
     if unexpected:
         raise ValueError(f"{folder}: unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} "
                          f"({len(unexpected)} in all) for {type(config).__name__}")
-    for name, shapes in plan.items():
-        for hf_name, want in shapes.items():
-            got = files.shape(hf_name)
-            if got != want:
-                raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(got)}, expected "
-                                 f"{list(want)} (for {name} of {type(config).__name__})")
+    if others:
+        warnings.warn(f"{folder}: from_hf loads the text model only; {len(others)} tensors are not loaded "
+                      f"({_by_prefix(others)}): {others[:10]}{' ...' if len(others) > 10 else ''}", stacklevel=2)
+    for name, sources in plan.items():
+        _check_shapes(folder, config, name, sources, view)
 
     model.to_empty(device=device or "cpu")
     model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name in plan:
-            source = converter.load(config, name, files, present)
+            source = converter.load(config, name, view, present)
             if source is None:
                 state[name].zero_()
             else:
                 state[name].copy_(source)
     return model
+
+
+def _by_prefix(names: list[str]) -> str:
+    """'412 under model.visual, 19 under mtp' for a list of tensor names."""
+    counts: dict[str, int] = {}
+    for name in names:
+        head = ".".join(name.split(".")[:2]) if name.startswith("model.") else name.split(".")[0]
+        counts[head] = counts.get(head, 0) + 1
+    return ", ".join(f"{n} under {head}" for head, n in counts.items())
+
+
+def _check_shapes(folder: Path, config: Any, name: str, sources: dict[HFSource, tuple[int, ...]],
+                  view: _TextView) -> None:
+    for source, want in sources.items():
+        got = view.shape(source_name(source))
+        located = view.located(source_name(source))
+        if isinstance(source, Rows):  # rows of a fused tensor: same trailing dims, enough rows
+            if got[1:] != want[1:] or len(source.rows) != want[0] or max(source.rows) >= got[0]:
+                raise ValueError(f"{folder}: tensor {located!r} has shape {list(got)}, expected "
+                                 f"[{max(source.rows) + 1}+, {', '.join(map(str, want[1:]))}] with rows for "
+                                 f"{name} {list(want)} of {type(config).__name__}")
+        elif got != want:
+            raise ValueError(f"{folder}: tensor {located!r} has shape {list(got)}, expected "
+                             f"{list(want)} (for {name} of {type(config).__name__})")
 
 
 def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
@@ -139,6 +194,7 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # as stored, even after .to()
     entries = []
     fused: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> the titan tensors written into it
+    fused_rows: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}  # HF name -> (rows, titan tensor)
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "output.weight":
             continue
@@ -154,7 +210,9 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
                 warnings.warn(f"{name} is not stored by Hugging Face {hf_config['architectures'][0]}; "
                               "its nonzero values are dropped", stacklevel=2)
             continue
-        if len(hf_names) == 1:
+        if len(hf_names) == 1 and isinstance(hf_names[0], Rows):
+            fused_rows.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
+        elif len(hf_names) == 1:
             if hf_names[0] not in fused:
                 entries.append(hf_names[0])  # its place in the file order; resolved below
             fused.setdefault(hf_names[0], {})[name] = tensor
@@ -162,6 +220,7 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
             for e, hf_name in enumerate(hf_names):
                 entries.append((hf_name, tuple(tensor.shape[1:]), tensor.dtype, lambda t=tensor, e=e: t[e].cpu().clone()))
     entries = [_fused_entry(converter, config, e, fused[e]) if isinstance(e, str) else e for e in entries]
+    entries += [_rows_entry(hf_name, parts) for hf_name, parts in fused_rows.items()]
     for hf_name, tensor in converter.extra_tensors(model):
         tensor = _full(tensor).detach()
         entries.append((hf_name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().clone()))
@@ -176,6 +235,22 @@ def _fused_entry(converter: Converter, config: Any, hf_name: str, parts: dict[st
     name, tensor = next(iter(parts.items()))
     shape = converter.hf_shapes(config, name, tuple(tensor.shape), set())[hf_name]
     return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
+
+
+def _rows_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> tuple:
+    """One safetensors entry assembling the titan tensors that are rows of `hf_name`."""
+    rows = sorted(r for part_rows, _ in parts for r in part_rows)
+    assert rows == list(range(len(rows))), f"the parts of {hf_name} do not partition its rows"
+    first = parts[0][1]
+    shape = (len(rows), *first.shape[1:])
+
+    def make() -> torch.Tensor:
+        out = torch.empty(shape, dtype=first.dtype)
+        for part_rows, tensor in parts:
+            out[list(part_rows)] = tensor.cpu()
+        return out
+
+    return hf_name, shape, first.dtype, make
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
