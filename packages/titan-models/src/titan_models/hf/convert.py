@@ -224,6 +224,8 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     for hf_name, tensor in converter.extra_tensors(model):
         tensor = _full(tensor).detach()
         entries.append((hf_name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().clone()))
+    view = _TextView(None, converter.written_text_prefix(config))  # a composite's decoder lives elsewhere
+    entries = [(view.located(name), *rest) for name, *rest in entries]
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -78,6 +78,11 @@ class Converter:
         folder; composite (multimodal) checkpoints override this (e.g. "model.language_model.")."""
         return "model."
 
+    def written_text_prefix(self, config: Any) -> str:
+        """Where to_hf writes the decoder's `model.*` tensors: "model." unless the architecture it writes
+        is composite (Muse: "model.language_model.")."""
+        return "model."
+
     def reported(self, config: Any, hf_name: str) -> bool:
         """HF tensors present but not part of the titan model (another tower, an MTP head): loaded
         into nothing and listed in a warning by from_hf, rather than refused as unexpected."""
