@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import titan_models as tm
 from titan_train import LRScheduleConfig
 from titan_train.data import IGNORE_INDEX
-from titan_train.loss import fused_linear_cross_entropy
+from titan_train.loss import CausalLMLoss, fused_linear_cross_entropy
 from titan_train.lr_schedule import lr_factor
 
 
@@ -125,3 +126,13 @@ def test_vocab_parallel_loss_matches_one_process(world):
         torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad_h, h_ref.grad, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad_w, w_ref.grad[rank * rows:(rank + 1) * rows], rtol=1e-12, atol=1e-12)
+
+
+def test_the_fused_loss_refuses_a_soft_capped_head_it_would_not_apply():
+    for family in ("muse_glimmer", "muse_spark"):
+        with torch.device("meta"):
+            model = tm.flavor(family, "debug").build()
+        with pytest.raises(ValueError, match="logit_softcap"):
+            CausalLMLoss(model)
+    with torch.device("meta"):
+        CausalLMLoss(tm.flavor("llama3", "debug").build())  # a plain head is fine

@@ -199,6 +199,10 @@ class CausalLMLoss(nn.Module):
         chunk with torch.compile (compile.enabled). triton: on CUDA, the Triton loss kernel instead
         (training.fused_kernels)."""
         super().__init__()
+        if getattr(model, "logit_softcap", None) is not None or getattr(model, "logit_scale", 1.0) != 1.0:
+            # the fused loss scores model.output.weight directly; a scaled, soft-capped head (Muse) is not in it yet
+            raise ValueError(f"the fused cross-entropy does not apply the model's logit_scale="
+                             f"{model.logit_scale} / logit_softcap={model.logit_softcap} yet (Muse families)")
         self.model = model
         self.chunk = chunk
         self.context_factory = context_factory
