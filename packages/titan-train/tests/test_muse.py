@@ -1,0 +1,28 @@
+"""Muse Glimmer and Muse Spark through the trainer: the debug recipes build their families, the tiny jobs
+learn with the soft-capped head in the fused loss, and FSDP on 2 gloo ranks follows the single-process
+loss curve (sequences of 96 tokens, longer than the debug models' 64-key windows)."""
+from __future__ import annotations
+
+import pytest
+
+from titan_train import load_recipe, train
+
+FAMILIES = ["muse_glimmer", "muse_spark"]
+STEPS = {"training.steps": "6", "training.seq_len": "96", "model.num_layers": "4"}  # all four: a NoPE full layer too
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_debug_recipe_builds_the_family(family):
+    config = load_recipe(f"{family}_debug")
+    assert (config.model.family, config.model.flavor) == (family, "debug")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp_follows_the_single_process_curve(tmp_path, jobs, family):
+    expected = train(jobs.tiny(tmp_path / "single", **{"model.family": family}, **STEPS)).losses
+    assert expected[6] < expected[1] - 0.5, f"the tiny {family} job should learn: {expected}"
+    curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **{"model.family": family}, **STEPS,
+                                    **{"parallelism.dp_shard": "2"}), 2)
+    assert sorted(curve) == sorted(expected)
+    for step, loss in expected.items():  # tolerance as in test_parallel.py
+        assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
