@@ -1,6 +1,6 @@
 """Muse Glimmer and Muse Spark through the trainer: the debug recipes build their families, the tiny jobs
-learn with the soft-capped head in the fused loss, and FSDP on 2 gloo ranks follows the single-process
-loss curve (sequences of 96 tokens, longer than the debug models' 64-key windows)."""
+learn with the soft-capped head in the fused loss, and FSDP (both) and a 2-stage pipeline (Glimmer) on 2
+gloo ranks follow the single-process loss curve (sequences of 96 tokens, longer than the debug models' 64-key windows)."""
 from __future__ import annotations
 
 import pytest
@@ -17,12 +17,16 @@ def test_debug_recipe_builds_the_family(family):
     assert (config.model.family, config.model.flavor) == (family, "debug")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fsdp_follows_the_single_process_curve(tmp_path, jobs, family):
+LAYOUTS = [("muse_glimmer", {"parallelism.dp_shard": "2"}), ("muse_spark", {"parallelism.dp_shard": "2"}),
+           # a 2-stage pipeline: the first stage holds the embedding norm, the last the soft-capped head
+           ("muse_glimmer", {"parallelism.pp": "2"})]
+
+
+@pytest.mark.parametrize(("family", "layout"), LAYOUTS, ids=["glimmer-fsdp2", "spark-fsdp2", "glimmer-pp2"])
+def test_parallel_layout_follows_the_single_process_curve(tmp_path, jobs, family, layout):
     expected = train(jobs.tiny(tmp_path / "single", **{"model.family": family}, **STEPS)).losses
     assert expected[6] < expected[1] - 0.5, f"the tiny {family} job should learn: {expected}"
-    curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **{"model.family": family}, **STEPS,
-                                    **{"parallelism.dp_shard": "2"}), 2)
+    curve = jobs.on_ranks(jobs.tiny(tmp_path / "ranks", **{"model.family": family}, **STEPS, **layout), 2)
     assert sorted(curve) == sorted(expected)
     for step, loss in expected.items():  # tolerance as in test_parallel.py
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)

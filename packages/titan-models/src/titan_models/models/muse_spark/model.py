@@ -13,7 +13,9 @@ from typing import ClassVar
 from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.layer_types import check_layer_types
 from titan_models.components.moe import MoEConfig
-from titan_models.components.norms import InputScaledRMSNormConfig, ScalelessRMSNormConfig
+from titan_models.components.norms import (
+    InputScaledRMSNormConfig, ScalelessRMSNormConfig, ZeroCenteredRMSNormConfig,
+)
 from titan_models.components.residual import ResidualGateConfig
 from titan_models.models.muse_glimmer.model import MUSE_ATTENTION, MuseTextConfig
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
@@ -25,8 +27,6 @@ MLP_LAYER_TYPES = ("dense", "sparse")
 def muse_spark_moe(*, num_experts: int, top_k: int, expert_dim: int, moe_dim: int, output_multiplier: float,
                    rms_norm_eps: float = 1e-5, post_norm_eps: float = 1e-8, route_scale: float = 1.0) -> MoEConfig:
     """Muse Spark's expert layer as a MoEConfig."""
-    from titan_models.components.norms import ZeroCenteredRMSNormConfig
-
     return MoEConfig(num_experts=num_experts, top_k=top_k, expert_dim=expert_dim, score_func="sigmoid",
                      norm_topk_prob=True, route_scale=route_scale, router_logit_scale=output_multiplier,
                      expert_pool_dim=moe_dim, pre_expert_norm=ZeroCenteredRMSNormConfig(eps=rms_norm_eps),
