@@ -1,6 +1,7 @@
 """Muse Glimmer and Muse Spark through the trainer: the debug recipes build their families, the tiny jobs
-learn with the soft-capped head in the fused loss, and FSDP (both) and a 2-stage pipeline (Glimmer) on 2
-gloo ranks follow the single-process loss curve (sequences of 96 tokens, longer than the debug models' 64-key windows)."""
+learn with the soft-capped head in the fused loss, and FSDP (both) and a 2-stage pipeline (Glimmer) on
+2 gloo ranks follow the single-process loss curve (sequences of 96 tokens, longer than the debug models'
+64-key windows)."""
 from __future__ import annotations
 
 import pytest

@@ -7,12 +7,11 @@ expert groups), and weighted by the un-biased scores of the chosen experts (reno
 the aux-loss-free balancing of DeepSeek-V3; a trainer updates it from `tokens_per_expert`.
 With `score_func="topk_softmax"` (gpt-oss, Mixtral) the experts are the top-k of
 `logits + expert_bias` and their weights the softmax over the chosen experts' logits alone.
+Shared experts (one SwiGLU FFN every token passes) are added to the routed output, optionally
+scaled per token by a sigmoid gate (Qwen2-MoE / Qwen3-Next / Qwen3.5).
 
 gpt-oss adds a router bias (`router_bias`, part of the logits, unlike `expert_bias`), biases on
 every expert projection (`expert_linear_bias`) and a clamped SwiGLU (`activation`).
-
-Shared experts (one SwiGLU FFN every token passes) are added to the routed output, optionally
-scaled per token by a sigmoid gate (Qwen2-MoE / Qwen3-Next / Qwen3.5).
 
 Muse Spark scales the router logits (`router_logit_scale`) and runs its experts at a pooled width:
 with `expert_pool_dim` set, tokens pass `pre_expert_proj` (dim -> pool) and `pre_expert_norm`, each

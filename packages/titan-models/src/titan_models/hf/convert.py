@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan_models import registry
-from titan_models.hf.converter import Converter, HFSource, Rows, check_field_types, source_name
+from titan_models.hf.converter import Converter, Rows, check_field_types, source_name
 from titan_models.hf.names import NoHFName
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
@@ -45,45 +45,14 @@ def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _load_plan(converter: Converter, config: Any, model: nn.Module, present: set[str]
-               ) -> dict[str, dict[HFSource, tuple[int, ...]]]:
-    """titan state name -> HF tensors (or rows of one) that hold it, with their shapes on disk (none = zero)."""
+def _load_plan(converter: Converter, config: Any, model: nn.Module) -> dict[str, list[str]]:
+    """titan state name -> HF tensors that hold it (stacked when several; none = zero)."""
     plan = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name in model.state_dict(keep_vars=True):
         if config.tie_embeddings and name == "output.weight":
             continue
-        plan[name] = converter.hf_shapes(config, name, tuple(tensor.shape), present)
+        plan[name] = converter.hf_names(config, name)
     return plan
-
-
-class _TextView:
-    """A folder's tensors as a causal-LM checkpoint names them: a composite checkpoint's decoder
-    (`model.language_model.*`, the converter's `text_prefix`) appears as `model.*`, so converters
-    map names one way whatever the checkpoint. The last tensor read is kept, since the parts of a
-    fused tensor are read one after another."""
-
-    def __init__(self, files: SafetensorsFolder, prefix: str):
-        self.files, self.prefix = files, prefix
-        self._last: tuple[str, torch.Tensor] | None = None
-
-    def located(self, name: str) -> str:
-        if self.prefix == "model." or not name.startswith("model."):
-            return name
-        return self.prefix + name.removeprefix("model.")
-
-    def names(self) -> set[str]:
-        if self.prefix == "model.":
-            return self.files.names()
-        return {"model." + n.removeprefix(self.prefix) if n.startswith(self.prefix) else n
-                for n in self.files.names()}
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.files.shape(self.located(name))
-
-    def get(self, name: str) -> torch.Tensor:
-        if self._last is None or self._last[0] != name:
-            self._last = (name, self.files.get(self.located(name)))
-        return self._last[1]
 
 
 def _read_folder(folder: Path) -> tuple[Any, Converter, SafetensorsFolder]:
@@ -124,12 +93,16 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         config = dataclasses.replace(config, dtype=dtype)
     with torch.device("meta"):
         model = config.build()
-    view = _TextView(files, converter.text_prefix(files.names()))
-    present = view.names()
-    plan = _load_plan(converter, config, model, present)
+    params = model.state_dict(keep_vars=True)
+    present = files.names()
+    plan = _located(_load_plan(converter, config, model), converter.text_prefix(present))
+    # tensors in a layout of the converter's own (gpt-oss's fused, interleaved, MXFP4 experts)
+    layouts = {name: layout for name in plan
+               if (layout := converter.disk_layout(config, name, tuple(params[name].shape), present)) is not None}
 
-    expected = {source_name(source) for sources in plan.values() for source in sources}
-    missing = sorted(view.located(n) for n in expected - present)
+    expected = {source_name(source) for name, sources in plan.items() if name not in layouts for source in sources}
+    expected |= {hf_name for layout in layouts.values() for hf_name in layout}
+    missing = sorted(expected - present)
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} "
                          f"({len(missing)} in all) for {type(config).__name__}")
@@ -142,19 +115,49 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         warnings.warn(f"{folder}: from_hf loads the text model only; {len(others)} tensors are not loaded "
                       f"({_by_prefix(others)}): {others[:10]}{' ...' if len(others) > 10 else ''}", stacklevel=2)
     for name, sources in plan.items():
-        _check_shapes(folder, config, name, sources, view)
+        if name in layouts:
+            for hf_name, want in layouts[name].items():
+                if files.shape(hf_name) != want:
+                    raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(files.shape(hf_name))}, expected "
+                                     f"{list(want)} (for {name} of {type(config).__name__})")
+        else:
+            _check_shapes(folder, config, name, tuple(params[name].shape), sources, files)
 
     model.to_empty(device=device or "cpu")
     model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
     state = model.state_dict(keep_vars=True)
+    fused: dict[str, torch.Tensor] = {}  # the fused HF tensor last read (its parts are planned together)
     with torch.no_grad():
-        for name in plan:
-            source = converter.load(config, name, view, present)
-            if source is None:
+        for name, sources in plan.items():
+            if name in layouts:
+                state[name].copy_(converter.load(config, name, files, present))
+                continue
+            if not sources:
                 state[name].zero_()
+                continue
+            if len(sources) == 1 and isinstance(sources[0], Rows):
+                rows = sources[0]
+                if rows.hf_name not in fused:
+                    fused = {rows.hf_name: files.get(rows.hf_name)}
+                source = fused[rows.hf_name][list(rows.rows)]
+            elif len(sources) == 1:
+                source = files.get(sources[0])
             else:
-                state[name].copy_(source)
+                source = torch.stack([files.get(n) for n in sources])
+            state[name].copy_(source)
     return model
+
+
+def _located(plan: dict[str, list], prefix: str) -> dict[str, list]:
+    """The plan with the decoder's `model.` names moved under `prefix` (composite checkpoints)."""
+    if prefix == "model.":
+        return plan
+
+    def move(name: str) -> str:
+        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+    return {titan: [Rows(move(s.hf_name), s.rows) if isinstance(s, Rows) else move(s) for s in sources]
+            for titan, sources in plan.items()}
 
 
 def _by_prefix(names: list[str]) -> str:
@@ -166,19 +169,19 @@ def _by_prefix(names: list[str]) -> str:
     return ", ".join(f"{n} under {head}" for head, n in counts.items())
 
 
-def _check_shapes(folder: Path, config: Any, name: str, sources: dict[HFSource, tuple[int, ...]],
-                  view: _TextView) -> None:
-    for source, want in sources.items():
-        got = view.shape(source_name(source))
-        located = view.located(source_name(source))
+def _check_shapes(folder: Path, config: Any, name: str, want: tuple[int, ...], sources: list,
+                  files: SafetensorsFolder) -> None:
+    per_tensor = want[1:] if len(sources) > 1 else want
+    for source in sources:
+        got = files.shape(source_name(source))
         if isinstance(source, Rows):  # rows of a fused tensor: same trailing dims, enough rows
             if got[1:] != want[1:] or len(source.rows) != want[0] or max(source.rows) >= got[0]:
-                raise ValueError(f"{folder}: tensor {located!r} has shape {list(got)}, expected "
+                raise ValueError(f"{folder}: tensor {source.hf_name!r} has shape {list(got)}, expected "
                                  f"[{max(source.rows) + 1}+, {', '.join(map(str, want[1:]))}] with rows for "
                                  f"{name} {list(want)} of {type(config).__name__}")
-        elif got != want:
-            raise ValueError(f"{folder}: tensor {located!r} has shape {list(got)}, expected "
-                             f"{list(want)} (for {name} of {type(config).__name__})")
+        elif got != per_tensor:
+            raise ValueError(f"{folder}: tensor {source!r} has shape {list(got)}, expected "
+                             f"{list(per_tensor)} (for {name} of {type(config).__name__})")
 
 
 def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
@@ -193,8 +196,8 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     hf_config = converter.config_to_hf(config)
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # as stored, even after .to()
     entries = []
-    fused: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> the titan tensors written into it
-    fused_rows: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}  # HF name -> (rows, titan tensor)
+    fused_parts: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    own_layout: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> titan tensors in the converter's layout
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "output.weight":
             continue
@@ -210,36 +213,35 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
                 warnings.warn(f"{name} is not stored by Hugging Face {hf_config['architectures'][0]}; "
                               "its nonzero values are dropped", stacklevel=2)
             continue
-        if len(hf_names) == 1 and isinstance(hf_names[0], Rows):
-            fused_rows.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
+        if converter.disk_layout(config, name, tuple(tensor.shape), set()) is not None:
+            (hf_name,) = hf_names
+            if hf_name not in own_layout:
+                entries.append(hf_name)  # its place in the file order, resolved below
+            own_layout.setdefault(hf_name, {})[name] = tensor
+        elif len(hf_names) == 1 and isinstance(hf_names[0], Rows):
+            fused_parts.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
         elif len(hf_names) == 1:
-            if hf_names[0] not in fused:
-                entries.append(hf_names[0])  # its place in the file order; resolved below
-            fused.setdefault(hf_names[0], {})[name] = tensor
+            entries.append((hf_names[0], tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().contiguous()))
         else:
             for e, hf_name in enumerate(hf_names):
                 entries.append((hf_name, tuple(tensor.shape[1:]), tensor.dtype, lambda t=tensor, e=e: t[e].cpu().clone()))
-    entries = [_fused_entry(converter, config, e, fused[e]) if isinstance(e, str) else e for e in entries]
-    entries += [_rows_entry(hf_name, parts) for hf_name, parts in fused_rows.items()]
+    entries = [_own_layout_entry(converter, config, e, own_layout[e]) if isinstance(e, str) else e for e in entries]
+    for hf_name, parts in fused_parts.items():
+        entries.append(_fused_entry(hf_name, parts))
     for hf_name, tensor in converter.extra_tensors(model):
         tensor = _full(tensor).detach()
         entries.append((hf_name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().clone()))
-    view = _TextView(None, converter.written_text_prefix(config))  # a composite's decoder lives elsewhere
-    entries = [(view.located(name), *rest) for name, *rest in entries]
+    prefix = converter.written_text_prefix(config)  # a composite architecture's decoder lives elsewhere
+    if prefix != "model.":
+        entries = [(prefix + name.removeprefix("model.") if name.startswith("model.") else name, *rest)
+                   for name, *rest in entries]
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_safetensors(folder, entries, max_shard_bytes=max_shard_bytes)
 
 
-def _fused_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
-    """The write entry of HF tensor `hf_name`, made from the titan tensors `parts` (usually one)."""
-    name, tensor = next(iter(parts.items()))
-    shape = converter.hf_shapes(config, name, tuple(tensor.shape), set())[hf_name]
-    return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
-
-
-def _rows_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> tuple:
+def _fused_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]]):
     """One safetensors entry assembling the titan tensors that are rows of `hf_name`."""
     rows = sorted(r for part_rows, _ in parts for r in part_rows)
     assert rows == list(range(len(rows))), f"the parts of {hf_name} do not partition its rows"
@@ -253,6 +255,13 @@ def _rows_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]])
         return out
 
     return hf_name, shape, first.dtype, make
+
+
+def _own_layout_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
+    """The write entry of HF tensor `hf_name`, made by the converter from the titan tensors `parts`."""
+    name, tensor = next(iter(parts.items()))
+    shape = converter.disk_layout(config, name, tuple(tensor.shape), set())[hf_name]
+    return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from titan_models.hf.converter import HFSource, require
+from titan_models.hf.converter import require
 from titan_models.models.muse_glimmer.hf import (
     MUSE_LAYER, TINY_MULTIMODAL, TINY_TEXT, MuseConverter, scale_lm_head,
 )
@@ -84,24 +84,24 @@ class MuseSparkConverter(MuseConverter):
     def layer_map(self, config: Any) -> dict[str, str]:
         return _SPARK_LAYER
 
-    def hf_shapes(self, config: MuseSparkConfig, name: str, shape: tuple[int, ...], present: set[str]
-                  ) -> dict[HFSource, tuple[int, ...]]:
-        if not name.endswith(_GATE_UP):
-            return super().hf_shapes(config, name, shape, present)
+    def _gate_up_name(self, config: MuseSparkConfig, name: str, present: set[str]) -> str:
+        """gate_up_proj's name: under the composite's text prefix when reading one (`present`), else `model.*`."""
         (hf_name,) = self.hf_names(config, name)
-        moe = config.moe
-        return {hf_name: (moe.num_experts, 2 * moe.expert_dim, moe.expert_pool_dim)}
+        prefix = self.text_prefix(present)
+        return prefix + hf_name.removeprefix("model.")
 
-    def load(self, config: MuseSparkConfig, name: str, files: Any, present: set[str]) -> torch.Tensor | None:
+    def disk_layout(self, config: MuseSparkConfig, name: str, shape: tuple[int, ...], present: set[str]
+                    ) -> dict[str, tuple[int, ...]] | None:
         if not name.endswith(_GATE_UP):
-            return super().load(config, name, files, present)
-        (hf_name,) = self.hf_names(config, name)
-        gate, up = files.get(hf_name).chunk(2, dim=1)
+            return None
+        moe = config.moe
+        return {self._gate_up_name(config, name, present): (moe.num_experts, 2 * moe.expert_dim, moe.expert_pool_dim)}
+
+    def load(self, config: MuseSparkConfig, name: str, files: Any, present: set[str]) -> torch.Tensor:
+        gate, up = files.get(self._gate_up_name(config, name, present)).chunk(2, dim=1)
         return gate if name.endswith("w1") else up
 
     def to_hf_tensor(self, config: MuseSparkConfig, hf_name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        if not hf_name.endswith("gate_up_proj"):
-            return super().to_hf_tensor(config, hf_name, parts)
         by_kind = {n.rpartition(".")[2]: t for n, t in parts.items()}
         return torch.cat([by_kind["w1"], by_kind["w3"]], dim=1)
 
