@@ -5,8 +5,11 @@ learn with the soft-capped head in the fused loss, and FSDP (both) and a 2-stage
 from __future__ import annotations
 
 import pytest
+import torch
 
+import titan_models as tm
 from titan_train import load_recipe, train
+from titan_train.expert_parallel import use_dist_moe
 
 FAMILIES = ["muse_glimmer", "muse_spark"]
 STEPS = {"training.steps": "6", "training.seq_len": "96", "model.num_layers": "4"}  # all four: a NoPE full layer too
@@ -31,3 +34,10 @@ def test_parallel_layout_follows_the_single_process_curve(tmp_path, jobs, family
     assert sorted(curve) == sorted(expected)
     for step, loss in expected.items():  # tolerance as in test_parallel.py
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
+
+
+def test_dist_moe_refuses_muse_spark_moe():
+    with torch.device("meta"):
+        model = tm.transforms.num_layers(2)(tm.flavor("muse_spark", "debug")).build()
+    with pytest.raises(ValueError, match="router_logit_scale.*expert_pool_dim.*moe_impl=titan"):
+        use_dist_moe(model, aux_loss_alpha=0.0)
