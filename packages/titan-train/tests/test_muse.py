@@ -1,6 +1,6 @@
 """Muse Glimmer and Muse Spark through the trainer: the debug recipes build their families, the tiny jobs
-learn with the soft-capped head in the fused loss, and FSDP (both) and a 2-stage pipeline (Glimmer) on
-2 gloo ranks follow the single-process loss curve (sequences of 96 tokens, longer than the debug models'
+learn with the soft-capped head in the fused loss, and FSDP (both), TP and a 2-stage pipeline (Glimmer)
+on 2 gloo ranks follow the single-process loss curve (sequences of 96 tokens, longer than the debug models'
 64-key windows)."""
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ def test_debug_recipe_builds_the_family(family):
 
 LAYOUTS = [("muse_glimmer", {"parallelism.dp_shard": "2"}), ("muse_spark", {"parallelism.dp_shard": "2"}),
            # a 2-stage pipeline: the first stage holds the embedding norm, the last the soft-capped head
-           ("muse_glimmer", {"parallelism.pp": "2"})]
+           ("muse_glimmer", {"parallelism.pp": "2"}),
+           # tensor parallel: q/k/v/wg colwise by heads, o rowwise, the post-branch norms replicated
+           ("muse_glimmer", {"parallelism.tp": "2"})]
 
 
-@pytest.mark.parametrize(("family", "layout"), LAYOUTS, ids=["glimmer-fsdp2", "spark-fsdp2", "glimmer-pp2"])
+@pytest.mark.parametrize(("family", "layout"), LAYOUTS,
+                         ids=["glimmer-fsdp2", "spark-fsdp2", "glimmer-pp2", "glimmer-tp2"])
 def test_parallel_layout_follows_the_single_process_curve(tmp_path, jobs, family, layout):
     expected = train(jobs.tiny(tmp_path / "single", **{"model.family": family}, **STEPS)).losses
     assert expected[6] < expected[1] - 0.5, f"the tiny {family} job should learn: {expected}"

@@ -153,6 +153,7 @@ class MuseGlimmerConfig(MuseTextConfig):
 
     def parallel_plan(self) -> ParallelPlan:
         plan = decoder_plan(num_layers=self.num_layers, attention=MUSE_ATTENTION)
-        tp = plan.tensor_parallel | {"layers.*.post_attention_norm": "sequence_parallel",
-                                     "layers.*.post_ffn_norm": "sequence_parallel"}
+        # post-branch norms sit between a rowwise projection's local output and the residual sum: whole weights
+        # computed on each rank's sequence shard ("replicate", gradients summed over the TP ranks)
+        tp = plan.tensor_parallel | {"layers.*.post_attention_norm": "replicate", "layers.*.post_ffn_norm": "replicate"}
         return dataclasses.replace(plan, tensor_parallel=tp)
