@@ -11,12 +11,12 @@ import titan_models as tm
 
 
 def within_published(ours: int, published: str) -> bool:
-    """Published sizes are rounded to the digits they show ("3.3B", "37B", "8.03B"): accept a count within
+    """Published sizes are rounded to the digits they show ("3.3B", "37B", "8.03B", "1T"): accept a count within
     one unit of the last shown digit, or within 0.5%, whichever is wider."""
-    assert published.endswith("B"), published
-    mantissa = published[:-1]
-    value = float(mantissa) * 1e9
-    unit = 10.0 ** -(len(mantissa.split(".")[1]) if "." in mantissa else 0) * 1e9
+    assert published[-1] in "BT", published
+    mantissa, scale = published[:-1], 1e9 if published.endswith("B") else 1e12
+    value = float(mantissa) * scale
+    unit = 10.0 ** -(len(mantissa.split(".")[1]) if "." in mantissa else 0) * scale
     return abs(ours - value) <= max(unit, 0.005 * value)
 
 
