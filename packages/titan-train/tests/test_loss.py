@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import titan_models as tm
 from titan_train import LRScheduleConfig
 from titan_train.data import IGNORE_INDEX
-from titan_train.loss import fused_linear_cross_entropy
+from titan_train.loss import CausalLMLoss, fused_linear_cross_entropy
 from titan_train.lr_schedule import lr_factor
 
 
@@ -125,3 +126,41 @@ def test_vocab_parallel_loss_matches_one_process(world):
         torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad_h, h_ref.grad, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad_w, w_ref.grad[rank * rows:(rank + 1) * rows], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_fused_loss_applies_a_scaled_soft_capped_head_like_autograd(softcap):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[3] = IGNORE_INDEX
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk=8, logit_scale=1.5, logit_softcap=softcap)
+    loss.backward()
+    got = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    logits = hidden @ weight.T * 1.5
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+        assert (logits.abs() > softcap / 2).float().mean() > 0.3  # the curved range, not tanh's linear part
+    expected = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    expected.backward()
+    for ours, theirs in zip(got, (expected.detach(), hidden.grad, weight.grad)):
+        assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_causal_lm_loss_uses_the_models_soft_capped_head():
+    model = tm.flavor("muse_glimmer", "debug")
+    with torch.device("meta"):
+        model = model.build()
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        model.output.weight.mul_(300.0)  # logits into the cap's curved range
+    tokens = torch.randint(0, model.config.vocab_size, (2, 80), generator=torch.Generator().manual_seed(1))
+    labels = tokens.roll(-1, dims=1)
+    with torch.no_grad():
+        logits = model(tokens)
+        assert (logits.abs() > model.logit_softcap / 2).float().mean() > 0.3
+        expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        assert torch.allclose(CausalLMLoss(model)(tokens, labels), expected, rtol=1e-5)

@@ -109,10 +109,24 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _capped_logits(raw: torch.Tensor, scale: float, softcap: float | None, acc: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits = softcap * tanh(raw * scale / softcap), or raw * scale without a cap; d logits / d raw),
+    in `acc` and cast back to raw's dtype; (raw, None) for the plain head."""
+    if scale == 1.0 and softcap is None:
+        return raw, None
+    z = raw.to(acc) * scale
+    if softcap is None:
+        return z.to(raw.dtype), torch.full((), scale, dtype=acc, device=raw.device)
+    capped = torch.tanh(z / softcap)
+    return (capped * softcap).to(raw.dtype), scale * (1 - capped * capped)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                compiled: bool, triton: bool, vocab_group: dist.ProcessGroup | None) -> torch.Tensor:
+                compiled: bool, triton: bool, vocab_group: dist.ProcessGroup | None, logit_scale: float = 1.0,
+                logit_softcap: float | None = None) -> torch.Tensor:
         # hidden [N, d], weight [V, d], labels [N] -> summed loss over non-ignored labels (fp32 scalar).
         # vocab_group: weight is this rank's rows [V / tp, d] of a vocabulary sharded over the group; the
         # loss is then the whole vocabulary's and the hidden states' gradient this rank's partial sum.
@@ -136,7 +150,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 h = h_all[start:start + chunk]                           # [C, d]
                 y = labels[start:start + chunk]                          # [C]
                 valid = y != IGNORE_INDEX
-                chunk_loss, grad = chunk_fn(h @ w.t(), torch.where(valid, y, 0), valid)  # grad [C, V]
+                logits, slope = _capped_logits(h @ w.t(), logit_scale, logit_softcap, acc)
+                chunk_loss, grad = chunk_fn(logits, torch.where(valid, y, 0), valid)  # grad [C, V]
+                if slope is not None:  # chain rule through the scale and the tanh cap
+                    grad = (grad.to(acc) * slope).to(grad.dtype)
                 loss += chunk_loss
                 if need_grad:
                     grad_hidden[start:start + chunk] = grad @ w
@@ -155,13 +172,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # scaled and cast to the weight's dtype (bf16 under mixed_precision=bf16_params) in one pass
         grad_weight = torch.mul(grad_weight, grad_loss,
                                 out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device))
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                chunk: int = 4096, compiled: bool = False, triton: bool = False,
-                               vocab_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                               vocab_group: dist.ProcessGroup | None = None, logit_scale: float = 1.0,
+                               logit_softcap: float | None = None) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight.T, labels), ignoring IGNORE_INDEX labels.
+    With `logit_scale` / `logit_softcap` the logits are `softcap * tanh(l * scale / softcap)` (Muse's head,
+    titan-models' `Transformer.logits`).
 
     hidden [..., d], weight [V, d], labels [...] (same leading shape as hidden). compiled: fuse each
     chunk's softmax and gradient with torch.compile (two passes over the logits instead of about six).
@@ -176,7 +196,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     if chunk < 1:
         raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk}")
     return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk,
-                                          compiled, triton, vocab_group)
+                                          compiled, triton, vocab_group, logit_scale, logit_softcap)
 
 
 class CausalLMLoss(nn.Module):
@@ -245,4 +265,5 @@ class CausalLMLoss(nn.Module):
             hidden = hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
             weight, vocab_group = weight.to_local(), self.tp_group  # [V / tp, d]: this rank's vocabulary rows
         return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled,
-                                          triton=self.triton, vocab_group=vocab_group)
+                                          triton=self.triton, vocab_group=vocab_group,
+                                          logit_scale=self.model.logit_scale, logit_softcap=self.model.logit_softcap)

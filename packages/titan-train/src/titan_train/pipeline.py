@@ -204,7 +204,9 @@ class PipelineStageModule(nn.Module):
         with torch.device("meta"):  # its own embedding and output (1 x 1) are replaced right away
             stage = tm.Transformer(config=model.config, vocab_size=1, dim=1, blocks=[],
                                    norm=model.norm if last else None, rope=model.rope, tie_embeddings=False,
-                                   parallel_plan=model.parallel_plan)
+                                   parallel_plan=model.parallel_plan,
+                                   embedding_norm=model.embedding_norm if first else None,
+                                   logit_scale=model.logit_scale, logit_softcap=model.logit_softcap)
         stage.tok_embeddings = model.tok_embeddings if first else None
         stage.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
         stage.output = model.output if last else None

@@ -206,6 +206,26 @@ def gpt_oss_debug() -> TrainConfig:
     return config
 
 
+@register_recipe("muse_glimmer_debug")
+def muse_glimmer_debug() -> TrainConfig:
+    """The main job with the debug Muse Glimmer: four norms per layer, 3 sliding (64 keys) : 1 NoPE full
+    layers, output gate, normed embeddings, soft-capped logits (the fused loss applies the cap)."""
+    config = llama3_debug()
+    config.job.folder = "runs/muse_glimmer_debug"
+    config.model = ModelConfig(family="muse_glimmer", flavor="debug", vocab_size=384)
+    return config
+
+
+@register_recipe("muse_spark_debug")
+def muse_spark_debug() -> TrainConfig:
+    """The main job with the debug Muse Spark: Glimmer's decoder with residual gates, one dense layer and three
+    pooled-MoE layers (8 experts, top-2, sigmoid router with a selection bias)."""
+    config = llama3_debug()
+    config.job.folder = "runs/muse_spark_debug"
+    config.model = ModelConfig(family="muse_spark", flavor="debug", vocab_size=384)
+    return config
+
+
 @register_recipe("llama3_debug_muon")
 def llama3_debug_muon() -> TrainConfig:
     """The main job with Muon over flexshard: each hidden matrix whole on one rank, so Muon's step needs no

@@ -149,13 +149,21 @@ class AttentionConfig:
     """Grouped-query attention. `qk_norm` adds per-head norms on q and k before RoPE (Qwen3).
     `output_gate` makes the query projection also produce a per-channel gate: each head's rows of
     `wq` are [query (head_dim) | gate (head_dim)], and the attention output is multiplied by
-    sigmoid(gate) before `wo` (Qwen3-Next / Qwen3.5 gated attention)."""
+    sigmoid(gate) before `wo` (Qwen3-Next / Qwen3.5 gated attention). With `output_gate_source="projection"`
+    the gate comes from its own projection `wg` of the attention's input instead (Muse).
+    `rotary=False` leaves q/k unrotated (NoPE layers); `query_scale` multiplies the softmax scale
+    head_dim^-1/2 (Muse's `qk_scale_factor` after its scaleless QK-norm); `output_norm` normalises each
+    head's output before the gate (Muse Spark's `o_norm`)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     qk_norm: NormConfig | None = None
     output_gate: bool = False
+    output_gate_source: Literal["query", "projection"] = "query"
+    rotary: bool = True
+    query_scale: float = 1.0
+    output_norm: NormConfig | None = None
     backend: AttentionBackend = "sdpa"
     bias: bool = False  # biases on the q/k/v/o projections (gpt-oss)
     sinks: bool = False  # a learned per-head sink logit in the softmax denominator (gpt-oss)
@@ -166,6 +174,10 @@ class AttentionConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.output_gate_source not in ("query", "projection"):
+            raise ValueError(f"output_gate_source must be 'query' or 'projection', got {self.output_gate_source!r}")
+        if self.query_scale <= 0:
+            raise ValueError(f"query_scale must be positive, got {self.query_scale}")
         return Attention(dim, self)
 
 
@@ -176,18 +188,23 @@ class Attention(nn.Module):
         self.score_dims = (config.num_heads, config.head_dim, config.head_dim)  # for FLOP counting
         self.sliding_window = config.sliding_window  # for FLOP counting (keys per query)
         self.output_gate = config.output_gate
-        q_rows = config.num_heads * config.head_dim * (2 if config.output_gate else 1)
+        self.rotary = config.rotary
+        fused_gate = config.output_gate and config.output_gate_source == "query"
+        q_rows = config.num_heads * config.head_dim * (2 if fused_gate else 1)
         self.wq = nn.Linear(dim, q_rows, bias=config.bias)
         self.wk = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=config.bias)
         self.wv = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=config.bias)
         self.wo = nn.Linear(config.num_heads * config.head_dim, dim, bias=config.bias)
         self.sinks = AttentionSinks(config.num_heads) if config.sinks else None
+        self.wg = (nn.Linear(dim, config.num_heads * config.head_dim, bias=False)
+                   if config.output_gate and not fused_gate else None)
+        self.out_norm = config.output_norm.build(config.head_dim) if config.output_norm is not None else None
         if config.qk_norm is not None:
             self.q_norm = config.qk_norm.build(config.head_dim)
             self.k_norm = config.qk_norm.build(config.head_dim)
         else:
             self.q_norm = self.k_norm = None
-        self.inner = build_inner_attention(config.backend, scale=config.head_dim**-0.5,
+        self.inner = build_inner_attention(config.backend, scale=config.head_dim**-0.5 * config.query_scale,
                                            sliding_window=config.sliding_window)
 
     def forward(
@@ -201,17 +218,22 @@ class Attention(nn.Module):
         # Heads are inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged.
         q, k, v = project(x, self.wq, self.wk, self.wv)
         gate = None
-        if self.output_gate:  # per head [query | gate], so a colwise shard keeps whole heads
+        if self.wg is not None:
+            gate = self.wg(x).view(batch, seq, -1, self.head_dim)
+        elif self.output_gate:  # per head [query | gate], so a colwise shard keeps whole heads
             q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
         q, k, v = (t.reshape(batch, seq, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rotary:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.sinks is None:
             out = self.inner(q, k, v, context=context)  # [b, s, hq, d]
         else:
             out = self.inner(q, k, v, context=context, sinks=self.sinks())
+        if self.out_norm is not None:
+            out = self.out_norm(out)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.wo(out.reshape(batch, seq, -1))

@@ -12,6 +12,11 @@ scaled per token by a sigmoid gate (Qwen2-MoE / Qwen3-Next / Qwen3.5).
 
 gpt-oss adds a router bias (`router_bias`, part of the logits, unlike `expert_bias`), biases on
 every expert projection (`expert_linear_bias`) and a clamped SwiGLU (`activation`).
+
+Muse Spark scales the router logits (`router_logit_scale`) and runs its experts at a pooled width:
+with `expert_pool_dim` set, tokens pass `pre_expert_proj` (dim -> pool) and `pre_expert_norm`, each
+expert's output passes `post_expert_norm` before its routing weight, and the sum `post_expert_proj`
+(pool -> dim). The router still reads the un-pooled tokens.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_models.components.ffn import ClampedSwiGLU, FeedForward, swiglu
+from titan_models.components.norms import NormConfig
 
 ExpertImplementation = Literal["auto", "loop", "grouped_mm"]
 EXPERT_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "loop", "grouped_mm")
@@ -46,6 +52,10 @@ class MoEConfig:
     router_bias: bool = False  # a bias in the router's logits (gpt-oss)
     expert_linear_bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
     activation: ClampedSwiGLU | None = None  # None: silu(gate) * up
+    router_logit_scale: float = 1.0  # router logits are multiplied by this before scoring (Muse Spark)
+    expert_pool_dim: int | None = None  # experts' input/output width, pooled by projections (Muse Spark)
+    pre_expert_norm: NormConfig | None = None  # on the pooled tokens (needs expert_pool_dim)
+    post_expert_norm: NormConfig | None = None  # on each expert's output, before its routing weight
 
     def build(self, dim: int) -> "MoE":
         if not 0 < self.top_k <= self.num_experts:
@@ -61,6 +71,10 @@ class MoEConfig:
             )
         if self.shared_expert_gate and not self.shared_width:
             raise ValueError("shared_expert_gate needs shared experts (num_shared_experts or shared_expert_dim)")
+        if self.expert_pool_dim is not None and self.expert_pool_dim < 1:
+            raise ValueError(f"expert_pool_dim must be a positive width or None, got {self.expert_pool_dim}")
+        if self.pre_expert_norm is not None and self.expert_pool_dim is None:
+            raise ValueError("pre_expert_norm normalises the pooled tokens: it needs expert_pool_dim")
         if self.implementation not in EXPERT_IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, got {self.implementation!r}")
         return MoE(dim, self)
@@ -88,6 +102,8 @@ class Router(nn.Module):
         cfg = self.config
         bias = None if self.gate.bias is None else self.gate.bias.float()
         logits = F.linear(x.float(), self.gate.weight.float(), bias)  # [T, E]
+        if cfg.router_logit_scale != 1.0:
+            logits = logits * cfg.router_logit_scale
         if cfg.score_func == "topk_softmax":
             experts = (logits + expert_bias.float()).topk(cfg.top_k, dim=-1, sorted=False).indices  # [T, k]
             return logits.gather(1, experts).softmax(dim=-1) * cfg.route_scale, experts
@@ -177,7 +193,13 @@ class MoE(nn.Module):
         super().__init__()
         self.config = config
         self.router = Router(dim, config)
-        self.experts = GroupedExperts(dim, config)
+        pool = config.expert_pool_dim
+        self.pre_expert_proj = nn.Linear(dim, pool, bias=False) if pool is not None else None
+        self.pre_expert_norm = config.pre_expert_norm.build(pool) if config.pre_expert_norm is not None else None
+        self.experts = GroupedExperts(pool or dim, config)
+        self.post_expert_norm = (config.post_expert_norm.build(pool or dim)
+                                 if config.post_expert_norm is not None else None)
+        self.post_expert_proj = nn.Linear(pool, dim, bias=False) if pool is not None else None
         self.shared_experts = FeedForward(dim, config.shared_width) if config.shared_width else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
@@ -200,9 +222,18 @@ class MoE(nn.Module):
             self.tokens_per_expert.copy_(counts)
         order = flat_experts.argsort(stable=True)  # slots sorted by expert
         token_of_row = order // top_k  # [T*k]
-        routed = self.experts(tokens[token_of_row], counts)  # [T*k, dim]
+        expert_in = tokens
+        if self.pre_expert_proj is not None:
+            expert_in = self.pre_expert_proj(tokens)  # [T, pool]
+            if self.pre_expert_norm is not None:
+                expert_in = self.pre_expert_norm(expert_in)
+        routed = self.experts(expert_in[token_of_row], counts)  # [T*k, pool or dim]
+        if self.post_expert_norm is not None:
+            routed = self.post_expert_norm(routed)
         routed = routed * weights.flatten()[order, None].to(routed.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed)
+        out = torch.zeros_like(expert_in).index_add_(0, token_of_row, routed)
+        if self.post_expert_proj is not None:
+            out = self.post_expert_proj(out)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_gate is not None:

@@ -34,7 +34,29 @@ class ZeroCenteredRMSNormConfig:
         return ZeroCenteredRMSNorm(dim, eps=self.eps)
 
 
-NormConfig = RMSNormConfig | LayerNormConfig | ZeroCenteredRMSNormConfig
+@dataclass(kw_only=True, frozen=True)
+class ScalelessRMSNormConfig:
+    """RMSNorm without a weight (Muse's QK-norm, embedding norm, Spark's attention output norm)."""
+
+    eps: float = 1e-6
+
+    def build(self, dim: int) -> "ScalelessRMSNorm":
+        return ScalelessRMSNorm(dim, eps=self.eps)
+
+
+@dataclass(kw_only=True, frozen=True)
+class InputScaledRMSNormConfig:
+    """`rms_norm(x * (1 + weight))`: the zero-centred weight scales the input, then the RMS is taken
+    (Muse Spark's post-FFN and post-expert norms)."""
+
+    eps: float = 1e-6
+
+    def build(self, dim: int) -> "InputScaledRMSNorm":
+        return InputScaledRMSNorm(dim, eps=self.eps)
+
+
+NormConfig = (RMSNormConfig | LayerNormConfig | ZeroCenteredRMSNormConfig | ScalelessRMSNormConfig
+              | InputScaledRMSNormConfig)
 
 
 class RMSNorm(nn.Module):
@@ -95,6 +117,39 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, {self.activation}"
+
+
+class ScalelessRMSNorm(nn.Module):
+    """`rms_norm(x)` in float32, cast back; no parameters (`dim` only for the repr)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, scaleless"
+
+
+class InputScaledRMSNorm(nn.Module):
+    """`rms_norm(x * (1 + weight))`; the scaled input is rounded to x's dtype before the norm, as Hugging
+    Face's Muse Spark does. Zero-centred weight (`init_value` 0)."""
+
+    init_value = 0.0
+
+    def __init__(self, dim: int, *, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = (x.float() * (1.0 + self.weight.float())).to(x.dtype)
+        return F.rms_norm(scaled.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, input_scaled"
 
 
 _GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}

@@ -250,6 +250,10 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     for hf_name, tensor in converter.extra_tensors(model):
         tensor = _full(tensor).detach()
         entries.append((hf_name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().clone()))
+    prefix = converter.written_text_prefix(config)  # a composite architecture's decoder lives elsewhere
+    if prefix != "model.":
+        entries = [(prefix + name.removeprefix("model.") if name.startswith("model.") else name, *rest)
+                   for name, *rest in entries]
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

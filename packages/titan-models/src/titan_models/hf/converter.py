@@ -79,6 +79,11 @@ class Converter:
         folder; composite (multimodal) checkpoints override this (e.g. "model.language_model.")."""
         return "model."
 
+    def written_text_prefix(self, config: Any) -> str:
+        """Where to_hf writes the decoder's `model.*` tensors: "model." unless the architecture it writes
+        is composite (Muse: "model.language_model.")."""
+        return "model."
+
     def checkpoint_prefixes(self, tensor_names: set[str]) -> dict[str, str]:
         """Name prefixes of the causal-LM layout (`hf_names`' "model.", "lm_head.") -> where this
         checkpoint keeps them; by default only the decoder moves, to `text_prefix`."""

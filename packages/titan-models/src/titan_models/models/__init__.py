@@ -4,6 +4,8 @@ from titan_models.models import deepseek_v3  # noqa: F401
 from titan_models.models import gpt_oss  # noqa: F401
 from titan_models.models import kimi_linear  # noqa: F401
 from titan_models.models import llama3  # noqa: F401
+from titan_models.models import muse_glimmer  # noqa: F401
+from titan_models.models import muse_spark  # noqa: F401
 from titan_models.models import qwen3  # noqa: F401
 from titan_models.models import qwen3_5  # noqa: F401
 from titan_models.models import qwen3_next  # noqa: F401

@@ -17,23 +17,40 @@ from titan_models.parallel_plan import ParallelPlan
 
 class TransformerBlock(nn.Module):
     """h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h)), where ffn is either
-    `feed_forward` (dense) or `moe`; the other attribute is None."""
+    `feed_forward` (dense) or `moe`; the other attribute is None.
+
+    Optional (Muse): `post_attention_norm` / `post_ffn_norm` normalise a branch's output before it
+    joins the residual stream, and `attention_residual` / `ffn_residual` (ResidualGate) replace the
+    plain sum with a learned blend `gate(residual, branch)`."""
 
     def __init__(self, *, attention: nn.Module, attention_norm: nn.Module, ffn_norm: nn.Module,
-                 feed_forward: nn.Module | None = None, moe: nn.Module | None = None):
+                 feed_forward: nn.Module | None = None, moe: nn.Module | None = None,
+                 post_attention_norm: nn.Module | None = None, post_ffn_norm: nn.Module | None = None,
+                 attention_residual: nn.Module | None = None, ffn_residual: nn.Module | None = None):
         super().__init__()
         assert (feed_forward is None) != (moe is None), "a block has either a dense FFN or a MoE"
         self.attention_norm = attention_norm
         self.attention = attention
+        self.post_attention_norm = post_attention_norm
+        self.attention_residual = attention_residual
         self.ffn_norm = ffn_norm
         self.feed_forward = feed_forward
         self.moe = moe
+        self.post_ffn_norm = post_ffn_norm
+        self.ffn_residual = ffn_residual
+
+    @staticmethod
+    def _join(x: torch.Tensor, branch: torch.Tensor, norm: nn.Module | None, gate: nn.Module | None) -> torch.Tensor:
+        if norm is not None:
+            branch = norm(branch)
+        return gate(x, branch) if gate is not None else x + branch
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
                 context: AttentionContext | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, context=context)
+        h = self._join(x, self.attention(self.attention_norm(x), rope, context=context),
+                       self.post_attention_norm, self.attention_residual)
         ffn = self.moe if self.moe is not None else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        return self._join(h, ffn(self.ffn_norm(h)), self.post_ffn_norm, self.ffn_residual)
 
 
 class Transformer(nn.Module):
@@ -45,9 +62,18 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, *, config: Any, vocab_size: int, dim: int, blocks: list[TransformerBlock],
-                 norm: nn.Module, rope: RotaryEmbedding, tie_embeddings: bool, parallel_plan: ParallelPlan):
+                 norm: nn.Module, rope: RotaryEmbedding, tie_embeddings: bool, parallel_plan: ParallelPlan,
+                 embedding_norm: nn.Module | None = None, logit_scale: float = 1.0,
+                 logit_softcap: float | None = None):
+        """embedding_norm: applied to the looked-up embeddings (Muse). The logits are
+        `logit_softcap * tanh(output(h) * logit_scale / logit_softcap)` when `logit_softcap` is set,
+        else `output(h) * logit_scale` (Muse: `output_multiplier`, `final_logit_softcapping`)."""
         super().__init__()
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
         self.config = config
+        self.embedding_norm = embedding_norm
+        self.logit_scale, self.logit_softcap = logit_scale, logit_softcap
         self.parallel_plan = parallel_plan
         self.tie_embeddings = tie_embeddings
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, dim)
@@ -66,7 +92,12 @@ class Transformer(nn.Module):
     def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None, context: AttentionContext | None
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """(hidden states after the last block and final norm, the RoPE cos/sin used)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.embedding_norm is not None:
+                h = self.embedding_norm(h)
+        else:
+            h = tokens
         if positions is None:
             batch, seq = h.shape[:2]
             positions = torch.arange(seq, device=h.device).expand(batch, seq)
@@ -84,7 +115,15 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 context: AttentionContext | None = None) -> torch.Tensor:
         h = self.hidden_states(tokens, positions=positions, context=context)
-        return self.output(h) if self.output is not None else h
+        return self.logits(self.output(h)) if self.output is not None else h
+
+    def logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """The output projection's result `raw` scaled and soft-capped as the model defines (identity for most)."""
+        if self.logit_scale != 1.0:
+            raw = raw * self.logit_scale
+        if self.logit_softcap is not None:
+            raw = torch.tanh(raw / self.logit_softcap) * self.logit_softcap
+        return raw
 
     # --- initialisation and device moves ------------------------------------------------------
 

@@ -1,0 +1,183 @@
+"""Muse Glimmer (`MuseGlimmerForConditionalGeneration`, the composite image-text checkpoint transformers
+maps Muse to) <-> MuseGlimmerConfig. `MuseConverter` is what Muse Spark's converter shares.
+
+The text model sits under `model.language_model.*` beside `model.vision_tower.*`, `model.vision_adapter.*`
+and `model.vision_projection.*` (Spark: also `model.audio_tower.*`), with `lm_head.weight` at the top and
+the text settings in `text_config`. from_hf loads the text model and lists the towers' tensors in a
+warning; the composite's other fields (tower sub-configs, image token ids) are kept in the config's
+`hf_multimodal` so that to_hf writes the same composite config (with the text weights only: transformers
+then initialises the towers). Per-layer `layer_rope_theta`: 0 marks a NoPE layer, other values are
+ignored (transformers uses the global theta for every rotary layer).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from titan_models.hf.converter import Converter, check_field_types, dtype_name, require
+from titan_models.hf.names import DENSE_LAYER, NoHFName
+from titan_models.hf.rope_config import read_rope
+from titan_models.models.muse_glimmer.model import LAYER_TYPES, MuseGlimmerConfig, MuseTextConfig
+from titan_models.registry import TinyHFCase
+
+MUSE_LAYER = DENSE_LAYER | {
+    "attention.wg.weight": "self_attn.gate_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
+_TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_TOWERS = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.audio_tower.")
+# composite fields that are neither the text model's nor kept for to_hf
+_NOT_KEPT = ("text_config", "architectures", "model_type", "dtype", "torch_dtype", "transformers_version",
+             "tie_word_embeddings")
+
+
+def _field(text: dict[str, Any], name: str, default: Any) -> Any:
+    value = text.get(name, default)
+    return default if value is None else value
+
+
+class MuseConverter(Converter):
+    """The text fields and tensor names Muse Glimmer and Muse Spark share."""
+
+    model_type = ""
+    default_rope_theta = 10_000.0
+
+    def text_fields(self, hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the text config dict, MuseTextConfig keyword arguments read from it)."""
+        text = hf.get("text_config") or hf
+        if text is not hf:
+            check_field_types(text, "config.json field text_config")
+        require(text, "attention_bias", (False,), False)
+        layers = text["num_hidden_layers"]
+        theta, _ = read_rope(text if text.get("rope_parameters") or "rope_theta" in text
+                             else {"rope_theta": self.default_rope_theta}, allowed=())
+        layer_types = text.get("layer_types")
+        if layer_types is not None:
+            bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+            if bad or len(layer_types) != layers:
+                raise ValueError(f"config.json field layer_types={layer_types} needs {layers} entries of "
+                                 f"{list(LAYER_TYPES)}")
+            layer_types = tuple(layer_types)
+        thetas = text.get("layer_rope_theta")
+        if thetas is not None and (not isinstance(thetas, list) or len(thetas) != layers):
+            raise ValueError(f"config.json field layer_rope_theta must list {layers} numbers (0 = no RoPE), "
+                             f"got {thetas!r}")
+        softcap = _field(text, "final_logit_softcapping", 20.0)
+        if not isinstance(softcap, (int, float)) or softcap <= 0:
+            raise ValueError(f"config.json field final_logit_softcapping must be a positive number, got {softcap!r}")
+        heads = text["num_attention_heads"]
+        fields = dict(
+            vocab_size=text["vocab_size"], dim=text["hidden_size"], num_layers=layers, num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads") or heads,
+            head_dim=text.get("head_dim") or text["hidden_size"] // heads, layer_types=layer_types,
+            nope_layers=None if thetas is None else tuple(i for i, t in enumerate(thetas) if t == 0),
+            sliding_window=_field(text, "sliding_window", 2048), rms_norm_eps=_field(text, "rms_norm_eps", 1e-5),
+            post_norm_eps=_field(text, "post_norm_eps", 1e-8), logit_softcap=float(softcap), rope_theta=theta,
+            max_seq_len=_field(text, "max_position_embeddings", 131_072),
+            tie_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+            hf_multimodal={k: v for k, v in hf.items() if k not in _NOT_KEPT} if text is not hf else None)
+        for name in ("qk_scale_factor", "output_multiplier"):
+            if text.get(name) is not None:
+                fields[name] = float(text[name])
+        return text, fields
+
+    def text_to_hf(self, config: MuseTextConfig) -> dict[str, Any]:
+        nope = set(config.resolved_nope_layers())
+        return {
+            "model_type": f"{self.model_type}_text", "vocab_size": config.vocab_size, "hidden_size": config.dim,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "intermediate_size": config.ffn_dim, "layer_types": list(config.layer_kinds()),
+            "layer_rope_theta": [0 if i in nope else config.rope_theta for i in range(config.num_layers)],
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "sliding_window": config.sliding_window, "rms_norm_eps": config.rms_norm_eps,
+            "post_norm_eps": config.post_norm_eps, "qk_scale_factor": config.qk_scale_factor,
+            "output_multiplier": config.output_multiplier, "final_logit_softcapping": config.logit_softcap,
+            "max_position_embeddings": config.max_seq_len, "tie_word_embeddings": config.tie_embeddings,
+            "attention_bias": False,
+        }
+
+    def composite(self, config: MuseTextConfig, text: dict[str, Any], default_towers: dict[str, Any]
+                  ) -> dict[str, Any]:
+        if config.logit_softcap is None:
+            raise ValueError(f"{self.architectures[0]} always soft-caps its logits; logit_softcap=None cannot be written")
+        towers = config.hf_multimodal if config.hf_multimodal is not None else default_towers
+        return {"architectures": [self.architectures[0]], "model_type": self.model_type, **towers,
+                "text_config": text, "tie_word_embeddings": config.tie_embeddings, "dtype": dtype_name(config.dtype)}
+
+    def layer_map(self, config: Any) -> dict[str, str]:
+        return MUSE_LAYER
+
+    def hf_names(self, config: Any, name: str) -> list[str]:
+        if name in _TOP_LEVEL:
+            return [_TOP_LEVEL[name]]
+        match = _LAYER.fullmatch(name)
+        mapped = self.layer_map(config).get(match[2]) if match is not None else None
+        if mapped is None:
+            raise NoHFName(name)
+        return [f"model.layers.{match[1]}.{mapped}"] if mapped else []
+
+    def text_prefix(self, tensor_names: set[str]) -> str:
+        composite = any(n.startswith("model.language_model.") for n in tensor_names)
+        return "model.language_model." if composite else "model."
+
+    def written_text_prefix(self, config: Any) -> str:
+        return "model.language_model."  # transformers has no text-only Muse causal LM
+
+    def reported(self, config: Any, hf_name: str) -> bool:
+        return hf_name.startswith(_TOWERS)
+
+
+class MuseGlimmerConverter(MuseConverter):
+    architectures = ("MuseGlimmerForConditionalGeneration",)
+    config_type = MuseGlimmerConfig
+    model_type = "muse_glimmer"
+
+    def config_from_hf(self, hf: dict[str, Any], tensor_names: set[str]) -> MuseGlimmerConfig:
+        text, fields = self.text_fields(hf)
+        require(text, "hidden_activation", ("silu",), "silu")
+        return MuseGlimmerConfig(**fields, ffn_dim=text["intermediate_size"])
+
+    def config_to_hf(self, config: MuseGlimmerConfig) -> dict[str, Any]:
+        return self.composite(config, self.text_to_hf(config) | {"hidden_activation": "silu"}, {})
+
+
+def scale_lm_head(factor: float):
+    """A TinyHFCase `prepare`: scale the reference's output weights so the logits reach the softcap's
+    curved range (tiny random models keep them where tanh is linear)."""
+    def prepare(model) -> None:
+        model.lm_head.weight.data.mul_(factor)
+    return prepare
+
+
+# A one-block vision tower (merged output width out_hidden_size = hidden * merge_size^2). Image and video token
+# id 0: the composite model embeds those placeholders as token 0 when no image is given, so with 0 its text path
+# is the text model for any token (random test tokens hit any other id in the tiny vocabulary).
+TINY_VISION = {"patch_size": 2, "pos_emb_height": 4, "pos_emb_width": 4, "num_attention_heads": 2,
+               "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "merge_size": 2}
+TINY_MULTIMODAL = {"vision_config": TINY_VISION, "image_token_id": 0, "video_token_id": 0,
+                   "out_hidden_size": 128, "projector_hidden_size": 32}
+# 80-token tests: windows of 8 keys; softcap 2 with multiplier 1.5 so the scaled head reaches tanh's curve
+TINY_TEXT = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+             "max_position_embeddings": 256, "final_logit_softcapping": 2.0, "output_multiplier": 1.5,
+             "qk_scale_factor": 2.5}
+
+TINY_HF_CONFIGS = {
+    "composite": TinyHFCase(
+        config={"model_type": "muse_glimmer", "architectures": ["MuseGlimmerForConditionalGeneration"],
+                "text_config": TINY_TEXT, **TINY_MULTIMODAL},
+        auto_class="AutoModelForImageTextToText", prepare=scale_lm_head(30.0)),
+    "custom-schedule": TinyHFCase(
+        config={"model_type": "muse_glimmer", "architectures": ["MuseGlimmerForConditionalGeneration"],
+                "text_config": TINY_TEXT | {
+                    "layer_types": ["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                    "layer_rope_theta": [0, 5000.0, 1234.0, 0], "rope_parameters": {"rope_type": "default",
+                                                                                   "rope_theta": 5000.0}},
+                **TINY_MULTIMODAL},
+        auto_class="AutoModelForImageTextToText", prepare=scale_lm_head(30.0)),
+}
