@@ -5,4 +5,5 @@ from titan_models.models import gpt_oss  # noqa: F401
 from titan_models.models import llama3  # noqa: F401
 from titan_models.models import qwen3  # noqa: F401
 from titan_models.models import qwen3_5  # noqa: F401
+from titan_models.models import qwen3_vl  # noqa: F401
 from titan_models.models import qwen3_next  # noqa: F401
