@@ -120,3 +120,12 @@ def test_image_tokens_that_do_not_match_the_images_name_the_sample():
     with pytest.raises(ValueError, match="sample 1 has more image tokens"):
         model(torch.tensor([[1, 2, 3, 4, 5, 6], [1, image, image, image, image, image]]),
               pixel_values=torch.randn(16, config.vision.patch_dim), image_grid_thw=grid)
+
+
+def test_a_backward_with_images_reaches_every_parameter():
+    config = tm.qwen3_vl.FAMILY.hf.config_from_hf(dict(TINY_CONFIG), set())
+    model = build(config)
+    tokens, pixels, grid_thw = _batch(CASES["several-sizes"])
+    model(tokens, pixel_values=pixels, image_grid_thw=grid_thw).logsumexp(-1).mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
+    assert not missing, missing
