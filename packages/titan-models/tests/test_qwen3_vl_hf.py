@@ -12,15 +12,15 @@ from tm_reference import build, load_hf, rel_err, save_hf
 
 import titan_models as tm
 from titan_models.models.qwen3.model import Qwen3Config
-from titan_models.models.qwen3_vl.hf import TINY_CONFIG
+from titan_models.models.qwen3_vl.hf import TINY_CONFIG, TINY_MOE_CONFIG
 from titan_models.models.qwen3_vl.positions import mrope_positions
 
 IMAGE, START, END = 150, 152, 153
 MERGE, PATCH_DIM = 2, 3 * 2 * 4 * 4
 
 
-def _hf_config(**overrides):
-    fields = dict(TINY_CONFIG) | overrides
+def _hf_config(base=TINY_CONFIG, **overrides):
+    fields = dict(base) | overrides
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
@@ -48,11 +48,12 @@ def _reference_logits(reference, tokens, pixels, grid_thw):
 
 CASES = {"one-image-each": [[(8, 12)], [(6, 6)]],
          "several-sizes": [[(4, 4), (6, 8), (2, 10)], [(10, 4)]]}
+CONFIGS = {"dense": TINY_CONFIG, "moe": TINY_MOE_CONFIG}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_from_hf_with_images_matches_transformers(tmp_path, case):
-    reference = save_hf(_hf_config(), tmp_path, auto_class="AutoModelForImageTextToText")
+@pytest.mark.parametrize(("config", "case"), [("dense", c) for c in CASES] + [("moe", "several-sizes")])
+def test_from_hf_with_images_matches_transformers(tmp_path, config, case):
+    reference = save_hf(_hf_config(CONFIGS[config]), tmp_path, auto_class="AutoModelForImageTextToText")
     model = tm.from_hf(tmp_path)
     tokens, pixels, grid_thw = _batch(CASES[case])
     with torch.no_grad():
@@ -64,8 +65,9 @@ def test_from_hf_with_images_matches_transformers(tmp_path, case):
         assert rel_err(model(tokens, pixel_values=pixels, image_grid_thw=grid_thw), want) > 1e-3
 
 
-def test_to_hf_with_images_loads_in_transformers_with_the_same_logits(tmp_path):
-    config = tm.qwen3_vl.FAMILY.hf.config_from_hf(dict(TINY_CONFIG), set())
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_to_hf_with_images_loads_in_transformers_with_the_same_logits(tmp_path, kind):
+    config = tm.qwen3_vl.FAMILY.hf.config_from_hf(dict(CONFIGS[kind]), set())
     model = build(config, seed=3)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -75,7 +77,7 @@ def test_to_hf_with_images_loads_in_transformers_with_the_same_logits(tmp_path):
                 param.normal_(0.0, 0.05)
     tm.to_hf(model, tmp_path)
     reference = load_hf(tmp_path, auto_class="AutoModelForImageTextToText")
-    assert type(reference).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(reference).__name__ == CONFIGS[kind]["architectures"][0]
     tokens, pixels, grid_thw = _batch(CASES["several-sizes"], seed=1)
     with torch.no_grad():
         got = model(tokens, pixel_values=pixels, image_grid_thw=grid_thw)
