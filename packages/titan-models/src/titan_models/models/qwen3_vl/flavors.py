@@ -1,4 +1,5 @@
-"""Qwen3-VL flavors: a tiny debug model for tests and CPU demos."""
+"""Qwen3-VL flavors: tiny debug models for tests and CPU demos, and the published Qwen3-VL sizes (the Qwen3
+text shapes with a 24-block 1024-wide or 27-block 1152-wide tower, 16-pixel patches, 2x2 merge)."""
 from __future__ import annotations
 
 from titan_models.components.moe import MoEConfig
@@ -20,4 +21,32 @@ FLAVORS: dict[str, Qwen3VLConfig] = {
                                                        norm_topk_prob=True)),
 }
 
-PUBLISHED_PARAMS: dict[str, PublishedSize] = {}
+_VOCAB = 151936
+_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+_TEXT = dict(vocab_size=_VOCAB, rope_theta=5000000.0, max_seq_len=262144, mrope_sections=(24, 20, 20))
+
+
+def _tower(*, large: bool, out_dim: int) -> VisionConfig:
+    if large:
+        return VisionConfig(depth=27, dim=1152, ffn_dim=4304, num_heads=16, out_dim=out_dim, deepstack_layers=(8, 16, 24))
+    return VisionConfig(depth=24, dim=1024, ffn_dim=4096, num_heads=16, out_dim=out_dim, deepstack_layers=(5, 11, 17))
+
+
+FLAVORS |= {
+    "2B": Qwen3VLConfig(**_TEXT, **_TOKENS, dim=2048, num_layers=28, num_heads=16, num_kv_heads=8, ffn_dim=6144,
+                        tie_embeddings=True, vision=_tower(large=False, out_dim=2048)),
+    "4B": Qwen3VLConfig(**_TEXT, **_TOKENS, dim=2560, num_layers=36, num_heads=32, num_kv_heads=8, ffn_dim=9728,
+                        tie_embeddings=True, vision=_tower(large=False, out_dim=2560)),
+    "8B": Qwen3VLConfig(**_TEXT, **_TOKENS, dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, ffn_dim=12288,
+                        vision=_tower(large=True, out_dim=4096)),
+    "30B-A3B": Qwen3VLConfig(**_TEXT, **_TOKENS, dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, ffn_dim=6144,
+                             moe=MoEConfig(num_experts=128, top_k=8, expert_dim=768, score_func="softmax",
+                                           norm_topk_prob=True), vision=_tower(large=True, out_dim=2048)),
+}
+
+# As the model names state them (Qwen3-VL-2B, -4B, -8B, -30B-A3B; the 30B-A3B's tower and embedding take it to
+# 31B, what its model page lists); activated figures include the embedding and the tower.
+PUBLISHED_PARAMS: dict[str, PublishedSize] = {
+    "2B": PublishedSize(total="2B"), "4B": PublishedSize(total="4B"), "8B": PublishedSize(total="8B"),
+    "30B-A3B": PublishedSize(total="31B", active="3B"),
+}
