@@ -212,12 +212,14 @@ class CausalLMLoss(nn.Module):
                             compiled=self.compiled, triton=self.triton)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, **images: torch.Tensor):
+        """images: a vision-language model's pixel_values and image_grid_thw (its positions are then the
+        model's own 3-D ones)."""
         context = self.context_factory(document_ids) if self.context_factory is not None else None
         # Explicit positions: under sequence parallelism the embedding output holds only s / tp positions.
-        if positions is None:
+        if positions is None and not images:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        hidden = self.model.hidden_states(tokens, positions=positions, context=context)  # [b, s, d]
+        hidden = self.model.hidden_states(tokens, positions=positions, context=context, **images)  # [b, s, d]
         weight = self.model.output.weight
         vocab_group = None
         if self.tp_group is not None:

@@ -61,6 +61,9 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.parallelizer = layout = config.parallelism.build(config, world_size=world, device=device)
         self.degrees, self.mesh, self.dp_rank = layout.degrees, layout.mesh, layout.dp_rank
+        if config.data.source == "shapes" and (self.degrees.pp > 1 or self.degrees.cp > 1 or self.degrees.tp > 1):
+            raise ValueError("data.source=shapes (image-text) trains with data parallelism (FSDP) only for now; "
+                             f"got pp={self.degrees.pp}, cp={self.degrees.cp}, tp={self.degrees.tp}")
         self.folder = Path(config.job.folder)
         check_run_folder(self.folder, resume=config.checkpoint.resume, device=device)  # refuse before the build
         torch.manual_seed(config.job.seed)
@@ -71,7 +74,7 @@ class Trainer:
         check_memory_fits(config, self.model_cfg, self.degrees, device=device,
                           n_params=tm.count_params(self.model_cfg).total)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
-                                        seed=config.job.seed)
+                                        seed=config.job.seed, model_config=self.model_cfg)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
         self.parallel = self.parallelizer.build_model(
             self.model_cfg, document_masking=config.data.document_masking and not config.data.random)
@@ -123,7 +126,8 @@ class Trainer:
                 if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
                     self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
                 with self._autocast():
-                    micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
+                    micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions,
+                                                  **micro.image_inputs())
                 (micro_loss * scale).backward()
                 loss_sum += micro_loss.detach().float()
                 self.parallel.expert_bias.accumulate()

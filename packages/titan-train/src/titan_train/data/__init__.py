@@ -1,9 +1,11 @@
 """Data: tokenizers, document sources and the packing loader."""
 from .loader import IGNORE_INDEX, Batch, PackedLoader
 from .random_tokens import RandomTokenLoader, random_rows
+from .shapes import ShapesLoader
 from .sources import open_documents
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = ["IGNORE_INDEX", "Batch", "ByteTokenizer", "HFTokenizer", "PackedLoader", "RandomTokenLoader",
+           "ShapesLoader",
            "build_tokenizer",
            "open_documents", "random_rows"]

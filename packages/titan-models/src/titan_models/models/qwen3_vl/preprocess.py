@@ -66,11 +66,22 @@ class ImagePreprocessing:
             h, w = self.target_size(image.height, image.width)
             image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
             pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3)
-            x = (pixels.permute(2, 0, 1).double() * (1 / 255)).float()  # rescaled in float64, as the reference
-            x = (x - torch.tensor(self.mean)[:, None, None]) / torch.tensor(self.std)[:, None, None]
-            patches.append(self._patchify(x))
-            grids.append((1, h // self.patch_size, w // self.patch_size))
-        return torch.cat(patches), torch.tensor(grids, dtype=torch.long)
+            image_patches, grid = self.from_pixels(pixels)  # rescaled in float64, as the reference
+            patches.append(image_patches)
+            grids.append(grid)
+        return torch.cat(patches), torch.cat(grids)
+
+    def from_pixels(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An RGB image already at a size the patches divide (uint8 [h, w, 3]; h and w multiples of
+        patch * merge), normalised and patchified without resizing (no Pillow needed): (pixel_values, grid [1, 3])."""
+        h, w, _ = pixels.shape
+        factor = self.patch_size * self.merge_size
+        if pixels.dtype != torch.uint8 or pixels.shape[2] != 3 or h % factor or w % factor:
+            raise ValueError(f"from_pixels takes uint8 [h, w, 3] with h, w multiples of {factor}; got "
+                             f"{pixels.dtype} {list(pixels.shape)}")
+        x = (pixels.permute(2, 0, 1).double() * (1 / 255)).float()
+        x = (x - torch.tensor(self.mean)[:, None, None]) / torch.tensor(self.std)[:, None, None]
+        return self._patchify(x), torch.tensor([[1, h // self.patch_size, w // self.patch_size]])
 
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:
         c, h, w = x.shape
