@@ -89,7 +89,8 @@ def test_debug_models_agree_across_attention_backends_and_train(family, name):
             assert torch.allclose(flex(tokens, context=context), sdpa(tokens, context=context), atol=2e-5)
     loss = sdpa(tokens).logsumexp(-1).mean()
     loss.backward()
-    assert all(p.grad is not None for n, p in sdpa.named_parameters() if "mtp" not in n)
+    # a text-only call reaches every parameter but MTP's and a vision tower's (test_qwen3_vl_hf.py trains with images)
+    assert all(p.grad is not None for n, p in sdpa.named_parameters() if "mtp" not in n and not n.startswith("visual."))
 
 
 def test_flops_per_token_uses_the_attention_head_dims():

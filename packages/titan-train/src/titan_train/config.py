@@ -176,7 +176,8 @@ class LRScheduleConfig:
 class DataConfig:
     source: str = "stdlib"
     """stdlib (Python's own library sources, no download), random (uniform random tokens over the model's
-    vocabulary, for benchmarks), arithmetic_chat (generated conversations, for data.chat), or a path: a
+    vocabulary, for benchmarks), arithmetic_chat (generated conversations, for data.chat), shapes (drawn
+    coloured shapes with captions, for a vision-language model: loss on the captions), or a path: a
     text/jsonl/parquet file, a folder of them, or a Hugging Face
     dataset saved with save_to_disk."""
     format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
@@ -213,10 +214,12 @@ class DataConfig:
 
         return None if self.random else build_tokenizer(self.tokenizer)
 
-    def build(self, tokenizer: Any, *, vocab_size: int, seq_len: int, seed: int) -> Any:
+    def build(self, tokenizer: Any, *, vocab_size: int, seq_len: int, seed: int, model_config: Any = None) -> Any:
         """The loader of the global token stream (every rank reads all of it and keeps its rows)."""
-        from .data import MixedLoader, RandomTokenLoader
+        from .data import MixedLoader, RandomTokenLoader, ShapesLoader
 
+        if self.source == "shapes":
+            return ShapesLoader(model_config, tokenizer, seq_len=seq_len, seed=seed)
         if self.random:
             return RandomTokenLoader(vocab_size, seq_len=seq_len, seed=seed)
         if self.sources:

@@ -233,18 +233,22 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, *, mtp_embeddings: torch.Tensor | None = None,
-                mtp_tokens: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
+                mtp_tokens: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
+                **images: torch.Tensor) -> torch.Tensor:
         """The summed loss [], or with multi-token prediction (mtp_labels given) the sums [2]: (main, MTP).
 
         MTP (DeepSeek-V3, depth 1): position i's MTP input is the final hidden state at i with the
         embedding of token i + 1 (`mtp_tokens` [b, s] looked up here, or `mtp_embeddings` [b, s, d] from
         a pipeline's first stage), its target `mtp_labels` [b, s] token i + 2 (IGNORE_INDEX where that
-        lies in another document or past the sequence); the output projection is the main model's."""
+        lies in another document or past the sequence); the output projection is the main model's.
+        images: a vision-language model's pixel_values and image_grid_thw (its positions are then the
+        model's own 3-D ones; not with MTP)."""
+        assert not (images and mtp_labels is not None), "MTP models take no images"
         context = self.context_factory(document_ids) if self.context_factory is not None else None
         # Explicit positions: under sequence parallelism the embedding output holds only s / tp positions.
-        if positions is None:
+        if positions is None and not images:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(*tokens.shape[:2])
-        hidden = self.model.hidden_states(tokens, positions=positions, context=context)  # [b, s, d]
+        hidden = self.model.hidden_states(tokens, positions=positions, context=context, **images)  # [b, s, d]
         main = self._output_loss(hidden, labels)
         if mtp_labels is None:
             return main

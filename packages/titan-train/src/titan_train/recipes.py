@@ -90,6 +90,19 @@ def llama3_debug() -> TrainConfig:
     )
 
 
+@register_recipe("qwen3_vl_debug_shapes")
+def qwen3_vl_debug_shapes() -> TrainConfig:
+    """The debug Qwen3-VL learns to caption coloured shapes ("a red circle") drawn at run time, on a CPU."""
+    return TrainConfig(
+        job=JobConfig(folder="runs/qwen3_vl_debug_shapes"),
+        model=ModelConfig(family="qwen3_vl", flavor="debug"),  # its 2048-token vocabulary holds the image tokens
+        training=StepConfig(steps=100, batch_size=8, seq_len=48, max_grad_norm=1.0),
+        optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(kind="wsd", warmup_steps=5, decay_fraction=0.3),
+        data=DataConfig(source="shapes", tokenizer="byte", document_masking=False),
+    )
+
+
 @register_recipe("llama3_1b")
 def llama3_1b() -> TrainConfig:
     """Llama 3.2 1B on GPUs: bf16, FSDP over all ranks, compiled blocks, op-level selective checkpointing."""

@@ -66,6 +66,9 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.parallelizer = layout = config.parallelism.build(config, world_size=world, device=device)
         self.degrees, self.mesh, self.dp_rank = layout.degrees, layout.mesh, layout.dp_rank
+        if config.data.source == "shapes" and (self.degrees.pp > 1 or self.degrees.cp > 1 or self.degrees.tp > 1):
+            raise ValueError("data.source=shapes (image-text) trains with data parallelism (FSDP) only for now; "
+                             f"got pp={self.degrees.pp}, cp={self.degrees.cp}, tp={self.degrees.tp}")
         self.folder = Path(config.job.folder)
         check_run_folder(self.folder, resume=config.checkpoint.resume, device=device)  # refuse before the build
         torch.manual_seed(config.job.seed)
@@ -77,7 +80,7 @@ class Trainer:
         check_memory_fits(config, self.model_cfg, self.degrees, device=device,
                           n_params=tm.count_params(self.model_cfg).total)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
-                                        seed=config.job.seed)
+                                        seed=config.job.seed, model_config=self.model_cfg)
         self.validator = config.validation.build(config.data, self.tokenizer, seq_len=t.seq_len,
                                                  batch_size=t.batch_size, seed=config.job.seed)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
@@ -186,7 +189,7 @@ class Trainer:
                 continue
             with self._autocast():
                 micro_sums = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions,
-                                              **extra)
+                                              **extra, **micro.image_inputs())
             if mtp is None:
                 (micro_sums * scale).backward()
                 sums[0] += micro_sums.detach().float()

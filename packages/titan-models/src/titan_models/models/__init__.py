@@ -8,4 +8,5 @@ from titan_models.models import muse_glimmer  # noqa: F401
 from titan_models.models import muse_spark  # noqa: F401
 from titan_models.models import qwen3  # noqa: F401
 from titan_models.models import qwen3_5  # noqa: F401
+from titan_models.models import qwen3_vl  # noqa: F401
 from titan_models.models import qwen3_next  # noqa: F401

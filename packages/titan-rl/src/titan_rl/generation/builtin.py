@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import threading
 
+import titan_models as tm
 import torch
 from torch import nn
 
@@ -22,6 +23,12 @@ class BuiltinGenerator:
       generator runs in another thread; weights then arrive through `update_weights`. With False the
       generator shares the trainer's model (synchronous use, no weight transfer at all).
     pad_id: token fed in padded prompt positions (any valid id: padded positions are never attended).
+
+    Vision-language models (Qwen3-VL) take images with the prompts: `generate(prompts, sampling,
+    images=[(pixel_values, image_grid_thw) or None per prompt])`, each prompt holding its images' image
+    tokens. Prefill runs the vision tower and the 3-D MRoPE positions; decode continues each sample's
+    text positions after its prompt on all three axes. The cache slot of a token stays its index in the
+    sequence (`GenerationContext.positions`), whatever its rotary position.
     """
 
     def __init__(self, model: nn.Module, *, copy_model: bool = False, pad_id: int = 0, policy_version: int = 0) -> None:
@@ -46,13 +53,39 @@ class BuiltinGenerator:
             self.policy_version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
+                 images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[Completion]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"generate() got {len(images)} image entries for {len(prompts)} prompts (one per "
+                             "prompt: (pixel_values, image_grid_thw) or None)")
         with self._lock:
-            return self._generate(prompts, sampling)
+            return self._generate(prompts, sampling, images)
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def _image_inputs(self, tokens: torch.Tensor, lengths: torch.Tensor, images: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+        """(the model's image keyword arguments, the prefill's rotary positions [3, b, s], each sample's
+        next text position [b]); empty and None without images."""
+        given = [entry for entry in images or [] if entry is not None]
+        if not given:
+            return {}, None, None
+        config = self.model.config
+        if not hasattr(config, "vision"):
+            raise ValueError(f"generate() got images, but {type(config).__name__} has no vision tower")
+        device = tokens.device
+        pixel_values = torch.cat([p for p, _ in given]).to(device)
+        grid = torch.cat([g for _, g in given]).to(device)
+        if self.pad_id == config.image_token_id:
+            raise ValueError(f"pad_id={self.pad_id} is the image token; pass another pad_id to BuiltinGenerator")
+        positions, after_padding = tm.qwen3_vl.mrope_positions(tokens, grid, image_token_id=config.image_token_id,
+                                                           spatial_merge_size=config.vision.spatial_merge_size)
+        # the right padding counts as text, one position per token: the prompt's next position is before it
+        padding = tokens.shape[1] - lengths
+        return {"pixel_values": pixel_values, "image_grid_thw": grid}, positions, after_padding - padding
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[Completion]:
         model, device = self.model, next(self.model.parameters()).device
         invariant = is_batch_invariant(model)
         rng = None
@@ -74,7 +107,10 @@ class BuiltinGenerator:
         context = GenerationContext(positions=positions, kv_len=torch.full((batch,), longest, device=device),
                                     capacity=capacity, recurrent_states={},
                                     valid_tokens=positions < lengths[:, None])
-        logits = model(tokens, positions=positions, context=context)
+        # Images: rotary positions are MRoPE's 3-D ones; decode resumes at each sample's next text position.
+        image_inputs, rope_positions, next_text = self._image_inputs(tokens, lengths, images)
+        logits = model(tokens, positions=positions if rope_positions is None else rope_positions, context=context,
+                       **image_inputs)
         last_logits = logits[torch.arange(batch, device=device), lengths - 1]   # [B, V]
 
         out_tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -102,7 +138,8 @@ class BuiltinGenerator:
             positions = cur_len[:, None]
             context.positions, context.kv_len, context.valid_tokens = positions, cur_len + 1, None
             context._cache.clear()
-            last_logits = model(nxt[:, None], positions=positions, context=context)[:, 0]
+            rope = positions if next_text is None else (next_text + cur_len - lengths)[:, None]
+            last_logits = model(nxt[:, None], positions=rope, context=context)[:, 0]
             cur_len = cur_len + 1
         return [
             Completion(prompt=list(prompts[i]), tokens=out_tokens[i],

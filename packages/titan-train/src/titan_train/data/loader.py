@@ -28,14 +28,25 @@ class Batch:
     tokens: torch.Tensor  # [rows, seq] int64
     labels: torch.Tensor  # [rows, seq] int64, IGNORE_INDEX where the next token is another document's
     document_ids: torch.Tensor | None  # [rows, seq] int64: which packed document each position belongs to
+    # image-text data: per row, (pixel_values, image_grid_thw) of the images whose tokens the row holds
+    images: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def rows(self, start: int, stop: int) -> Batch:
         ids = None if self.document_ids is None else self.document_ids[start:stop]
-        return Batch(self.tokens[start:stop], self.labels[start:stop], ids)
+        images = None if self.images is None else self.images[start:stop]
+        return Batch(self.tokens[start:stop], self.labels[start:stop], ids, images)
 
     def to(self, device: torch.device) -> Batch:
         ids = None if self.document_ids is None else self.document_ids.to(device, non_blocking=True)
-        return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), ids)
+        images = None if self.images is None else [(p.to(device), g.to(device)) for p, g in self.images]
+        return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), ids, images)
+
+    def image_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's pixel_values / image_grid_thw for these rows (empty without images)."""
+        if not self.images:
+            return {}
+        return {"pixel_values": torch.cat([p for p, _ in self.images]),
+                "image_grid_thw": torch.cat([g for _, g in self.images])}
 
 
 class PackedLoader:

@@ -62,16 +62,20 @@ class Qwen3Config(ModelConfigBase):
                             shared_experts=bool(moe_layers) and self.moe.num_shared_experts > 0)
 
     def build(self) -> Transformer:
+        rope = RopeConfig(dim=self.head_dim, theta=self.rope_theta)
+        with default_dtype(self.dtype):
+            return Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=self.build_blocks(),
+                               norm=self.norm.build(self.dim), rope=rope.build(),
+                               tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
+
+    def build_blocks(self) -> list[TransformerBlock]:
+        """The decoder blocks (Qwen3-VL builds its text model from the same blocks)."""
         attention = AttentionConfig(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                     head_dim=self.head_dim, qk_norm=self.norm, backend=self.attention)
         ffn = FeedForwardConfig(hidden_dim=self.ffn_dim)
-        rope = RopeConfig(dim=self.head_dim, theta=self.rope_theta)
-        with default_dtype(self.dtype):
-            blocks = []
-            for i in range(self.num_layers):
-                mlp = {"moe": self.moe.build(self.dim)} if self.is_moe_layer(i) else {"feed_forward": ffn.build(self.dim)}
-                blocks.append(TransformerBlock(attention=attention.build(self.dim), attention_norm=self.norm.build(self.dim),
-                                               ffn_norm=self.norm.build(self.dim), **mlp))
-            return Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
-                               norm=self.norm.build(self.dim), rope=rope.build(),
-                               tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
+        blocks = []
+        for i in range(self.num_layers):
+            mlp = {"moe": self.moe.build(self.dim)} if self.is_moe_layer(i) else {"feed_forward": ffn.build(self.dim)}
+            blocks.append(TransformerBlock(attention=attention.build(self.dim), attention_norm=self.norm.build(self.dim),
+                                           ffn_norm=self.norm.build(self.dim), **mlp))
+        return blocks

@@ -1,0 +1,84 @@
+"""A synthetic image-text task needing no download: coloured shapes drawn at run time, with captions.
+
+Each sample is one 64x64 image of a shape (circle, square or triangle, of one of four colours, at a random
+place and size on a grey background) followed by its caption ("a red circle"). A row is
+`[image tokens] caption EOS` right-padded: loss on the caption's tokens only (image and padding positions
+are IGNORE_INDEX), so the loss falls only as the model learns to read the image. Samples depend only on
+(seed, index): the loader's position is one integer.
+"""
+from __future__ import annotations
+
+import torch
+
+from .loader import IGNORE_INDEX, Batch
+from .tokenizer import ByteTokenizer
+
+SHAPES = ("circle", "square", "triangle")
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 70, 230), "yellow": (230, 210, 30)}
+SIZE = 64
+
+
+def draw_shape(shape: str, colour: tuple[int, int, int], gen: torch.Generator) -> torch.Tensor:
+    """uint8 [64, 64, 3]: the shape filled in `colour`, centred at a random point, radius 12-20 pixels."""
+    radius = int(torch.randint(12, 21, (), generator=gen))
+    cy, cx = (int(v) for v in torch.randint(radius, SIZE - radius, (2,), generator=gen))
+    y, x = torch.meshgrid(torch.arange(SIZE), torch.arange(SIZE), indexing="ij")
+    dy, dx = y - cy, x - cx
+    if shape == "circle":
+        inside = dy**2 + dx**2 <= radius**2
+    elif shape == "square":
+        inside = (dy.abs() <= radius * 0.8) & (dx.abs() <= radius * 0.8)
+    else:  # an upward triangle: below the apex, inside both slanted edges
+        inside = (dy >= -radius) & (dy <= radius * 0.6) & (dx.abs() <= (dy + radius) * 0.6)
+    image = torch.full((SIZE, SIZE, 3), 128, dtype=torch.uint8)
+    image[inside] = torch.tensor(colour, dtype=torch.uint8)
+    return image
+
+
+class ShapesLoader:
+    """Rows of the shapes task for a Qwen3-VL model config; `next_batch(rows)` -> Batch with `images`."""
+
+    def __init__(self, model_config, tokenizer: ByteTokenizer, *, seq_len: int, seed: int = 0):
+        from titan_models.models.qwen3_vl.preprocess import ImagePreprocessing
+
+        if not hasattr(model_config, "vision"):
+            raise ValueError(f"data.source=shapes needs a vision-language model (e.g. --model.family qwen3_vl); "
+                             f"{type(model_config).__name__} has no vision tower")
+        self.config, self.tokenizer, self.seq_len, self.seed = model_config, tokenizer, seq_len, seed
+        self.preprocess = ImagePreprocessing.for_vision(model_config.vision)
+        self.position = 0
+        merge = model_config.vision.spatial_merge_size
+        self.image_tokens = (SIZE // model_config.vision.patch_size // merge) ** 2
+        longest = 2 + self.image_tokens + len("a yellow triangle") + 1
+        if seq_len + 1 < longest:
+            raise ValueError(f"training.seq_len={seq_len} is too short for the shapes task: a sample takes "
+                             f"{longest - 1} positions")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+    def _sample(self, index: int) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor], int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        shape = SHAPES[int(torch.randint(len(SHAPES), (), generator=gen))]
+        colour = list(COLOURS)[int(torch.randint(len(COLOURS), (), generator=gen))]
+        image = self.preprocess.from_pixels(draw_shape(shape, COLOURS[colour], gen))
+        cfg = self.config
+        prefix = [cfg.vision_start_token_id] + [cfg.image_token_id] * self.image_tokens + [cfg.vision_end_token_id]
+        caption = self.tokenizer.encode(f"a {colour} {shape}").tolist() + [self.tokenizer.eos_id]
+        return prefix + caption, image, len(prefix)
+
+    def next_batch(self, rows: int) -> Batch:
+        tokens = torch.full((rows, self.seq_len + 1), self.tokenizer.pad_id, dtype=torch.long)
+        scored = torch.zeros(rows, self.seq_len + 1, dtype=torch.bool)
+        images = []
+        for r in range(rows):
+            seq, image, prefix = self._sample(self.position)
+            self.position += 1
+            tokens[r, :len(seq)] = torch.tensor(seq)
+            scored[r, prefix:len(seq)] = True  # the caption and its EOS
+            images.append(image)
+        labels = tokens[:, 1:].masked_fill(~scored[:, 1:], IGNORE_INDEX)
+        return Batch(tokens[:, :-1].contiguous(), labels, None, images=images)

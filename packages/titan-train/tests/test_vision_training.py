@@ -1,0 +1,61 @@
+"""Image-text training: the synthetic shapes task (images drawn at run time) with the debug Qwen3-VL."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_models as tm
+from titan_train import load_recipe, train
+from titan_train.cli_args import apply_override
+from titan_train.data import IGNORE_INDEX, ByteTokenizer, ShapesLoader
+
+
+def test_shapes_rows_score_the_caption_only():
+    config = tm.flavor("qwen3_vl", "debug")
+    loader = ShapesLoader(config, ByteTokenizer(), seq_len=48, seed=0)
+    batch = loader.next_batch(3)
+    assert batch.tokens.shape == (3, 48) and len(batch.images) == 3
+    for row in range(3):
+        scored = batch.labels[row] != IGNORE_INDEX
+        text = ByteTokenizer().decode(batch.labels[row][scored].tolist())
+        assert text.startswith("a ") and text.split()[-1] in ("circle", "square", "triangle"), text
+        assert (batch.tokens[row] == config.image_token_id).sum() == 4  # 64x64 pixels, 16-pixel patches, 2x2 merge
+        assert not (batch.labels[row][scored] == config.image_token_id).any()
+    again = ShapesLoader(config, ByteTokenizer(), seq_len=48, seed=0)
+    again.load_state_dict(loader.state_dict())
+    fresh = ShapesLoader(config, ByteTokenizer(), seq_len=48, seed=0)
+    fresh.next_batch(3)
+    assert torch.equal(again.next_batch(2).tokens, fresh.next_batch(2).tokens)  # the position is the state
+
+
+def test_the_shapes_recipe_trains_on_cpu_and_reads_the_images(tmp_path):
+    # ~30 s on a shared CPU: the run must get past what a model blind to the images can reach.
+    config = load_recipe("qwen3_vl_debug_shapes")
+    for name, value in {"training.steps": "45", "metrics.tensorboard": "false", "metrics.progress": "false",
+                        "checkpoint.resume": "false", "job.folder": str(tmp_path)}.items():
+        apply_override(config, name, value)
+    losses = train(config).losses
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (43, 44, 45)) / 3
+    assert last < 0.1 * first, (first, last)
+    # Blind to the images, the best a model can do is know the 12 captions are equally likely: ln 12 nats
+    # per caption, over 15.2 scored tokens on average (caption + EOS) -> 0.164 per token.
+    assert last < 0.13, (first, last)
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_shapes_need_a_vision_model():
+    with pytest.raises(ValueError, match="needs a vision-language model"):
+        ShapesLoader(tm.flavor("qwen3", "debug"), ByteTokenizer(), seq_len=48)
+
+
+def test_fsdp_follows_single_process_with_images(tmp_path, jobs):
+    # 2 gloo ranks, FSDP over the decoder blocks and the vision tower (on the root unit): the same global
+    # batches, each rank its rows and their images; the curve within test_parallel.py's 1e-4
+    job = {"model.family": "qwen3_vl", "model.flavor": "debug", "model.vocab_size": "2048",
+           "data.source": "shapes", "data.document_masking": "false", "training.seq_len": "48",
+           "training.steps": "6"}
+    expected = train(jobs.tiny(tmp_path / "single", **job)).losses
+    curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **job, **{"parallelism.dp_shard": "2"}), 2)
+    assert sorted(curve) == sorted(expected) and expected[6] < expected[1]
+    for step, loss in expected.items():
+        assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
