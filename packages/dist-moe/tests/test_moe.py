@@ -11,6 +11,7 @@ import dist_moe
 DEEPSEEK_LIKE = dict(dim=16, num_experts=8, top_k=3, expert_dim=12, num_shared_experts=2, score_func="sigmoid",
                      n_group=4, topk_group=2, route_scale=2.5)
 QWEN_LIKE = dict(dim=16, num_experts=6, top_k=2, expert_dim=10)
+QWEN3_NEXT_LIKE = dict(dim=16, num_experts=6, top_k=2, expert_dim=10, shared_expert_dim=14, shared_expert_gate=True)
 
 
 def dense_reference(moe, x):
@@ -30,7 +31,8 @@ def dense_reference(moe, x):
         out += mask[:, e:e + 1] * (h @ p["experts.w2"][e].T)
     if moe.shared_experts is not None:
         h = F.silu(tokens @ p["shared_experts.w1.weight"].T) * (tokens @ p["shared_experts.w3.weight"].T)
-        out += h @ p["shared_experts.w2.weight"].T
+        gate = torch.sigmoid(tokens @ p["shared_gate.weight"].T) if moe.shared_gate is not None else 1.0
+        out += gate * (h @ p["shared_experts.w2.weight"].T)
     return out.view(x.shape)
 
 
@@ -48,7 +50,8 @@ def test_parameter_names_and_shapes_follow_the_conventions():
     assert "shared_experts" not in dict(dist_moe.MoEConfig(**QWEN_LIKE).build().named_modules())
 
 
-@pytest.mark.parametrize("fields", [DEEPSEEK_LIKE, QWEN_LIKE], ids=["deepseek_like", "qwen_like"])
+@pytest.mark.parametrize("fields", [DEEPSEEK_LIKE, QWEN_LIKE, QWEN3_NEXT_LIKE],
+                         ids=["deepseek_like", "qwen_like", "qwen3_next_like"])
 def test_forward_and_gradients_match_a_dense_reference(fields):
     torch.manual_seed(0)
     moe = dist_moe.MoEConfig(**fields).build().double()

@@ -109,3 +109,17 @@ def test_gpt_oss_flops_count_sliding_windows():
     attention = per_key * (12 * seq + 12 * 128)  # 12 full layers, 12 sliding ones seeing 128 keys
     assert tm.flops_per_token(config, seq) == 6 * (counts.active - counts.embedding) + attention
     assert tm.flops_per_token(config, 64) == 6 * (counts.active - counts.embedding) + per_key * 24 * 64
+
+
+def test_flops_per_token_counts_linear_attention_without_seq_len():
+    config = tm.flavor("qwen3_5", "35B-A3B")
+    counts = tm.count_params(config)
+    kinds = config.layer_kinds()
+    full, linear = kinds.count("full_attention"), kinds.count("linear_attention")
+    assert (full, linear) == (10, 30)
+    softmax = 6 * 4096 * full * 16 * (256 + 256)  # 16 heads of 256, not the 64 rotated channels
+    delta_rule = 6 * linear * 32 * (64 * (3 * 128 + 2 * 128) + 3 * 128 * 128)  # 32 value heads, chunk 64
+    matmuls = 6 * (counts.active - counts.embedding)
+    assert tm.flops_per_token(config, 4096) == matmuls + softmax + delta_rule
+    longer = tm.flops_per_token(config, 32768) - tm.flops_per_token(config, 4096)
+    assert longer == 6 * (32768 - 4096) * full * 16 * 512  # only the full-attention layers grow with seq_len

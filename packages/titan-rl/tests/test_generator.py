@@ -158,3 +158,32 @@ def test_group_limited_moe_is_refused_in_batch_invariant_mode():
         model = config.build()
     with pytest.raises(ValueError, match="expert groups.*layers.1.moe"):
         batch_invariant(model)
+
+
+@pytest.mark.parametrize("family, flavor", [("qwen3_5", "debug"), ("qwen3_next", "debug")])
+def test_linear_attention_state_through_prefill_and_decode_matches_a_full_forward(family, flavor):
+    # Gated DeltaNet layers carry conv + delta-rule state from a right-padded prefill (prompts up to
+    # 70 tokens, past the 64-token chunk) through decode; the logits must be a full forward's.
+    import titan_models as tm
+    config = tm.flavor(family, flavor)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in (70, 3, 33)]
+    comps = BuiltinGenerator(model).generate(prompts, SamplingConfig(max_new_tokens=5, seed=0))
+    with torch.no_grad():
+        for prompt, comp in zip(prompts, comps):
+            seq = torch.tensor([prompt + comp.tokens])
+            full = torch.log_softmax(model(seq)[0].float(), dim=-1)
+            expected = full[len(prompt) - 1:-1].gather(1, torch.tensor(comp.tokens)[:, None])[:, 0]
+            assert (expected - comp.logprobs).abs().max() < 1e-4, (prompt[:3], expected, comp.logprobs)
+
+
+def test_linear_attention_models_are_refused_in_batch_invariant_mode():
+    import titan_models as tm
+    with torch.device("meta"):
+        model = tm.flavor("qwen3_5", "debug").build()
+    with pytest.raises(ValueError, match="linear-attention"):
+        batch_invariant(model)

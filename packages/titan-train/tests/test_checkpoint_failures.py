@@ -7,10 +7,10 @@ import errno
 import json
 
 import pytest
-import torch_checkpointing as tc
-from torch_checkpointing import CommitError
 
+import torch_checkpointing as tc
 from titan_train import train
+from torch_checkpointing import CommitError
 
 
 def logged_steps(folder) -> list[int]:
@@ -26,7 +26,8 @@ def test_a_failed_async_save_stops_the_run_at_the_next_step(tmp_path, jobs, monk
         return open_sink(self, path)
 
     monkeypatch.setattr(tc.LocalStorage, "open_sink", full_disk_at_step_8)
-    config = jobs.tiny(tmp_path, **{"training.steps": "14", "checkpoint.interval": "4", "checkpoint.async_save": "true"})
+    config = jobs.tiny(tmp_path, **{"training.steps": "14", "checkpoint.interval": "4",
+                                    "checkpoint.async_save": "true"})
     with pytest.raises(CommitError, match=r"checkpointing to .*checkpoints failed, so the run stops: step 8 .*"
                                           r"No space left on device \(injected\); step 4 is the newest committed"):
         train(config)

@@ -98,6 +98,17 @@ def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_referen
     assert_follows(curve(moved), want, range(6, STEPS + 1))
 
 
+def test_ep2_qwen3_next_with_a_gated_shared_expert_follows_titan_moe(tmp_path, jobs):
+    # dist-moe's layer with the sigmoid-gated shared expert (its own dense FSDP unit), experts over 2 ranks,
+    # against titan-models' MoE in one process; 80 tokens take the Gated DeltaNet past its 64-token chunk.
+    job = {"training.seq_len": "80", "training.steps": "6"}
+    single = moe_job("qwen3_next_debug_ep", tmp_path / "single", **SINGLE, **job)
+    assert resolve_moe_impl(single) == "titan"
+    train(single)
+    jobs.on_ranks(moe_job("qwen3_next_debug_ep", tmp_path / "ep2", **{"parallelism.ep": "2"}, **job), 2)
+    assert_follows(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
+
+
 def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tmp_path, jobs):
     """DeepSeek-V3 (a dense first layer, shared experts, group-limited sigmoid routing): experts split over
     ep=2 and FSDP-sharded over the 2 remaining data-parallel ranks; gradient accumulation (the aux loss

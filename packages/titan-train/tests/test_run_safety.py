@@ -5,7 +5,6 @@ are errors naming the field."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -30,7 +29,8 @@ def test_fresh_run_over_an_earlier_runs_checkpoints_is_refused(tmp_path, jobs, c
     train(jobs.tiny(tmp_path, **{"training.steps": "2", "checkpoint.interval": "2"}))
     before = (tmp_path / "metrics.jsonl").read_text()
     with monkeypatch.context() as patch:  # refused before the model is built
-        patch.setattr("titan_train.parallelizer.build_on_meta", lambda cfg: pytest.fail("the refused run built its model"))
+        patch.setattr("titan_train.parallelizer.build_on_meta",
+                      lambda cfg: pytest.fail("the refused run built its model"))
         for interval in ("2", "0"):  # with or without checkpoints of its own, the new run would mix its lines in
             with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(steps 2\) and checkpoint."
                                                  r"resume is false.*--checkpoint.resume true.*another --job.folder"):

@@ -26,8 +26,8 @@ from dist_moe.dispatch import combine, dispatch, ep_size
 from dist_moe.expert_mlp import expert_mlp
 from dist_moe.routing import ScoreFunc, check_routing_args, route, sequence_balance_loss
 
-_ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "score_func", "n_group",
-                   "topk_group", "norm_topk_prob", "route_scale")
+_ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "shared_expert_dim",
+                   "shared_expert_gate", "score_func", "n_group", "topk_group", "norm_topk_prob", "route_scale")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -37,6 +37,8 @@ class MoEConfig:
     top_k: int
     expert_dim: int
     num_shared_experts: int = 0  # shared hidden width = num_shared_experts * expert_dim
+    shared_expert_dim: int | None = None  # the shared hidden width when set (Qwen3-Next / Qwen3.5)
+    shared_expert_gate: bool = False  # scale the shared output by sigmoid(x . w) per token (shared_gate)
     score_func: ScoreFunc = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -53,6 +55,8 @@ class MoEConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.shared_expert_gate and not self.shared_width:
+            raise ValueError("shared_expert_gate needs shared experts (num_shared_experts or shared_expert_dim)")
         check_routing_args(num_experts=self.num_experts, top_k=self.top_k, score_func=self.score_func,
                            n_group=self.n_group, topk_group=self.topk_group)
         if self.aux_loss_alpha < 0:
@@ -60,6 +64,10 @@ class MoEConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         check_weight_grad(self.weight_grad)
+
+    @property
+    def shared_width(self) -> int:
+        return self.shared_expert_dim if self.shared_expert_dim is not None else self.expert_dim * self.num_shared_experts
 
     @classmethod
     def like(cls, other: object, *, dim: int, **changes) -> "MoEConfig":
@@ -111,8 +119,8 @@ class MoE(nn.Module):
         self.ep_group = config.ep_group
         self.router = Router(config.dim, config.num_experts)
         self.experts = GroupedExperts(config.dim, config.num_experts, config.expert_dim)
-        self.shared_experts = (SwiGLU(config.dim, config.expert_dim * config.num_shared_experts)
-                               if config.num_shared_experts else None)
+        self.shared_experts = SwiGLU(config.dim, config.shared_width) if config.shared_width else None
+        self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32),
                              persistent=False)
@@ -151,7 +159,10 @@ class MoE(nn.Module):
                        backend=cfg.backend, weight_grad=cfg.weight_grad)
         out = combine(y, sent)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(tokens))
+            out = out + shared
         if cfg.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
             aux = sequence_balance_loss(routing.scores.view(batch, seq, -1), routing.expert_ids.view(batch, seq, -1),
                                         alpha=cfg.aux_loss_alpha)

@@ -1,6 +1,7 @@
 """Parameter counts and training FLOPs per token.
 
-Training FLOPs per token = 6 * N + 6 * seq_len * sum over layers of heads * (qk_head_dim + v_head_dim):
+Training FLOPs per token = 6 * N + 6 * seq_len * sum over softmax-attention layers of heads * (qk_head_dim +
+v_head_dim) + the linear-attention layers' term below:
 
 - N counts the parameters a token multiplies with: every matrix except the input embedding (a
   lookup), routed experts scaled by top_k / num_experts, the output projection included (tied or
@@ -9,6 +10,11 @@ Training FLOPs per token = 6 * N + 6 * seq_len * sum over layers of heads * (qk_
   * 2 * 3, not halved for causality (the convention of PaLM's MFU and torchtitan; it is 12 * L * H
   * head_dim * seq_len when qk and v head dims are equal). A sliding-window layer (gpt-oss) sees
   min(seq_len, window) keys per query in place of seq_len; sinks add no matmul.
+- Linear-attention layers (Gated DeltaNet) have no seq_len term: their chunked form costs, per
+  token and value head, C * (3 * dk + 2 * dv) + 3 * dk * dv multiply-adds (chunk C: the k.k^T and
+  q.k^T scores and the two triangular solves within the chunk, the score-weighted values, and three
+  products with the dk x dv state), again * 2 * 3 and not halved for triangularity. The short conv,
+  gates and norms are elementwise and not counted.
 - The MTP module (DeepSeek-V3) is excluded unless `include_mtp` (then its active parameters and a
   second pass through the shared output projection are added).
 """
@@ -72,12 +78,18 @@ def flops_per_token(model_or_config: Any, seq_len: int, *, include_mtp: bool = F
         matmul_params += counts.embedding  # the tied table is also the output projection
     attention = 0
     for name, module in model.named_modules():
+        if not include_mtp and name.startswith("mtp."):
+            continue
         dims = getattr(module, "score_dims", None)
-        if dims is not None and (include_mtp or not name.startswith("mtp.")):
+        if dims is not None:
             heads, qk_dim, v_dim = dims
             window = getattr(module, "sliding_window", None)
             keys = seq_len if window is None else min(seq_len, window)
             attention += 6 * keys * heads * (qk_dim + v_dim)
+        linear = getattr(module, "delta_rule_dims", None)
+        if linear is not None:
+            heads, dk, dv, chunk = linear
+            attention += 6 * heads * (chunk * (3 * dk + 2 * dv) + 3 * dk * dv)
     mtp_module = getattr(model, "mtp", None)
     if include_mtp and mtp_module is not None:
         # the MTP block's active parameters, plus a second pass through the shared output projection

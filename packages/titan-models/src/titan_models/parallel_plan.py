@@ -11,6 +11,9 @@ Patterns are module paths relative to the model with `*` standing for one path c
 - "replicate": keep the parameters whole on every rank (small projections, per-head norms).
 - "heads": a module whose parameters are per attention head on dim 0 (gpt-oss's sinks [num_heads]),
   sharded like the colwise q projection's heads; its forward returns the rank's local heads.
+- "headwise": shard every parameter of the module along dim 0 with no communication: per-head or
+  per-channel parameters of a module whose projections are colwise (Gated DeltaNet's short convs and
+  decay gate), so each rank keeps those of its own heads.
 
 Attention reshapes with an inferred head count, so colwise q/k/v shards run unchanged with
 num_heads / tp local heads.
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TP_STYLES: tuple[str, ...] = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "replicate",
-                              "heads")
+                              "heads", "headwise")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -36,15 +39,27 @@ class ParallelPlan:
     pipeline_cut_points: tuple[str, ...] = ()
     # the unit one activation checkpoint wraps
     activation_checkpoint_unit: str = "layers.*"
+    # config field -> value a tensor-parallel degree must divide (the head counts the colwise splits cut)
+    tp_divides: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for pattern, style in self.tensor_parallel.items():
             if style not in TP_STYLES:
                 raise ValueError(f"tensor-parallel style {style!r} for {pattern!r} is not one of {TP_STYLES}")
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """ValueError naming the first field `tp` does not divide (e.g. linear_num_key_heads=16 at tp=3)."""
+        for name, value in self.tp_divides.items():
+            if value % tp:
+                raise ValueError(f"tensor parallel degree {tp} does not divide the model's {name}={value}")
+
 
 GQA_ATTENTION = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
 QK_NORM = {"q_norm": "replicate", "k_norm": "replicate"}
+# Gated DeltaNet beside GQA (wq/wk/wv/wo shared with GQA_ATTENTION): value heads (wv, wz, wb, wa and
+# the per-head convs/decay) split with their key heads, the gated output norm is per head dim.
+GATED_DELTANET = {"wz": "colwise", "wb": "colwise", "wa": "colwise", "q_conv": "headwise", "k_conv": "headwise",
+                  "v_conv": "headwise", "decay": "headwise", "norm": "replicate"}
 
 
 def decoder_plan(*, num_layers: int, attention: dict[str, str], dense: bool = True, moe: bool = False,

@@ -39,6 +39,9 @@ class TinyHFCase:
     shifted_positions: bool = True  # also compare at positions that do not start at 0
     # adjusts the randomly initialised reference before it is saved (e.g. fills an index table)
     prepare: Callable[[Any], None] | None = None
+    # the causal-LM architecture to_hf writes for this case's config when it is not the case's own (a
+    # composite checkpoint's text model: from_hf reads the composite, to_hf writes the text form)
+    written_as: str | None = None
 
 
 def main_and_active(counts: ParamCount) -> tuple[int, int]:
@@ -57,8 +60,9 @@ class Family:
     count_as_published: Callable[[ParamCount], tuple[int, int]] = main_and_active
     hf: Converter | None = None  # the Hugging Face converter (config and tensor names both ways)
     # generation through the model's own definition (titan-rl's KV cache): every layer mixes tokens with an
-    # attention whose `inner` the cache replaces, under the causal mask alone (no sliding window, no
-    # recurrent state); tests/test_families.py checks incremental decoding for the families that say so
+    # attention whose `inner` the cache replaces, under the causal mask alone (no sliding window), with any
+    # recurrent state (linear attention) carried in AttentionContext.recurrent_states; tests/test_families.py
+    # checks incremental decoding for the families that say so
     kv_cache_generation: bool = True
     # vLLM architecture titan-rl registers -> the Hugging Face architecture whose config and weights it reads
     vllm_architectures: Mapping[str, str] = field(default_factory=dict)

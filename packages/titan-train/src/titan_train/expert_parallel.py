@@ -20,8 +20,9 @@ reductions, which gloo needs, torch 2.14 divides twice.)
 
 FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
 `experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
-(called as a module) are their own unit over the dense data-parallel mesh; the router gate, read
-directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
+and their sigmoid gate, if any (called as modules), are their own units over the dense data-parallel
+mesh; the router gate, read directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept
+whole on every rank.
 """
 from __future__ import annotations
 
@@ -160,9 +161,10 @@ class ExpertParallel:
         # hook, but the Transformer block adds the MoE output out of place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
         for moe in self.moes:
-            if moe.shared_experts is not None:
-                fully_shard(moe.shared_experts, mesh=dense_mesh, mp_policy=policy,
-                            reshard_after_forward=reshard_after_forward)
+            # the shared experts and their gate (Qwen3-Next / Qwen3.5) see every rank's tokens: dense units
+            for shared in (moe.shared_experts, getattr(moe, "shared_gate", None)):
+                if shared is not None:
+                    fully_shard(shared, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
             fully_shard(moe, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                         ignored_params={moe.router.gate.weight})
 

@@ -53,7 +53,7 @@ def _tp_style(style: str, pattern: str) -> ParallelStyle:
     if style == "heads":
         return HeadsParallel()
     raise ValueError(f"tensor-parallel style {style!r} of {pattern!r} is not supported by this trainer yet "
-                     "(supported: colwise, rowwise, embedding, output, sequence_parallel, heads)")
+                     "(supported: colwise, rowwise, embedding, output, sequence_parallel, replicate, heads, headwise)")
 
 
 class HeadsParallel(ParallelStyle):
@@ -72,6 +72,49 @@ class HeadsParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition_fn=shard, output_fn=local)
 
 
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the group (a replicated weight each rank
+    applied to its own heads or tokens only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement) -> None:
+    """"replicate" (placement Replicate) and "headwise" (Shard(0)): the module's own parameters become
+    DTensors with that placement (what checkpoints and FSDP see), while its forward, which also gets
+    this rank's local activations (heads from colwise projections), computes with their local values:
+    a pre-hook puts `param.to_local()` in each parameter's place and a post-hook puts the parameters
+    back. Gradients flow into the DTensors; a replicated weight's is summed over the TP ranks."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [placement]),
+                                                     requires_grad=param.requires_grad))
+    parameters: dict[str, nn.Parameter] = {}
+
+    def swap_in(mod, args):
+        for name, param in list(mod._parameters.items()):
+            if isinstance(param, DTensor):
+                parameters[name] = param
+                local = param.to_local()
+                mod._parameters[name] = (_SumGradient.apply(local, tp_mesh.get_group())
+                                         if isinstance(placement, Replicate) else local)
+
+    def swap_out(mod, args, output):
+        mod._parameters.update(parameters)
+        parameters.clear()
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_out)
+
+
 def _gather_sequence_hook(tp_mesh: DeviceMesh):
     """Forward pre-hook of a module whose projections are colwise: all-gather its first input from
     sequence-sharded [b, s / tp, d] to whole [b, s, d] (reduce-scatter in backward)."""
@@ -86,6 +129,7 @@ def _gather_sequence_hook(tp_mesh: DeviceMesh):
 
 def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
     config = model.config  # a titan_models.ModelConfig
+    model.parallel_plan.check_tensor_parallel(tp)  # the head counts the family declares (linear attention too)
     for name, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
                         ("ffn_dim", config.ffn_dim)):
         if value % tp:
@@ -113,6 +157,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         names = matching_modules(model, pattern)
         if not names:
             continue  # e.g. `output` removed from a pipeline stage
+        if style_name in ("replicate", "headwise"):
+            for name in names:
+                _compute_on_local_values(model.get_submodule(name), tp_mesh,
+                                         Replicate() if style_name == "replicate" else Shard(0))
+            continue
         style = _tp_style(style_name, pattern)
         if style_name == "output":
             _check_vocab_divisible(model, names, tp_mesh.size())

@@ -104,6 +104,24 @@ def llama3_1b() -> TrainConfig:
     )
 
 
+@register_recipe("qwen3_5_debug")
+def qwen3_5_debug() -> TrainConfig:
+    """The main job on the debug Qwen3.5 (Gated DeltaNet and gated-attention layers alternating), on a CPU."""
+    config = llama3_debug()
+    config.job.folder = "runs/qwen3_5_debug"
+    config.model = ModelConfig(family="qwen3_5", flavor="debug", vocab_size=384)
+    return config
+
+
+@register_recipe("qwen3_next_debug")
+def qwen3_next_debug() -> TrainConfig:
+    """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8 experts + gated shared one)."""
+    config = llama3_debug()
+    config.job.folder = "runs/qwen3_next_debug"
+    config.model = ModelConfig(family="qwen3_next", flavor="debug", vocab_size=384)
+    return config
+
+
 def _debug_moe_ep(family: str, flavor: str, folder: str) -> TrainConfig:
     config = llama3_debug()
     config.job.folder = folder
@@ -119,6 +137,12 @@ def qwen3_moe_debug_ep() -> TrainConfig:
     """The debug Qwen3-MoE (8 experts, top-2) with its experts split over 2 ranks: torchrun --nproc-per-node 2
     (or 4)."""
     return _debug_moe_ep("qwen3", "debug_moe", "runs/qwen3_moe_debug_ep")
+
+
+@register_recipe("qwen3_next_debug_ep")
+def qwen3_next_debug_ep() -> TrainConfig:
+    """The debug Qwen3-Next (Gated DeltaNet; 8 experts top-2 + a gated shared expert), expert parallelism 2."""
+    return _debug_moe_ep("qwen3_next", "debug", "runs/qwen3_next_debug_ep")
 
 
 @register_recipe("deepseek_v3_debug_ep")

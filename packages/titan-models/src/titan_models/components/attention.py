@@ -146,12 +146,16 @@ class FlexAttention(_InnerAttention):
 
 @dataclass(kw_only=True, frozen=True)
 class AttentionConfig:
-    """Grouped-query attention. `qk_norm` adds per-head norms on q and k before RoPE (Qwen3)."""
+    """Grouped-query attention. `qk_norm` adds per-head norms on q and k before RoPE (Qwen3).
+    `output_gate` makes the query projection also produce a per-channel gate: each head's rows of
+    `wq` are [query (head_dim) | gate (head_dim)], and the attention output is multiplied by
+    sigmoid(gate) before `wo` (Qwen3-Next / Qwen3.5 gated attention)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     qk_norm: NormConfig | None = None
+    output_gate: bool = False
     backend: AttentionBackend = "sdpa"
     bias: bool = False  # biases on the q/k/v/o projections (gpt-oss)
     sinks: bool = False  # a learned per-head sink logit in the softmax denominator (gpt-oss)
@@ -171,7 +175,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.score_dims = (config.num_heads, config.head_dim, config.head_dim)  # for FLOP counting
         self.sliding_window = config.sliding_window  # for FLOP counting (keys per query)
-        self.wq = nn.Linear(dim, config.num_heads * config.head_dim, bias=config.bias)
+        self.output_gate = config.output_gate
+        q_rows = config.num_heads * config.head_dim * (2 if config.output_gate else 1)
+        self.wq = nn.Linear(dim, q_rows, bias=config.bias)
         self.wk = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=config.bias)
         self.wv = nn.Linear(dim, config.num_kv_heads * config.head_dim, bias=config.bias)
         self.wo = nn.Linear(config.num_heads * config.head_dim, dim, bias=config.bias)
@@ -193,7 +199,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Heads are inferred (-1) so a tensor-parallel shard with fewer local heads runs unchanged.
-        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in project(x, self.wq, self.wk, self.wv))
+        q, k, v = project(x, self.wq, self.wk, self.wv)
+        gate = None
+        if self.output_gate:  # per head [query | gate], so a colwise shard keeps whole heads
+            q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = (t.reshape(batch, seq, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -202,4 +212,6 @@ class Attention(nn.Module):
             out = self.inner(q, k, v, context=context)  # [b, s, hq, d]
         else:
             out = self.inner(q, k, v, context=context, sinks=self.sinks())
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.wo(out.reshape(batch, seq, -1))

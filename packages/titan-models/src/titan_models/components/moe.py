@@ -10,6 +10,9 @@ With `score_func="topk_softmax"` (gpt-oss, Mixtral) the experts are the top-k of
 
 gpt-oss adds a router bias (`router_bias`, part of the logits, unlike `expert_bias`), biases on
 every expert projection (`expert_linear_bias`) and a clamped SwiGLU (`activation`).
+
+Shared experts (one SwiGLU FFN every token passes) are added to the routed output, optionally
+scaled per token by a sigmoid gate (Qwen2-MoE / Qwen3-Next / Qwen3.5).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ class MoEConfig:
     top_k: int
     expert_dim: int
     num_shared_experts: int = 0  # shared hidden width = num_shared_experts * expert_dim
+    shared_expert_dim: int | None = None  # the shared experts' hidden width when set (Qwen2/3-Next/3.5: its own size)
+    shared_expert_gate: bool = False  # scale the shared output by sigmoid(x . w_gate) per token (Qwen3-Next/3.5)
     score_func: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -55,9 +60,18 @@ class MoEConfig:
                 f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
                 f"topk_group ({self.topk_group}) must be in [1, n_group]"
             )
+        if self.shared_expert_gate and not self.shared_width:
+            raise ValueError("shared_expert_gate needs shared experts (num_shared_experts or shared_expert_dim)")
         if self.implementation not in EXPERT_IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, got {self.implementation!r}")
         return MoE(dim, self)
+
+    @property
+    def shared_width(self) -> int:
+        """Hidden width of the shared-expert FFN (0: none)."""
+        if self.shared_expert_dim is not None:
+            return self.shared_expert_dim
+        return self.expert_dim * self.num_shared_experts
 
     @property
     def active_experts_fraction(self) -> float:
@@ -165,9 +179,8 @@ class MoE(nn.Module):
         self.config = config
         self.router = Router(dim, config)
         self.experts = GroupedExperts(dim, config)
-        self.shared_experts = (
-            FeedForward(dim, config.expert_dim * config.num_shared_experts) if config.num_shared_experts else None
-        )
+        self.shared_experts = FeedForward(dim, config.shared_width) if config.shared_width else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
 
@@ -192,5 +205,8 @@ class MoE(nn.Module):
         routed = routed * weights.flatten()[order, None].to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(tokens))
+            out = out + shared
         return out.view(batch, seq, dim)

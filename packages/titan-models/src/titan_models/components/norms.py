@@ -24,7 +24,17 @@ class LayerNormConfig:
         return nn.LayerNorm(dim, eps=self.eps)
 
 
-NormConfig = RMSNormConfig | LayerNormConfig
+@dataclass(kw_only=True, frozen=True)
+class ZeroCenteredRMSNormConfig:
+    """RMSNorm scaled by `(1 + weight)` with the weight stored zero-centred (Gemma, Qwen3-Next, Qwen3.5)."""
+
+    eps: float = 1e-6
+
+    def build(self, dim: int) -> "ZeroCenteredRMSNorm":
+        return ZeroCenteredRMSNorm(dim, eps=self.eps)
+
+
+NormConfig = RMSNormConfig | LayerNormConfig | ZeroCenteredRMSNormConfig
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +51,43 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight * normed.to(x.dtype)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """`rms_norm(x) * (1 + weight)`, all in float32 and cast back once (Hugging Face's Gemma3/Qwen3.5
+    rounding); a zero weight is the identity scale, so `init_value` is 0."""
+
+    init_value = 0.0
+
+    def __init__(self, dim: int, *, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered"
+
+
+class GatedRMSNorm(nn.Module):
+    """`weight * rms_norm(x) * silu(gate)` over the last dim (Gated DeltaNet's output norm; plain,
+    not zero-centred, weight). Normed in float32, cast to x's dtype before the weight, gated in float32."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        out = self.weight * normed.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

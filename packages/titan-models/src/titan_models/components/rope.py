@@ -98,7 +98,8 @@ RopeScaling = Llama3RopeScaling | YarnRopeScaling
 
 @dataclass(kw_only=True, frozen=True)
 class RopeConfig:
-    """`dim` is the number of rotated channels per head (the head dim, or MLA's rope part)."""
+    """`dim` is the number of rotated channels per head (the head dim, MLA's rope part, or the
+    rotated leading part of a head under partial rotary embedding)."""
 
     dim: int
     theta: float = 10000.0
@@ -150,7 +151,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
 ) -> torch.Tensor:
-    """x [b, s, heads, dim]; cos/sin [b, s, dim] (float32, cast to x's dtype as HF does)."""
+    """x [b, s, heads, dim]; cos/sin [b, s, rot] (float32, cast to x's dtype as HF does).
+
+    Partial rotary embedding: when rot < dim only the first rot channels of each head rotate and
+    the rest pass through (Qwen3-Next / Qwen3.5's `partial_rotary_factor`)."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        head = apply_rotary(x[..., :rotated], cos, sin, interleaved=interleaved)
+        return torch.cat((head, x[..., rotated:]), dim=-1)
     cos = cos.to(x.dtype).unsqueeze(2)
     sin = sin.to(x.dtype).unsqueeze(2)
     if not interleaved:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan_models import registry
-from titan_models.hf.converter import Converter, check_field_types
+from titan_models.hf.converter import Converter, Rows, check_field_types, source_name
 from titan_models.hf.names import NoHFName
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
@@ -45,15 +45,22 @@ def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _load_plan(converter: Converter, config: Any, model: nn.Module, present: set[str]
-               ) -> dict[str, dict[str, tuple[int, ...]]]:
-    """titan state name -> HF tensors that hold it, with their shapes on disk (none = zero)."""
+def _load_plan(converter: Converter, config: Any, model: nn.Module, present: set[str]) -> dict[str, Any]:
+    """titan state name -> where it is stored: a dict of HF tensors with their shapes on disk (a
+    converter's own layout, read by its `load`), or the `hf_names` sources under the checkpoint's
+    text prefix (stacked when several; rows of a fused tensor; none = zero)."""
+    prefix = converter.text_prefix(present)
     plan = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if config.tie_embeddings and name == "output.weight":
             continue
-        plan[name] = converter.hf_shapes(config, name, tuple(tensor.shape), present)
+        custom = converter.hf_shapes(config, name, tuple(tensor.shape), present)
+        plan[name] = custom if custom is not None else _located(converter.hf_names(config, name), prefix)
     return plan
+
+
+def _planned_names(sources: Any) -> list[str]:
+    return list(sources) if isinstance(sources, dict) else [source_name(s) for s in sources]
 
 
 def _read_folder(folder: Path) -> tuple[Any, Converter, SafetensorsFolder]:
@@ -94,36 +101,90 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         config = dataclasses.replace(config, dtype=dtype)
     with torch.device("meta"):
         model = config.build()
+    params = model.state_dict(keep_vars=True)
     present = files.names()
     plan = _load_plan(converter, config, model, present)
 
-    expected = {hf_name for names in plan.values() for hf_name in names}
+    expected = {hf_name for sources in plan.values() for hf_name in _planned_names(sources)}
     missing = sorted(expected - present)
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} "
                          f"({len(missing)} in all) for {type(config).__name__}")
-    unexpected = sorted(n for n in present - expected if not converter.ignorable(config, n))
+    others = sorted(n for n in present - expected if not converter.ignorable(config, n))
+    unexpected = [n for n in others if not converter.reported(config, n)]
     if unexpected:
         raise ValueError(f"{folder}: unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} "
                          f"({len(unexpected)} in all) for {type(config).__name__}")
-    for name, shapes in plan.items():
-        for hf_name, want in shapes.items():
-            got = files.shape(hf_name)
-            if got != want:
-                raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(got)}, expected "
-                                 f"{list(want)} (for {name} of {type(config).__name__})")
+    if others:
+        warnings.warn(f"{folder}: from_hf loads the text model only; {len(others)} tensors are not loaded "
+                      f"({_by_prefix(others)}): {others[:10]}{' ...' if len(others) > 10 else ''}", stacklevel=2)
+    for name, sources in plan.items():
+        if isinstance(sources, dict):
+            for hf_name, want in sources.items():
+                if files.shape(hf_name) != want:
+                    raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(files.shape(hf_name))}, "
+                                     f"expected {list(want)} (for {name} of {type(config).__name__})")
+        else:
+            _check_shapes(folder, config, name, tuple(params[name].shape), sources, files)
 
     model.to_empty(device=device or "cpu")
     model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
     state = model.state_dict(keep_vars=True)
+    fused: dict[str, torch.Tensor] = {}  # the fused HF tensor last read (its parts are planned together)
     with torch.no_grad():
-        for name in plan:
-            source = converter.load(config, name, files, present)
-            if source is None:
+        for name, sources in plan.items():
+            if isinstance(sources, dict):  # the converter's own layout
+                state[name].copy_(converter.load(config, name, files, present))
+                continue
+            if not sources:
                 state[name].zero_()
+                continue
+            if len(sources) == 1 and isinstance(sources[0], Rows):
+                rows = sources[0]
+                if rows.hf_name not in fused:
+                    fused = {rows.hf_name: files.get(rows.hf_name)}
+                source = fused[rows.hf_name][list(rows.rows)]
+            elif len(sources) == 1:
+                source = files.get(sources[0])
             else:
-                state[name].copy_(source)
+                source = torch.stack([files.get(n) for n in sources])
+            state[name].copy_(source)
     return model
+
+
+def _located(sources: list, prefix: str) -> list:
+    """`hf_names` sources with the decoder's `model.` names moved under `prefix` (composite checkpoints)."""
+    if prefix == "model.":
+        return sources
+
+    def move(name: str) -> str:
+        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+    return [Rows(move(s.hf_name), s.rows) if isinstance(s, Rows) else move(s) for s in sources]
+
+
+def _by_prefix(names: list[str]) -> str:
+    """'412 under model.visual, 19 under mtp' for a list of tensor names."""
+    counts: dict[str, int] = {}
+    for name in names:
+        head = ".".join(name.split(".")[:2]) if name.startswith("model.") else name.split(".")[0]
+        counts[head] = counts.get(head, 0) + 1
+    return ", ".join(f"{n} under {head}" for head, n in counts.items())
+
+
+def _check_shapes(folder: Path, config: Any, name: str, want: tuple[int, ...], sources: list,
+                  files: SafetensorsFolder) -> None:
+    per_tensor = want[1:] if len(sources) > 1 else want
+    for source in sources:
+        got = files.shape(source_name(source))
+        if isinstance(source, Rows):  # rows of a fused tensor: same trailing dims, enough rows
+            if got[1:] != want[1:] or len(source.rows) != want[0] or max(source.rows) >= got[0]:
+                raise ValueError(f"{folder}: tensor {source.hf_name!r} has shape {list(got)}, expected "
+                                 f"[{max(source.rows) + 1}+, {', '.join(map(str, want[1:]))}] with rows for "
+                                 f"{name} {list(want)} of {type(config).__name__}")
+        elif got != per_tensor:
+            raise ValueError(f"{folder}: tensor {source!r} has shape {list(got)}, expected "
+                             f"{list(per_tensor)} (for {name} of {type(config).__name__})")
 
 
 def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
@@ -139,6 +200,7 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # as stored, even after .to()
     entries = []
     fused: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> the titan tensors written into it
+    fused_parts: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}  # HF name -> its rows
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "output.weight":
             continue
@@ -154,14 +216,18 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
                 warnings.warn(f"{name} is not stored by Hugging Face {hf_config['architectures'][0]}; "
                               "its nonzero values are dropped", stacklevel=2)
             continue
-        if len(hf_names) == 1:
+        if len(hf_names) == 1 and isinstance(hf_names[0], Rows):
+            fused_parts.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
+        elif len(hf_names) == 1:
             if hf_names[0] not in fused:
                 entries.append(hf_names[0])  # its place in the file order; resolved below
             fused.setdefault(hf_names[0], {})[name] = tensor
         else:
             for e, hf_name in enumerate(hf_names):
                 entries.append((hf_name, tuple(tensor.shape[1:]), tensor.dtype, lambda t=tensor, e=e: t[e].cpu().clone()))
-    entries = [_fused_entry(converter, config, e, fused[e]) if isinstance(e, str) else e for e in entries]
+    entries = [_written_entry(converter, config, e, fused[e]) if isinstance(e, str) else e for e in entries]
+    for hf_name, parts in fused_parts.items():
+        entries.append(_fused_entry(hf_name, parts))
     for hf_name, tensor in converter.extra_tensors(model):
         tensor = _full(tensor).detach()
         entries.append((hf_name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().clone()))
@@ -171,11 +237,28 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     write_safetensors(folder, entries, max_shard_bytes=max_shard_bytes)
 
 
-def _fused_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
+def _written_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
     """The write entry of HF tensor `hf_name`, made from the titan tensors `parts` (usually one)."""
     name, tensor = next(iter(parts.items()))
-    shape = converter.hf_shapes(config, name, tuple(tensor.shape), set())[hf_name]
+    custom = converter.hf_shapes(config, name, tuple(tensor.shape), set())
+    shape = tuple(tensor.shape) if custom is None else custom[hf_name]
     return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
+
+
+def _fused_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]]):
+    """One safetensors entry assembling the titan tensors that are rows of `hf_name`."""
+    rows = sorted(r for part_rows, _ in parts for r in part_rows)
+    assert rows == list(range(len(rows))), f"the parts of {hf_name} do not partition its rows"
+    first = parts[0][1]
+    shape = (len(rows), *first.shape[1:])
+
+    def make() -> torch.Tensor:
+        out = torch.empty(shape, dtype=first.dtype)
+        for part_rows, tensor in parts:
+            out[list(part_rows)] = tensor.cpu()
+        return out
+
+    return hf_name, shape, first.dtype, make
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

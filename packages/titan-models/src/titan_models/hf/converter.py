@@ -4,12 +4,33 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 from torch import nn
 
 from titan_models.components.norms import RMSNormConfig
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Some rows of a Hugging Face tensor: the titan tensor is `hf_name[list(rows)]` (dim 0), for layouts
+    that fuse several titan tensors into one (the parts of a fused tensor partition its rows)."""
+
+    hf_name: str
+    rows: tuple[int, ...]
+
+    @staticmethod
+    def span(hf_name: str, start: int, stop: int) -> "Rows":
+        return Rows(hf_name, tuple(range(start, stop)))
+
+
+HFSource = Union[str, Rows]  # what `hf_names` lists: a whole tensor, or rows of one
+
+
+def source_name(source: HFSource) -> str:
+    return source.hf_name if isinstance(source, Rows) else source
 
 
 class Converter:
@@ -22,30 +43,38 @@ class Converter:
     def config_to_hf(self, config: Any) -> dict[str, Any]:
         raise NotImplementedError
 
-    def hf_names(self, config: Any, name: str) -> list[str]:
-        """HF tensors holding titan tensor `name` (several = stacked experts; none = not stored, zero)."""
+    def hf_names(self, config: Any, name: str) -> list[HFSource]:
+        """HF tensors holding titan tensor `name` (several = stacked experts; none = not stored, zero;
+        a `Rows` = part of a fused HF tensor)."""
         raise NotImplementedError
 
-    def hf_shapes(self, config: Any, name: str, shape: tuple[int, ...], present: set[str]) -> dict[str, tuple[int, ...]]:
-        """HF tensors that hold titan tensor `name` (of `shape`), each with its shape on disk. `present`
-        names the folder's tensors when reading (a converter may accept several layouts), empty when writing."""
-        names = self.hf_names(config, name)
-        per_tensor = shape[1:] if len(names) > 1 else shape
-        return {hf_name: per_tensor for hf_name in names}
+    def hf_shapes(self, config: Any, name: str, shape: tuple[int, ...], present: set[str]
+                  ) -> dict[str, tuple[int, ...]] | None:
+        """None: titan tensor `name` is stored as `hf_names` says (whole, stacked or rows, as laid out
+        in titan). A converter whose layout on disk differs (transposed, interleaved, quantised) returns
+        the HF tensors holding it with their shapes on disk, and says how to `load` and `to_hf_tensor`
+        them. `present` names the folder's tensors when reading (a converter may accept several
+        layouts), empty when writing."""
+        return None
 
     def load(self, config: Any, name: str, files: Any, present: set[str]) -> torch.Tensor | None:
-        """Titan tensor `name` read from `files` (a SafetensorsFolder); None when it is not stored (zero)."""
-        names = list(self.hf_shapes(config, name, (), present))
-        if not names:
-            return None
-        if len(names) == 1:
-            return files.get(names[0])
-        return torch.stack([files.get(n) for n in names])
+        """Titan tensor `name` read from `files` (a SafetensorsFolder) when `hf_shapes` names its tensors."""
+        raise NotImplementedError(f"{type(self).__name__}.hf_shapes names the tensors of {name}; load must read them")
 
     def to_hf_tensor(self, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """The HF tensor `hf_name` from the titan tensors that map to it alone (one, unless fused on disk)."""
         assert len(parts) == 1, f"{hf_name} is written from {sorted(parts)}; the converter must say how"
         return next(iter(parts.values()))
+
+    def text_prefix(self, tensor_names: set[str]) -> str:
+        """Where the decoder's `model.*` tensors live in this checkpoint: "model." for a causal-LM
+        folder; composite (multimodal) checkpoints override this (e.g. "model.language_model.")."""
+        return "model."
+
+    def reported(self, config: Any, hf_name: str) -> bool:
+        """HF tensors present but not part of the titan model (another tower, an MTP head): loaded
+        into nothing and listed in a warning by from_hf, rather than refused as unexpected."""
+        return False
 
     def ignorable(self, config: Any, hf_name: str) -> bool:
         """HF tensors that may be present without being loaded (derived or duplicated data)."""
@@ -62,7 +91,9 @@ class Converter:
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "head_dim", "max_position_embeddings", "moe_intermediate_size",
                 "n_routed_experts", "num_experts_per_tok", "num_experts", "num_local_experts", "kv_lora_rank",
-                "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step")
+                "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "shared_expert_intermediate_size", "full_attention_interval")
 _COUNT_FIELDS = ("n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers",
                  "num_mtp_layers")
 _NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")

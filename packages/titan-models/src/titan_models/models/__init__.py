@@ -4,3 +4,5 @@ from titan_models.models import deepseek_v3  # noqa: F401
 from titan_models.models import gpt_oss  # noqa: F401
 from titan_models.models import llama3  # noqa: F401
 from titan_models.models import qwen3  # noqa: F401
+from titan_models.models import qwen3_5  # noqa: F401
+from titan_models.models import qwen3_next  # noqa: F401

@@ -117,8 +117,10 @@ class Transformer(nn.Module):
 
         Each parameter draws from its own generator seeded by (seed, its name), so the values do
         not depend on which other modules exist: a pipeline stage holding layers 8..15 gets the
-        same weights as the full model. Scheme: biases zero; embeddings N(0, 1) (N(0, dim^-1/2) when tied);
-        output N(0, dim^-1/2); norms ones (biases zero); projections that write into the residual
+        same weights as the full model. Scheme: a module's own `init_parameter(name, param, generator)`
+        where it returns True (Gated DeltaNet's decay); other biases zero; embeddings N(0, 1)
+        (N(0, dim^-1/2) when tied); output N(0, dim^-1/2); norms ones (zero-centred norms zeros;
+        biases zero); projections that write into the residual
         stream (wo, w2) N(0, 0.02 / sqrt(2 * num_layers)); every other matrix N(0, 0.02); normals
         truncated at 3 std.
         """
@@ -127,6 +129,12 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             owner, _, pname = name.rpartition(".")
             leaf = owner.rpartition(".")[2]  # e.g. "attention_norm", "wo", "experts"
+            module = self.get_submodule(owner)
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            if hasattr(module, "init_parameter"):  # a module with its own scheme for some parameters
+                if module.init_parameter(pname, param, generator):
+                    continue
             if pname == "bias" or pname.endswith("_bias"):  # projection biases (gpt-oss) start at zero
                 param.zero_()
                 continue
@@ -134,7 +142,7 @@ class Transformer(nn.Module):
                 if name.endswith("bias"):
                     param.zero_()
                 else:
-                    param.fill_(1.0)
+                    param.fill_(getattr(module, "init_value", 1.0))  # zero-centred norms start at 0
                 continue
             if name.startswith("tok_embeddings"):
                 std = dim**-0.5 if self.tie_embeddings else 1.0
@@ -144,8 +152,6 @@ class Transformer(nn.Module):
                 std = depth_std
             else:
                 std = 0.02
-            generator = torch.Generator(device=param.device)
-            generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             nn.init.trunc_normal_(param, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         self.init_buffers()
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import titan_models as tm
 from torch import nn
 from titan_models.components.ffn import FeedForward
+from titan_models.components.gated_deltanet import GatedDeltaNet
 from titan_models.components.moe import MoE
-from titan_models.components.norms import RMSNorm
+from titan_models.components.norms import RMSNorm, ZeroCenteredRMSNorm
 
 from titan_rl.batch_invariant.moe import BatchInvariantMoE
 from titan_rl.batch_invariant.modules import (
@@ -40,6 +41,10 @@ def batch_invariant(model: nn.Module) -> nn.Module:
     if unsupported:
         raise ValueError(f"batch_invariant() supports RMSNorm models whose MoE layers (if any) route without "
                          f"expert groups; found unsupported modules {unsupported[:4]}")
+    linear = sorted(n for n, m in names.items() if isinstance(m, (GatedDeltaNet, ZeroCenteredRMSNorm)))
+    if linear:
+        raise ValueError("batch_invariant() does not support linear-attention models (Gated DeltaNet, zero-centred "
+                         f"norms: no fixed-order kernels yet); found {linear[:4]}")
     # Order matters: MoE layers first (they keep their router, experts and shared experts), then
     # FeedForward (it takes over its own w1/w2/w3), then the remaining modules.
     for name, module in names.items():

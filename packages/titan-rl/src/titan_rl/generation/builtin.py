@@ -68,10 +68,12 @@ class BuiltinGenerator:
             tokens[i, : len(p)] = torch.tensor(p, device=device)
 
         # Prefill: every prompt position at once (right-padded); the next-token logits of each
-        # sequence sit at its last real position.
+        # sequence sit at its last real position. Recurrent layers (linear attention) keep their
+        # state in `recurrent_states`, carried over the padding (valid_tokens) and through decode.
         positions = torch.arange(longest, device=device).expand(batch, longest)
         context = GenerationContext(positions=positions, kv_len=torch.full((batch,), longest, device=device),
-                                    capacity=capacity)
+                                    capacity=capacity, recurrent_states={},
+                                    valid_tokens=positions < lengths[:, None])
         logits = model(tokens, positions=positions, context=context)
         last_logits = logits[torch.arange(batch, device=device), lengths - 1]   # [B, V]
 
@@ -98,7 +100,7 @@ class BuiltinGenerator:
             # Decode: one token per sequence at its own position (finished ones keep going on
             # padding; their outputs are ignored).
             positions = cur_len[:, None]
-            context.positions, context.kv_len = positions, cur_len + 1
+            context.positions, context.kv_len, context.valid_tokens = positions, cur_len + 1, None
             context._cache.clear()
             last_logits = model(nxt[:, None], positions=positions, context=context)[:, 0]
             cur_len = cur_len + 1

@@ -58,7 +58,7 @@ class Qwen3Converter(Converter):
         }
         if config.moe is not None:
             moe = config.moe
-            if moe.score_func != "softmax" or moe.num_shared_experts or moe.n_group > 1 or moe.route_scale != 1.0:
+            if moe.score_func != "softmax" or moe.shared_width or moe.n_group > 1 or moe.route_scale != 1.0:
                 raise ValueError(f"Qwen3MoeForCausalLM routes by softmax top-k without shared experts, groups or "
                                  f"scaling; this MoE config cannot be written: {moe}")
             hf |= {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,

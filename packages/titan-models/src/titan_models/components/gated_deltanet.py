@@ -1,0 +1,331 @@
+"""Gated DeltaNet (Yang, Kautz and Hatamizadeh, arXiv 2412.06464): linear attention whose state is
+updated by the gated delta rule, as Qwen3-Next and Qwen3.5 use it.
+
+Per value head, with a state S [key_dim, value_dim] and for each token t:
+
+    S <- exp(g_t) * S                                  decay gate g_t = -exp(A_log) * softplus(a_t + dt_bias)
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T          delta rule, beta_t = sigmoid(b_t)
+    o_t = S^T q_t
+
+q and k come L2-normalised (q also scaled by key_dim^-1/2) from a short causal depthwise conv
+(kernel `conv_kernel`, SiLU) over [q | k | v]. The output passes a gated RMSNorm (`norm(o) * silu(z)`)
+and `wo`. Key heads are shared by `num_value_heads / num_key_heads` consecutive value heads (GQA-like).
+
+Two forms compute the same recurrence: `chunked_delta_rule` (chunks of `chunk_size` tokens solved in
+parallel with a triangular solve, then a scan over chunks; training and prefill) and
+`recurrent_delta_rule` (token by token; decode). Both run in float32. The chunked one is plain
+torch so a GPU kernel can replace it behind the same signature.
+
+Packed documents: `context.document_ids` [b, s] splits rows into documents (a new document starts
+wherever the id changes from the previous token). The conv never reads across a boundary and the
+recurrent state restarts from zero at each one, so a document gives what it gives alone.
+
+Decode state: set `context.recurrent_states` to a dict (kept across calls) and each layer reads its
+`GatedDeltaNetState` from `recurrent_states[layer]` (absent: zeros) and writes its final state back.
+The state after a call is the state after the row's last token (of its last document);
+`context.valid_tokens` [b, s] (False = right padding) makes it the state after the last valid token.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_models.components.norms import GatedRMSNorm
+from titan_models.components.projections import project
+from titan_models.context import AttentionContext
+
+
+@dataclass(kw_only=True, frozen=True)
+class GatedDeltaNetConfig:
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+    chunk_size: int = 64
+
+    def build(self, dim: int) -> "GatedDeltaNet":
+        if self.num_key_heads < 1 or self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"num_value_heads ({self.num_value_heads}) must be a multiple of num_key_heads "
+                             f"({self.num_key_heads})")
+        if self.conv_kernel < 1 or self.chunk_size < 1:
+            raise ValueError(f"conv_kernel ({self.conv_kernel}) and chunk_size ({self.chunk_size}) must be >= 1")
+        return GatedDeltaNet(dim, self)
+
+
+@dataclass
+class GatedDeltaNetState:
+    """One layer's decode state for a batch, what a generator carries from one call to the next.
+
+    conv: [b, conv_kernel - 1, channels], the last inputs of the short conv (channels [q | k | v] of
+    this rank's heads; zeros before a document's first token). recurrent: [b, Hv, key_dim, value_dim]
+    float32, the delta-rule state S."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+class ShortConv(nn.Module):
+    """A depthwise causal conv + SiLU over `channels` (weight in nn.Conv1d's layout [channels, 1, kernel]);
+    `conv(x, history, segments, lengths)` is `causal_conv` with this weight. Split per head under tensor
+    parallelism (its channels are whole heads of q, k or v)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+    def forward(self, x: torch.Tensor, history: torch.Tensor | None, segments: torch.Tensor | None,
+                lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv(x, self.weight, history, segments, lengths)
+
+    def init_parameter(self, name: str, param: torch.Tensor, generator: torch.Generator) -> bool:
+        bound = 1 / math.sqrt(param.shape[-1])  # nn.Conv1d's default scale (fan_in = kernel)
+        param.uniform_(-bound, bound, generator=generator)
+        return True
+
+
+class DecayGate(nn.Module):
+    """g = -exp(A_log) * softplus(a + dt_bias) per value head, in float32 (log of the per-token decay)."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+
+    def init_parameter(self, name: str, param: torch.Tensor, generator: torch.Generator) -> bool:
+        if name == "A_log":  # A uniform in [1, 16] as Mamba-2 / Gated DeltaNet initialise it
+            param.copy_(torch.empty_like(param).uniform_(1.0, 16.0, generator=generator).log())
+        else:
+            param.fill_(1.0)
+        return True
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(a.dtype, torch.float32)
+        return -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
+
+
+def document_segments(context: AttentionContext | None) -> torch.Tensor | None:
+    """[b, s] int64 segment index per token (0 for the first document of a row, +1 at each id
+    change), or None without document ids. Cached on the context (shared by every layer)."""
+    if context is None or context.document_ids is None:
+        return None
+    ids = context.document_ids
+
+    def build() -> torch.Tensor:
+        starts = torch.zeros_like(ids, dtype=torch.int64)
+        starts[:, 1:] = (ids[:, 1:] != ids[:, :-1]).long()
+        return starts.cumsum(dim=1)
+
+    return context.cached(("delta_rule_segments", ids.shape, ids.device), build)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None,
+                segments: torch.Tensor | None, lengths: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x [b, s, c], weight [c, 1, K], history [b, K-1, c] (the inputs
+    before x, or None for zeros). Taps never cross a segment boundary. Returns (out [b, s, c], the
+    new history [b, K-1, c]: the inputs before token `lengths[b]` of each row, the end by default)."""
+    batch, seq, channels = x.shape
+    kernel = weight.shape[-1]
+    if history is None:
+        history = x.new_zeros(batch, kernel - 1, channels)
+    padded = torch.cat([history.to(x.dtype), x], dim=1)  # [b, K-1+s, c]
+    taps = weight[:, 0, :].to(x.dtype)  # [c, K]; tap K-1 multiplies the current token
+    if segments is not None:  # history belongs to the row's first segment (0)
+        seg = F.pad(segments, (kernel - 1, 0), value=0)
+    out = torch.zeros_like(x)
+    for back in range(kernel):  # token t reads t - back
+        start = kernel - 1 - back
+        term = padded[:, start:start + seq] * taps[:, kernel - 1 - back]
+        if segments is not None and back:
+            term = term * (seg[:, start:start + seq] == segments)[..., None].to(x.dtype)
+        out = out + term
+    if lengths is None:
+        new_history = padded[:, seq:]
+        last_seg = None if segments is None else seg[:, seq:]
+    else:  # right padding: the K-1 inputs before each row's first padded token
+        index = lengths[:, None] + torch.arange(kernel - 1, device=x.device)  # [b, K-1] in padded coordinates
+        new_history = padded.gather(1, index[..., None].expand(-1, -1, channels))
+        last_seg = None if segments is None else seg.gather(1, index)
+    if segments is not None and kernel > 1:  # keep only the inputs of the segment that goes on
+        current = segments[:, -1:] if lengths is None else segments.gather(1, (lengths[:, None] - 1).clamp(min=0))
+        new_history = new_history * (last_seg == current)[..., None].to(x.dtype)
+    return F.silu(out), new_history
+
+
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         *, segments: torch.Tensor | None = None, initial_state: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token. q, k [b, s, h, dk] (normalised, q scaled), v [b, s, h, dv],
+    g, beta [b, s, h]; segments [b, s] or None; initial_state [b, h, dk, dv] or None (zeros).
+    Returns (out [b, s, h, dv], final state [b, h, dk, dv]), both float32 (float64 for float64 inputs)."""
+    batch, seq, heads, dk = k.shape
+    dtype = _compute_dtype(v)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    state = (torch.zeros(batch, heads, dk, v.shape[-1], device=v.device, dtype=dtype) if initial_state is None
+             else initial_state.to(dtype))
+    out = torch.empty_like(v)
+    for t in range(seq):
+        if segments is not None and t > 0:
+            keep = (segments[:, t] == segments[:, t - 1]).float()[:, None, None, None]
+            state = state * keep
+        state = state * g[:, t].exp()[..., None, None]
+        predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        update = beta[:, t, :, None] * (v[:, t] - predicted)
+        state = state + k[:, t, :, :, None] * update[:, :, None, :]
+        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
+    return out, state
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (reference runs)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _to_chunks(x: torch.Tensor, chunk: int, pad: int) -> torch.Tensor:
+    """[b, s, h, ...] -> [b, h, n, chunk, ...], zero-padded at the end."""
+    x = x.transpose(1, 2)
+    x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 4 else F.pad(x, (0, pad))
+    return x.reshape(x.shape[0], x.shape[1], -1, chunk, *x.shape[3:])
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       *, segments: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                       chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence as `recurrent_delta_rule` (same arguments), chunk by chunk.
+
+    Within a chunk (cumulative log decay c_i, D_ij = exp(c_i - c_j) for j <= i in i's segment, else 0),
+    the delta-rule corrections u solve (I + strict_lower(beta_i k_i.k_j D_ij)) u = beta (v - R k S0),
+    where R_i = exp(c_i) if token i still sees the incoming state S0 (no boundary since the chunk began)
+    else 0; then o = R q S0 + (q k^T * D) u and the outgoing state is exp(c_last) S0 (if the last token
+    sees S0) + sum_j D_last,j k_j u_j^T.
+    """
+    batch, seq, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-seq) % chunk_size
+    dtype = _compute_dtype(v)
+    q, k, v, g, beta = (_to_chunks(t.to(dtype), chunk_size, pad) for t in (q, k, v, g, beta))  # [b, h, n, C, ...]
+    chunks = q.shape[2]
+    if segments is None:
+        segments = torch.zeros(batch, seq, dtype=torch.int64, device=q.device)
+    # Padding joins the last segment: zero k, v, beta and g leave the state unchanged there.
+    seg = F.pad(segments[:, None].float(), (0, pad), mode="replicate")[:, 0].long()
+    seg = seg.view(batch, 1, chunks, chunk_size)  # [b, 1, n, C], broadcast over heads
+    seg_before = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], dim=2)  # segment of the state entering
+    sees_state = seg == seg_before  # [b, 1, n, C]
+    same = seg[..., :, None] == seg[..., None, :]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+
+    log_decay = g.cumsum(dim=-1)  # [b, h, n, C]
+    pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~(same & causal), float("-inf")).exp()
+    state_read = log_decay.exp() * sees_state  # R_i
+    to_end = (log_decay[..., -1:] - log_decay).exp() * (seg == seg[..., -1:])  # D_last,j
+    state_carry = log_decay[..., -1].exp() * sees_state[..., -1]  # [b, h, n]
+
+    system = (beta[..., None] * k) @ k.transpose(-1, -2) * pair  # only its strict lower part is used
+    solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
+    corrections = solve(beta[..., None] * v)  # u before the incoming state's share
+    state_keys = solve((beta * state_read)[..., None] * k)  # u = corrections - state_keys @ S0
+    scores = (q @ k.transpose(-1, -2)) * pair
+    q_state = q * state_read[..., None]
+    k_end = k * to_end[..., None]
+
+    state = (torch.zeros(batch, heads, dk, dv, device=q.device, dtype=dtype) if initial_state is None
+             else initial_state.to(dtype))
+    out = torch.empty_like(corrections)
+    for c in range(chunks):
+        u = corrections[:, :, c] - state_keys[:, :, c] @ state
+        out[:, :, c] = q_state[:, :, c] @ state + scores[:, :, c] @ u
+        state = state * state_carry[:, :, c, None, None] + k_end[:, :, c].transpose(-1, -2) @ u
+    out = out.reshape(batch, heads, chunks * chunk_size, dv)[:, :, :seq].transpose(1, 2)
+    return out, state
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in float32 or wider (flash-linear-attention's definition)."""
+    x = x.to(_compute_dtype(x))
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """`gdn(x [b, s, dim], rope, *, context) -> [b, s, dim]` (rope is ignored: no positions here).
+
+    Projections wq, wk [dim, Hk*dk], wv, wz [dim, Hv*dv], wb, wa [dim, Hv] (read by one GEMM when
+    fusable), their convs q_conv/k_conv/v_conv, the decay gate, the gated output norm and wo. Head
+    counts are inferred from the projections' outputs, so a tensor-parallel shard holding
+    Hk/tp key and Hv/tp value heads runs unchanged.
+    """
+
+    def __init__(self, dim: int, config: GatedDeltaNetConfig):
+        super().__init__()
+        self.config = config
+        key_dim = config.num_key_heads * config.key_head_dim
+        value_dim = config.num_value_heads * config.value_head_dim
+        self.heads_per_key = config.num_value_heads // config.num_key_heads
+        self.wq = nn.Linear(dim, key_dim, bias=False)
+        self.wk = nn.Linear(dim, key_dim, bias=False)
+        self.wv = nn.Linear(dim, value_dim, bias=False)
+        self.wz = nn.Linear(dim, value_dim, bias=False)  # output gate
+        self.wb = nn.Linear(dim, config.num_value_heads, bias=False)  # beta logits
+        self.wa = nn.Linear(dim, config.num_value_heads, bias=False)  # decay input
+        self.q_conv = ShortConv(key_dim, config.conv_kernel)
+        self.k_conv = ShortConv(key_dim, config.conv_kernel)
+        self.v_conv = ShortConv(value_dim, config.conv_kernel)
+        self.decay = DecayGate(config.num_value_heads)
+        self.norm = GatedRMSNorm(config.value_head_dim, eps=config.norm_eps)
+        self.wo = nn.Linear(value_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                context: AttentionContext | None = None) -> torch.Tensor:
+        states = None if context is None else context.recurrent_states
+        state = None if states is None else states.get(self)
+        valid = None if context is None else context.valid_tokens
+        out, new_state = self.mix(x, state=state, segments=document_segments(context), valid=valid)
+        if states is not None:
+            states[self] = new_state
+        return out
+
+    def mix(self, x: torch.Tensor, *, state: GatedDeltaNetState | None = None, segments: torch.Tensor | None = None,
+            valid: torch.Tensor | None = None) -> tuple[torch.Tensor, GatedDeltaNetState]:
+        """The layer on x [b, s, dim] from `state` (None: a fresh start); returns (out, the state after
+        each row's last token). `valid` [b, s] bool marks right padding (False): padded tokens neither
+        decay nor update the state, and the conv history ends at the last valid token."""
+        cfg = self.config
+        batch, seq, _ = x.shape
+        q, k, v, z, b, a = project(x, self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)
+        lengths = None if valid is None else valid.sum(dim=1)
+        histories = [None] * 3 if state is None else state.conv.split([q.shape[-1], k.shape[-1], v.shape[-1]], -1)
+        convs = [conv(t, h, segments, lengths) for conv, t, h in zip((self.q_conv, self.k_conv, self.v_conv),
+                                                                      (q, k, v), histories)]
+        (q, q_hist), (k, k_hist), (v, v_hist) = convs
+        history = torch.cat([q_hist, k_hist, v_hist], dim=-1)  # [b, K-1, q | k | v channels]
+        q = l2_normalize(q.reshape(batch, seq, -1, cfg.key_head_dim)) * cfg.key_head_dim**-0.5
+        k = l2_normalize(k.reshape(batch, seq, -1, cfg.key_head_dim))
+        v = v.reshape(batch, seq, -1, cfg.value_head_dim)
+        if self.heads_per_key > 1:  # value heads h*r .. h*r + r-1 read key head h
+            q, k = (t.repeat_interleave(self.heads_per_key, dim=2) for t in (q, k))
+        g, beta = self.decay(a), b.to(_compute_dtype(b)).sigmoid()  # [b, s, Hv]
+        if valid is not None:  # padding: no decay (g = 0) and no update (beta = 0)
+            g, beta = g * valid[..., None], beta * valid[..., None]
+        initial = None if state is None else state.recurrent
+        # The delta rule stays in float32 under autocast too (its triangular solve and state products
+        # lose too much in bf16); the projections around it follow autocast.
+        with torch.autocast(x.device.type, enabled=False):
+            if seq == 1:
+                out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
+            else:
+                out, final = chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial,
+                                                chunk_size=cfg.chunk_size)
+        out = self.norm(out.to(x.dtype), z.reshape(batch, seq, -1, cfg.value_head_dim))
+        return self.wo(out.reshape(batch, seq, -1)), GatedDeltaNetState(conv=history, recurrent=final)
+
+    @property
+    def delta_rule_dims(self) -> tuple[int, int, int, int]:
+        """(value heads, key dim, value dim, chunk size), for FLOP counting (accounting.py)."""
+        cfg = self.config
+        return cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim, cfg.chunk_size
