@@ -13,10 +13,11 @@ import titan_models as tm
 def within_published(ours: int, published: str) -> bool:
     """Published sizes are rounded to the digits they show ("3.3B", "37B", "8.03B"): accept a count within
     one unit of the last shown digit, or within 0.5%, whichever is wider."""
-    assert published.endswith("B"), published
+    assert published[-1] in "BT", published
+    scale = 1e9 if published.endswith("B") else 1e12  # "1.6T" (DeepSeek-V4-Pro)
     mantissa = published[:-1]
-    value = float(mantissa) * 1e9
-    unit = 10.0 ** -(len(mantissa.split(".")[1]) if "." in mantissa else 0) * 1e9
+    value = float(mantissa) * scale
+    unit = 10.0 ** -(len(mantissa.split(".")[1]) if "." in mantissa else 0) * scale
     return abs(ours - value) <= max(unit, 0.005 * value)
 
 
@@ -24,6 +25,7 @@ def test_within_published_tolerance_rule():
     assert within_published(3.35e9, "3.3B") and not within_published(3.45e9, "3.3B")
     assert within_published(671.9e9, "671B") and not within_published(675e9, "671B")  # 0.5% of 671B is wider
     assert within_published(8.07e9, "8.03B") and not within_published(8.09e9, "8.03B")
+    assert within_published(1.57e12, "1.6T") and not within_published(1.49e12, "1.6T")
 
 
 PUBLISHED = [(f.name, flavor) for f in tm.families() for flavor in f.published_sizes]

@@ -5,6 +5,8 @@ chosen by top-k of `scores + expert_bias` (optionally limited to the `topk_group
 expert groups), and weighted by the un-biased scores of the chosen experts (renormalised when
 `norm_topk_prob`, then times `route_scale`). The bias therefore steers only selection, which is
 the aux-loss-free balancing of DeepSeek-V3; a trainer updates it from `tokens_per_expert`.
+`score_func="sqrtsoftplus"` (DeepSeek-V4) scores sqrt(softplus(logits)); with `hash_vocab_size` the
+experts come from the frozen table `tid2eid[token_id]` instead of a top-k (DeepSeek-V4's hash layers).
 With `score_func="topk_softmax"` (gpt-oss, Mixtral) the experts are the top-k of
 `logits + expert_bias` and their weights the softmax over the chosen experts' logits alone.
 
@@ -27,7 +29,7 @@ from titan_models.components.ffn import ClampedSwiGLU, FeedForward, swiglu
 
 ExpertImplementation = Literal["auto", "loop", "grouped_mm"]
 EXPERT_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "loop", "grouped_mm")
-SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "topk_softmax")
+SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "topk_softmax", "sqrtsoftplus")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -38,7 +40,7 @@ class MoEConfig:
     num_shared_experts: int = 0  # shared hidden width = num_shared_experts * expert_dim
     shared_expert_dim: int | None = None  # the shared experts' hidden width when set (Qwen2/3-Next/3.5: its own size)
     shared_expert_gate: bool = False  # scale the shared output by sigmoid(x . w_gate) per token (Qwen3-Next/3.5)
-    score_func: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    score_func: Literal["softmax", "sigmoid", "topk_softmax", "sqrtsoftplus"] = "softmax"
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
@@ -46,7 +48,10 @@ class MoEConfig:
     implementation: ExpertImplementation = "auto"
     router_bias: bool = False  # a bias in the router's logits (gpt-oss)
     expert_linear_bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
-    activation: ClampedSwiGLU | None = None  # None: silu(gate) * up
+    activation: ClampedSwiGLU | None = None  # None: silu(gate) * up (routed and shared experts)
+    # hash routing (DeepSeek-V4's first layers): a frozen table `tid2eid` [hash_vocab_size, top_k] names each
+    # token id's experts; the scores still weight them. The forward then needs `token_ids`.
+    hash_vocab_size: int | None = None
 
     def build(self, dim: int) -> "MoE":
         if not 0 < self.top_k <= self.num_experts:
@@ -62,6 +67,9 @@ class MoEConfig:
             )
         if self.shared_expert_gate and not self.shared_width:
             raise ValueError("shared_expert_gate needs shared experts (num_shared_experts or shared_expert_dim)")
+        if self.hash_vocab_size is not None and (self.hash_vocab_size < 1 or self.score_func == "topk_softmax"):
+            raise ValueError(f"hash_vocab_size must be >= 1 and score_func a per-expert score (softmax, sigmoid, "
+                             f"sqrtsoftplus); got {self.hash_vocab_size}, {self.score_func!r}")
         if self.implementation not in EXPERT_IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, got {self.implementation!r}")
         return MoE(dim, self)
@@ -84,15 +92,22 @@ class Router(nn.Module):
         self.config = config
         self.gate = nn.Linear(dim, config.num_experts, bias=config.router_bias)
 
-    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [tokens, dim] -> (weights [tokens, top_k] float32, experts [tokens, top_k] int64)."""
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor, hashed: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (weights [tokens, top_k] float32, experts [tokens, top_k] int64); `hashed`
+        [tokens, top_k] are the experts of hash routing (then only their weights come from the scores)."""
         cfg = self.config
         bias = None if self.gate.bias is None else self.gate.bias.float()
         logits = F.linear(x.float(), self.gate.weight.float(), bias)  # [T, E]
         if cfg.score_func == "topk_softmax":
             experts = (logits + expert_bias.float()).topk(cfg.top_k, dim=-1, sorted=False).indices  # [T, k]
             return logits.gather(1, experts).softmax(dim=-1) * cfg.route_scale, experts
-        scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
+        if cfg.score_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        else:
+            scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
+        if hashed is not None:
+            return self._weights(scores, hashed), hashed
         choice = scores + expert_bias.float()
         if cfg.n_group > 1:
             # Group score = sum of its two best experts; keep the topk_group best groups.
@@ -102,10 +117,13 @@ class Router(nn.Module):
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
             choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.n_group, dim=1), float("-inf"))
         experts = choice.topk(cfg.top_k, dim=-1, sorted=False).indices  # [T, k]
+        return self._weights(scores, experts), experts
+
+    def _weights(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         weights = scores.gather(1, experts)
-        if cfg.norm_topk_prob:
+        if self.config.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.route_scale, experts
+        return weights * self.config.route_scale
 
 
 class GroupedExperts(nn.Module):
@@ -179,20 +197,34 @@ class MoE(nn.Module):
         self.config = config
         self.router = Router(dim, config)
         self.experts = GroupedExperts(dim, config)
-        self.shared_experts = FeedForward(dim, config.shared_width) if config.shared_width else None
+        self.shared_experts = (FeedForward(dim, config.shared_width, activation=config.activation)
+                               if config.shared_width else None)
         self.shared_gate = nn.Linear(dim, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        if config.hash_vocab_size is not None:
+            self.register_buffer("tid2eid", torch.zeros(config.hash_vocab_size, config.top_k, dtype=torch.int64))
+        else:
+            self.tid2eid = None
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
+        if self.tid2eid is not None:  # a fixed table until a checkpoint's: token t -> experts t*k .. t*k+k-1 (mod E)
+            vocab, k = self.tid2eid.shape
+            table = torch.arange(vocab * k, device=self.tid2eid.device).view(vocab, k) % self.config.num_experts
+            self.tid2eid.copy_(table)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, dim = x.shape
         top_k = self.config.top_k
         tokens = x.reshape(-1, dim)  # [T, dim]
-        weights, experts = self.router(tokens, self.expert_bias)  # [T, k] each
+        hashed = None
+        if self.tid2eid is not None:
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids (token_ids=)")
+            hashed = self.tid2eid[token_ids.reshape(-1)]
+        weights, experts = self.router(tokens, self.expert_bias, hashed)  # [T, k] each
         flat_experts = experts.flatten()  # [T*k], slot t*k + j = token t's j-th choice
         # scatter_add into a fixed-size buffer: unlike bincount it needs no device -> host sync
         counts = torch.zeros(self.config.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
