@@ -163,3 +163,14 @@ def test_config_json_round_trip(tmp_path):
     for key in ("layer_types", "mlp_layer_types", "compress_rates", "index_topk", "o_groups", "hc_mult"):
         assert written[key] == hf[key], key
     assert written["rope_parameters"]["compress"]["attention_factor"] == 1.0
+
+
+def test_flops_count_the_window_and_the_entries_read():
+    config = tm.flavor("deepseek_v4", "debug")  # window 16, rates 4 (top-8 indexer) and 16
+    counts = tm.count_params(config)
+    seq, kinds = 256, config.resolved_layer_types
+    per_key = 6 * 4 * (64 + 64)  # 4 query heads over the shared 64-wide key=value head
+    keys = {"sliding_attention": 16, "compressed_sparse_attention": 16 + 8,  # top-8 of 64 entries
+            "heavily_compressed_attention": 16 + 256 // 16}
+    want = 6 * (counts.active - counts.embedding) + per_key * sum(keys[k] for k in kinds)
+    assert tm.flops_per_token(config, seq) == want

@@ -88,13 +88,16 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float) -> list[str]:
 
 def _check_dist_moe_supports(fqn: str, moe_config: object) -> None:
     """dist-moe's layer routes by softmax/sigmoid scores into plain SwiGLU experts without biases; gpt-oss's
-    options would be dropped silently, so they stop here."""
-    unsupported = [name for name, plain in (("router_bias", False), ("expert_linear_bias", False), ("activation", None))
+    and DeepSeek-V4's options would be dropped silently, so they stop here."""
+    unsupported = [name for name, plain in (("router_bias", False), ("expert_linear_bias", False), ("activation", None),
+                                            ("hash_vocab_size", None))
                    if getattr(moe_config, name, plain) != plain]
-    if getattr(moe_config, "score_func", "softmax") == "topk_softmax":
-        unsupported.append("score_func='topk_softmax'")
+    score_func = getattr(moe_config, "score_func", "softmax")
+    if score_func in ("topk_softmax", "sqrtsoftplus"):
+        unsupported.append(f"score_func={score_func!r}")
     if unsupported:
-        raise ValueError(f"{fqn}: dist-moe's MoE layer does not implement {', '.join(unsupported)} (gpt-oss); "
+        raise ValueError(f"{fqn}: dist-moe's MoE layer does not implement {', '.join(unsupported)} (gpt-oss, "
+                         "DeepSeek-V4); "
                          "use model.moe_impl=titan with parallelism.ep=1")
 
 

@@ -201,13 +201,7 @@ class PipelineStageModule(nn.Module):
     def __init__(self, model: nn.Module, layer_names: tuple[str, ...], *, first: bool, last: bool,
                  loss: CausalLMLoss, autocast_dtype: torch.dtype | None = None):
         super().__init__()
-        with torch.device("meta"):  # its own embedding and output (1 x 1) are replaced right away
-            stage = tm.Transformer(config=model.config, vocab_size=1, dim=1, blocks=[],
-                                   norm=model.norm if last else None, rope=model.rope, tie_embeddings=False,
-                                   parallel_plan=model.parallel_plan)
-        stage.tok_embeddings = model.tok_embeddings if first else None
-        stage.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
-        stage.output = model.output if last else None
+        stage = model.pipeline_stage(layer_names, first=first, last=last)
         self.transformer = stage
         self.loss = loss.with_model(stage) if last else None
         self.context_factory, self.autocast_dtype = loss.context_factory, autocast_dtype

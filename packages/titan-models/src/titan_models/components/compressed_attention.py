@@ -205,6 +205,14 @@ class CompressedAttention(nn.Module):
                                head_dim=config.index_head_dim, rate=config.compress_rate, topk=config.index_topk,
                                norm_eps=config.norm_eps) if config.kind == "compressed_sparse_attention" else None
 
+    def keys_per_query(self, seq_len: int) -> int:
+        """For FLOP counting: the window's keys plus the compressed entries a query reads (at most)."""
+        cfg = self.config
+        entries = 0 if self.compressor is None else seq_len // cfg.compress_rate
+        if self.indexer is not None:
+            entries = min(entries, cfg.index_topk)
+        return min(seq_len, cfg.sliding_window) + entries
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, positions: torch.Tensor,
                 entry_rope: RotaryEmbedding, context: AttentionContext | None = None) -> torch.Tensor:
         """x [b, s, dim]; rope: this layer's (cos, sin) at `positions` [b, s]; entry_rope places entries."""

@@ -3,6 +3,7 @@ final norm, output projection. Families differ only in the blocks their configs 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import zlib
 from typing import Any, Iterator
@@ -85,6 +86,19 @@ class Transformer(nn.Module):
                 context: AttentionContext | None = None) -> torch.Tensor:
         h = self.hidden_states(tokens, positions=positions, context=context)
         return self.output(h) if self.output is not None else h
+
+    def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "Transformer":
+        """A model of the same type over some of this one's modules (shared, not copied): `layer_names`,
+        the embedding when `first`, the final norm and output when `last` (the others None). Other modules
+        (DeepSeek-V3's MTP) are left out; a subclass whose forward needs more adds it."""
+        stage = copy.copy(self)
+        stage._modules = {k: v for k, v in self._modules.items() if k in ("tok_embeddings", "rope", "layers", "norm", "output")}
+        stage._parameters, stage._buffers = dict(self._parameters), dict(self._buffers)
+        stage.tok_embeddings = self.tok_embeddings if first else None
+        stage.layers = nn.ModuleDict({name: self.layers[name] for name in layer_names})
+        stage.norm = self.norm if last else None
+        stage.output = self.output if last else None
+        return stage
 
     # --- initialisation and device moves ------------------------------------------------------
 

@@ -199,6 +199,12 @@ class DeepSeekV4Transformer(Transformer):
         self.hc_head: HyperHead | None = HyperHead(config.dim, streams=config.hc_mult, eps=config.hc_eps,
                                                    norm_eps=config.norm_eps)
 
+    def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "DeepSeekV4Transformer":
+        stage = super().pipeline_stage(layer_names, first=first, last=last)
+        stage.compress_rope = self.compress_rope
+        stage.hc_head = self.hc_head if last else None
+        return stage
+
     def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None, context: AttentionContext | None,
                token_ids: torch.Tensor | None = None):
         if self.tok_embeddings is not None:
