@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 BLOCK = (32, 32)
+TRAIN_STEPS = 8
 
 
 class MLP(nn.Module):
@@ -64,17 +65,21 @@ def fp8_worker(rank, world):
     bucket.reshard()
     report.update(exact_q=exact_q, exact_s=exact_s, exact_param=exact_param)
 
-    # Bytes: one forward + backward of the same sharding, fp8 against bf16 gathers.
+    # Bytes of one forward + backward of the same sharding, fp8 against bf16 gathers, and the losses of
+    # TRAIN_STEPS AdamW steps on the same data (the first loss is the model before any update).
     x = torch.randn(4, 96, generator=torch.Generator().manual_seed(rank))
     for quantize in (None, "fp8_e4m3"):
         model, rule = _model(quantize)
         flexshard.shard(model, mesh, placements=rule, mp_policy=mp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
-        for _ in range(2):
+        for _ in range(TRAIN_STEPS + 1):
             with flexshard.CollectiveCounter() as counter:
                 loss = model(x).float().square().mean()
                 loss.backward()
             losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
         gathers = [c for c in counter.calls if c.op == "_allgather_base_"]
         report[str(quantize)] = {"gathers": len(gathers), "bytes": sum(c.bytes for c in gathers), "all": counter.by_op(), "loss": losses}
     return report
@@ -107,6 +112,11 @@ def test_fp8_gather_moves_at_most_051x_the_bf16_bytes(report):
 
 
 def test_fp8_training_stays_close_to_bf16(report):
+    """After TRAIN_STEPS optimizer steps the fp8-gathered model's loss is within 5% of the bf16 one's,
+    and a model that never updated is not: the bound could fail."""
     for r in report:
         fp8, bf16 = r["fp8_e4m3"]["loss"], r["None"]["loss"]
-        assert abs(fp8[0] - bf16[0]) <= 0.05 * abs(bf16[0])  # e4m3 keeps ~2 significant digits
+        bound = 0.05 * abs(bf16[-1])  # e4m3 keeps ~2 significant digits
+        assert abs(fp8[0] - bf16[0]) <= 0.05 * abs(bf16[0]), (fp8, bf16)  # before any update
+        assert abs(fp8[-1] - bf16[-1]) <= bound, (fp8, bf16)
+        assert abs(bf16[0] - bf16[-1]) > 4 * bound, ("the control: training must move the loss past the bound", bf16)

@@ -80,6 +80,7 @@ def _training(rank, world, mesh):
     ref, ours = make_model(), _shard(make_model(), mesh, _placement_rule("owned"))
     kwargs = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
     ref_opt, opt = Muon(ref.named_parameters(), **kwargs), Muon(ours.named_parameters(), **kwargs)
+    initial = [q.detach().clone() for q in ref.parameters()]
     errors = []
     for step in range(STEPS):
         tokens, targets = batch(step, 2 * world)
@@ -92,7 +93,8 @@ def _training(rank, world, mesh):
         ref_opt.zero_grad()
         errors.append(max((flexshard.full_tensor(p) - q).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters())))
     owners = sorted({p._local_tensor._layout.owner() for p in opt.param_groups[0]["params"]})
-    return {"errors": errors, "owners": owners}
+    moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), initial))  # a model that never updated
+    return {"errors": errors, "owners": owners, "moved": moved}
 
 
 def muon_worker(rank, world):
@@ -135,4 +137,5 @@ def test_training_matches_single_device(report):
     1e-5 on O(1) weights after 3 steps of lr 0.02 is far below one bf16 ulp and far above noise."""
     for r in report:
         assert max(r["training"]["errors"]) < 1e-5, r["training"]["errors"]
+        assert r["training"]["moved"] > 1e-3, r["training"]["moved"]  # the control: unchanged weights miss 1e-5 by 100x
         assert r["training"]["owners"] == [0, 1]  # the balancer used both ranks

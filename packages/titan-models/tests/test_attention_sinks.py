@@ -105,7 +105,7 @@ def test_bad_window_and_backend_raise():
 @pytest.mark.parametrize("backend", ["eager", "flex"])
 def test_heads_split_like_the_plan_sum_to_the_whole(backend):
     """The plan's tensor-parallel split, run rank by rank in one process: q/k/v rows colwise, sinks
-    sharded with the heads ("heads", dim 0), o columns rowwise; the ranks' partial outputs sum to
+    sharded with the heads ("headwise", dim 0), o columns rowwise; the ranks' partial outputs sum to
     the unsplit attention (o's bias added once, as a rowwise Linear does)."""
     from titan_models.components.rope import RopeConfig
 

@@ -21,7 +21,7 @@ SEQ = 80  # > 64; 20 sparse entries (rate 4) and 10 heavy ones (rate 8): index_t
 
 
 def _reference(seed: int = 0):
-    config = transformers.AutoConfig.for_model(**TINY_HF_CONFIGS["every-attention-kind"])
+    config = transformers.AutoConfig.for_model(**TINY_HF_CONFIGS["every-attention-kind"].config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Fixtures: the tiny job, the real `titan-train` command in a subprocess, and gloo ranks running train().
 
-Ranks are forked from the test process (torch.multiprocessing, start method fork): they inherit the
-imported modules, which saves each rank the seconds of importing torch on a busy 2-core machine.
+Ranks are spawned (titan_train_ranks.py says why not forked), each with one thread and
+OMP_NUM_THREADS=1.
 """
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from titan_train import TrainConfig, load_recipe
 from titan_train.cli_args import apply_override
 
-# Forked ranks must not inherit a busy OpenMP pool; one thread per process also keeps runs reproducible.
-torch.set_num_threads(1)
+# pytest runs with --import-mode=importlib, which does not put test folders on sys.path; the helper
+# module has a package-specific name so it cannot shadow another package's helpers.
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ["OMP_NUM_THREADS"] = "1"  # spawned ranks inherit it before they import torch
+torch.set_num_threads(1)  # one thread per process: the machine is shared, and runs stay reproducible
+
+from titan_train_ranks import spawn_ranks  # noqa: E402
 
 # A tiny, fast job: the debug Llama cut to 2 layers, short sequences, fp32 on CPU, nothing to resume.
 TINY = {"model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4", "metrics.tensorboard": "false",
@@ -85,7 +89,7 @@ def _free_port() -> int:
 
 def train_on_ranks(config: TrainConfig, nproc: int) -> dict[int, float]:
     """Run train(config) on `nproc` gloo ranks; the loss curve rank 0 wrote."""
-    mp.start_processes(_rank_main, args=(nproc, _free_port(), config), nprocs=nproc, start_method="fork")
+    spawn_ranks(_rank_main, nproc, (nproc, _free_port(), config))
     return losses(Path(config.job.folder))
 
 

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from titan_train_ranks import spawn_ranks
 
 import titan_models as tm
 from titan_models.components.attention import SDPAttention
@@ -112,8 +112,7 @@ def _ring_rank(rank: int, world: int, port: int, folder: str, masked: bool, vari
     (2, True, "row-chunks"), (2, True, "bf16"),
 ], ids=["cp2-causal", "cp4-causal", "cp2-documents", "cp4-documents", "cp2-documents-row-chunks", "cp2-bf16"])
 def test_ring_attention_matches_dense_attention(tmp_path, cp, masked, variant):
-    mp.start_processes(_ring_rank, args=(cp, _free_port(), str(tmp_path), masked, variant), nprocs=cp,
-                       start_method="fork")
+    spawn_ranks(_ring_rank, cp, (cp, _free_port(), str(tmp_path), masked, variant))
     per_rank = [torch.load(tmp_path / f"{r}.pt") for r in range(cp)]
     _, _, _, _, docs = _inputs()
     expected = _reference(docs if masked else None)

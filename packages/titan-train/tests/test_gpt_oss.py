@@ -1,6 +1,6 @@
 """gpt-oss through the trainer: the debug recipe learns, FSDP and a 2-stage pipeline follow the
 single-process loss curve (sequences of 96 tokens, longer than the debug model's 64-key window), the
-sinks' "heads" TP style on gloo ranks equals the unsplit attention, and dist-moe refuses gpt-oss's MoE
+sinks' "headwise" TP style on gloo ranks equals the unsplit attention, and dist-moe refuses gpt-oss's MoE
 with a clear error."""
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_dist_moe_refuses_gpt_oss_moe():
 
 
 def test_heads_style_shards_sinks_with_the_heads():
-    """q/k/v colwise, o rowwise and the sinks sharded by HeadsParallel on 2 gloo ranks give the unsplit output."""
+    """q/k/v colwise, o rowwise and the sinks "headwise" on 2 gloo ranks give the unsplit output."""
     attention, x, rope = attention_case()
     with torch.no_grad():
         want = attention(x, rope)
@@ -79,3 +79,12 @@ def test_a_head_count_tp_cannot_split_names_the_field():
         check_tp_divisibility(model, 3, 96)
     with pytest.raises(ValueError, match="tp=4 does not divide the model's num_kv_heads=2"):
         check_tp_divisibility(model, 4, 96)
+
+
+def test_context_parallel_refuses_windows_and_sinks():
+    from titan_train.context_parallel import apply_context_parallel
+
+    with torch.device("meta"):
+        model = tm.flavor("gpt_oss", "debug").build()
+    with pytest.raises(ValueError, match="sliding windows or attention sinks.*layers.0.attention.inner"):
+        apply_context_parallel(model, group=None)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from titan_train_ranks import spawn_ranks
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli_args import apply_override
@@ -86,7 +86,7 @@ def test_flexshard_muon_follows_single_process_muon_and_resumes_in_one_process(t
 
     folder = tmp_path / "flexshard"
     report = tmp_path / "report.json"
-    mp.start_processes(_rank_main, nprocs=2, start_method="fork", args=(
+    spawn_ranks(_rank_main, 2, (
         2, _free_port(), muon_job(folder, **{"parallelism.dp_shard": "2", "checkpoint.interval": "5"}), str(report)))
     got = curve(folder)
     for step in range(1, STEPS + 1):

@@ -131,6 +131,7 @@ def test_replicated_and_headwise_parameters_get_the_whole_gradient():
 
     import torch
     import torch.multiprocessing as mp
+    from titan_train_ranks import spawn_ranks
 
     from titan_models.components.gated_deltanet import DecayGate
     from titan_models.components.norms import ZeroCenteredRMSNorm
@@ -140,7 +141,7 @@ def test_replicated_and_headwise_parameters_get_the_whole_gradient():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_local_values_rank, args=(port, out), nprocs=2, start_method="fork")
+    spawn_ranks(_local_values_rank, 2, (port, out))  # spawn: earlier tests of the session ran autograd
     gen = torch.Generator().manual_seed(0)
     x, a = torch.randn(2, 5, 4, 8, generator=gen), torch.randn(2, 5, 4, generator=gen)
     norm, gate = ZeroCenteredRMSNorm(8), DecayGate(4)

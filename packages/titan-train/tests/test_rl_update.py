@@ -22,7 +22,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from titan_train_ranks import spawn_ranks
 
 import titan_rl
 from titan_train.config import ModelConfig
@@ -121,7 +121,7 @@ def two_rank_results(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(2, port, out), nprocs=2, start_method="fork")
+    spawn_ranks(_rank_main, 2, (2, port, out))
     return torch.load(out)
 
 

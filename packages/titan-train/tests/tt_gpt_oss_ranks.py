@@ -11,16 +11,20 @@ import titan_models as tm
 def attention_rank(rank: int, world: int, port: int, out: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from titan_train.parallelize import HeadsParallel
+    # what apply_tensor_parallel does for a "headwise" module (the whole gpt-oss model cannot be split:
+    # the trainer has no tensor parallelism for MoE experts)
+    from titan_train.parallelize import _compute_on_local_values
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     attention, x, rope = attention_case()
-    parallelize_module(attention, init_device_mesh("cpu", (world,)),
-                       {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
-                        "wo": RowwiseParallel(), "sinks": HeadsParallel()})
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(attention, mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+                                         "wo": RowwiseParallel()})
+    _compute_on_local_values(attention.sinks, mesh, Shard(0))
     assert attention.sinks.weight.to_local().shape == (4 // world,)
     with torch.no_grad():
         result = attention(x, rope)

@@ -36,14 +36,17 @@ def _entry(rank: int, world_size: int, workdir: str, fn: Callable, args: tuple) 
 def run_ranks(world_size: int, workdir: Path, fn: Callable, *args, timeout_s: float = 150.0) -> None:
     """fn(rank, world_size, *args) on `world_size` gloo ranks; re-raises any rank's error.
 
-    The ranks are forked: each inherits the imported torch instead of importing it again, which on
-    this shared 2-core machine is most of a spawned rank's start-up (tens of seconds for four).
+    The ranks are spawned, not forked: a child forked from a process where autograd already ran (an
+    earlier test in the same session) cannot run autograd ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"). `fn` must live in a module importable by name from
+    this folder (ckpt_workers.py; conftest.py puts the folder on sys.path, which spawn hands to the
+    children): pytest imports test files under names a child could not import.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in workdir.glob("error-rank*.txt"):
         stale.unlink()
     context = mp.start_processes(
-        _entry, args=(world_size, str(workdir), fn, args), nprocs=world_size, start_method="fork", join=False
+        _entry, args=(world_size, str(workdir), fn, args), nprocs=world_size, start_method="spawn", join=False
     )
     deadline = time.monotonic() + timeout_s
     try:

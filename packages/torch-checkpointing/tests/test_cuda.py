@@ -55,3 +55,27 @@ def test_manual_release_leaves_the_stream_alone(tmp_path):
         target = {"x": torch.empty_like(expected)}
         ckpt.load(target)
     assert torch.equal(target["x"], expected)
+
+
+def test_order_current_stream_lets_work_overlap_the_copies_and_orders_the_change(tmp_path):
+    """manual_release, work queued on the trainer's stream (it may run while the copies do), then
+    order_current_stream() and a change: the change must not reach the checkpoint."""
+    state = gpu_state()
+    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    a = torch.randn(2048, 2048, device="cuda")
+    with tc.Checkpointer(tmp_path, slab_bytes=1 << 20, block_bytes=1 << 16) as ckpt:
+        ckpt.reserve(state).result()
+        slabs = [s.data_ptr() for s in ckpt._pool.slabs]
+        handle = ckpt.save(1, state, manual_release=True)
+        for _ in range(20):  # a "forward and backward" that does not touch the state
+            a = torch.tanh(a @ a)
+        handle.order_current_stream()
+        for v in state.values():  # the "optimizer step", queued right away without a host wait
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                v.mul_(-3.0)
+        handle.wait()
+        assert [s.data_ptr() for s in ckpt._pool.slabs] == slabs  # staged into the reserved pinned slabs
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+        ckpt.load(target)
+    for k, v in expected.items():
+        assert torch.equal(target[k], v), k

@@ -84,6 +84,34 @@ def test_async_save_keeps_the_values_of_save_time(tmp_path):
     assert torch.equal(state["w"], torch.zeros(1000, 100))
 
 
+def test_reserve_allocates_the_staging_memory_before_the_first_save(tmp_path, monkeypatch):
+    state = {"w": torch.randn(1000, 100), "v": torch.randn(300, 7).t(), "step": 1}
+    slab_bytes = 64 << 10  # 400 KB of state: several slabs
+    with tc.Checkpointer(tmp_path, slab_bytes=slab_bytes, block_bytes=4096) as ckpt:
+        ckpt.reserve(state).result()
+        allocated = []
+        real_empty = torch.empty
+
+        def counting_empty(*args, **kwargs):
+            if args == (slab_bytes,) and kwargs.get("dtype") == torch.uint8:
+                allocated.append(args)
+            return real_empty(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "empty", counting_empty)
+        expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        handle = ckpt.save(1, state, manual_release=True)
+        handle.order_current_stream()  # on CPU the copies ended in save(): nothing to order
+        state["w"].zero_()
+        handle.wait()
+        assert allocated == []  # the first save staged into the reserved slabs
+        ckpt.save(2, {"w": torch.randn(2000, 100), "v": state["v"], "step": 2}).wait()  # a larger state: more slabs
+        assert len(allocated) > 0  # (so the counter would have seen an allocation in save 1)
+        monkeypatch.undo()
+        target = {"w": torch.empty(1000, 100), "v": torch.empty(7, 300), "step": 0}
+        ckpt.load(target, step=1)
+    assert torch.equal(target["w"], expected["w"]) and torch.equal(target["v"], expected["v"]) and target["step"] == 1
+
+
 def test_an_unchanged_layout_reads_exactly_the_stored_bytes(tmp_path):
     class CountingStorage(tc.LocalStorage):
         bytes_read = 0

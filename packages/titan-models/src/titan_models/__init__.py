@@ -1,5 +1,5 @@
-"""Shared model definitions (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, gpt-oss, Qwen3.5 dense and MoE,
-Qwen3-Next), typed configs and Hugging Face weight interop."""
+"""Shared model definitions (Llama 3, Qwen3 dense and MoE, DeepSeek-V3, Qwen3.5 dense and MoE, Qwen3-Next,
+gpt-oss), typed configs and Hugging Face weight interop."""
 
 __version__ = "0.1.0"
 

@@ -9,8 +9,6 @@ Patterns are module paths relative to the model with `*` standing for one path c
 - "output": colwise over the vocabulary for the output projection (a loss may stay sharded).
 - "sequence_parallel": a norm applied to activations sharded along the sequence dimension.
 - "replicate": keep the parameters whole on every rank (small projections, per-head norms).
-- "heads": a module whose parameters are per attention head on dim 0 (gpt-oss's sinks [num_heads]),
-  sharded like the colwise q projection's heads; its forward returns the rank's local heads.
 - "headwise": shard every parameter of the module along dim 0 with no communication: per-head or
   per-channel parameters of a module whose projections are colwise (Gated DeltaNet's short convs and
   decay gate), so each rank keeps those of its own heads.
@@ -23,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TP_STYLES: tuple[str, ...] = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "replicate",
-                              "heads", "headwise")
+                              "headwise")
 
 
 @dataclass(kw_only=True, frozen=True)

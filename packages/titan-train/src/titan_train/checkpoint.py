@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_checkpointing import Checkpointer, CommitError, ModelState, OptimizerState
+from torch_checkpointing import Checkpointer, CommitError, ModelState, OptimizerState, SaveHandle
 
 
 class RNGState:
@@ -46,7 +46,14 @@ class RNGState:
 
 
 class RunCheckpoints:
-    """Saves every `interval` steps (asynchronously when asked), keeps the last `keep_last`, resumes."""
+    """Saves every `interval` steps (asynchronously when asked), keeps the last `keep_last`, resumes.
+
+    An asynchronous save returns once the device-to-host copies are queued; the trainer calls
+    before_optimizer_step() right before every optimizer step, which orders that step after the copies
+    (on the GPU, without blocking the host), so the next step's forward and backward run while they do.
+    reserve(), once after the first step, allocates the pinned staging memory in the background, so
+    the first save costs what later ones do.
+    """
 
     def __init__(self, folder: Path, *, keep_last: int, async_save: bool,
                  adapt: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
@@ -54,15 +61,38 @@ class RunCheckpoints:
         self.checkpointer = Checkpointer(str(folder), keep_last=keep_last or None, per_rank=("rng",))
         self.async_save = async_save
         self.adapt = adapt  # rewrites the state of every save and load (pipeline parallelism: each rank's stages)
+        self._copying: SaveHandle | None = None  # a save whose copies the next optimizer step must follow
+        self._reserved = False
 
     def state(self, model: nn.Module, optimizer, scheduler, loader, step: int, device: torch.device) -> dict[str, Any]:
         state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
                  "data": loader, "rng": RNGState(device), "step": step}
         return self.adapt(state) if self.adapt is not None else state
 
+    def reserve(self, state: dict[str, Any]) -> None:
+        """Lay out the state and allocate its staging memory in the background (the first call only; every
+        rank calls it at the same step, after the optimizer has made its moments)."""
+        if not self._reserved:
+            self.checkpointer.reserve(state)
+            self._reserved = True
+
     def save(self, step: int, state: dict[str, Any]) -> None:
-        # save() returns once the state is staged (training may go on); the write finishes behind it.
-        self._stop_on_failure(lambda: self.checkpointer.save(step, state, blocking=not self.async_save))
+        if not self.async_save:
+            self._stop_on_failure(lambda: self.checkpointer.save(step, state, blocking=True))
+            return
+
+        # manual_release: the trainer's stream is not made to wait for the copies here (that would hold
+        # the next forward pass back), but in before_optimizer_step(), before anything changes the state.
+        def start() -> None:
+            self._copying = self.checkpointer.save(step, state, manual_release=True)
+
+        self._stop_on_failure(start)
+
+    def before_optimizer_step(self) -> None:
+        """Order the coming optimizer step after the last save's copies (a no-op when none is pending)."""
+        if self._copying is not None:
+            self._copying.order_current_stream()
+            self._copying = None
 
     def poll(self) -> None:
         """Called once per step: raises (stopping the run) if an asynchronous save has failed since."""
@@ -91,6 +121,7 @@ class RunCheckpoints:
 
     def close(self) -> None:
         """Wait for the saves in flight to commit, then release the checkpointer."""
+        self.before_optimizer_step()  # whatever the caller does with the state next comes after the copies
         try:
             self.checkpointer.wait()
         finally:

@@ -299,6 +299,10 @@ def apply_context_parallel(model: nn.Module, group: ProcessGroup) -> list[str]:
         if scale is None:
             raise ValueError(f"context parallelism needs the attention scale of {name} "
                              f"({type(old).__name__} has no `scale`)")
+        attention = model.get_submodule(name.rpartition(".")[0])
+        if getattr(old, "sliding_window", None) is not None or getattr(attention, "sinks", None) is not None:
+            raise ValueError(f"context parallelism does not support sliding windows or attention sinks yet "
+                             f"({name}, gpt-oss); use parallelism.cp=1")
         return RingAttention(scale=scale, group=group)
 
     return tm.override(model, "layers.*.attention.inner", ring)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -50,26 +50,8 @@ def _tp_style(style: str, pattern: str) -> ParallelStyle:
         return SequenceParallel()
     if style == "output":
         return ColwiseParallel(use_local_output=False)
-    if style == "heads":
-        return HeadsParallel()
     raise ValueError(f"tensor-parallel style {style!r} of {pattern!r} is not supported by this trainer yet "
-                     "(supported: colwise, rowwise, embedding, output, sequence_parallel, replicate, heads, headwise)")
-
-
-class HeadsParallel(ParallelStyle):
-    """A module of per-head parameters [heads, ...] (gpt-oss's sinks): each parameter sharded on dim 0 the
-    way ColwiseParallel shards q's rows, so a rank holds its own heads; its forward hands back the local
-    shard (the attention around it computes on local tensors)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def shard(name, mod, mesh):
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
-
-        def local(mod, outputs, mesh):
-            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-        return distribute_module(module, device_mesh, partition_fn=shard, output_fn=local)
+                     "(supported: colwise, rowwise, embedding, output, sequence_parallel, replicate, headwise)")
 
 
 class _SumGradient(torch.autograd.Function):

@@ -140,6 +140,8 @@ class Trainer:
         except NonFiniteLossError:
             self.optimizer.zero_grad(set_to_none=True)
             raise
+        if self.checkpoints is not None:  # the last save's device-to-host copies overlapped this forward and backward
+            self.checkpoints.before_optimizer_step()
         self.optimizer.step()
         self.parallel.expert_bias.update()  # after the step, as aux-loss-free balancing prescribes
         self.scheduler.step()
@@ -187,6 +189,9 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
                 loss, grad_norm = self.train_step(step)
+                if self.checkpoints is not None and config.checkpoint.interval and step == start + 1:
+                    self.checkpoints.reserve(self.checkpoints.state(  # the state now has its optimizer moments
+                        self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
                 if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
                     gc.collect(1)
                 pending.append(_PendingStep(step, lr, loss, grad_norm, time.perf_counter() - began))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -42,6 +43,8 @@ class SaveHandle:
     `staged()` / `wait_staged()`: the state has been copied to host memory and may change. By default
     `save()` already orders the current CUDA stream after the copies, so work queued later on it
     (an optimizer step) is safe without waiting; `wait_staged()` also waits on the host.
+    `order_current_stream()`: after `save(manual_release=True)`, orders the current stream after the
+    copies then (just before the optimizer step), so the work queued between overlaps them.
     `wait()`: the step is durable and committed on storage (or raises why not).
     """
 
@@ -56,6 +59,16 @@ class SaveHandle:
 
     def wait_staged(self) -> None:
         self._staged.wait()
+
+    def order_current_stream(self) -> None:
+        """Make the current CUDA stream of every device the state lives on wait for this save's copies,
+        without blocking the host: work queued on that stream afterwards may change the state.
+
+        save() does this itself unless manual_release=True; a trainer that saves with manual_release
+        calls it right before its optimizer step, so the forward and backward passes queued in between
+        run while the copies do. On CPU the copies ended in save() and there is nothing to order.
+        """
+        self._staged.order_current_streams()
 
     def _finished_ok(self) -> bool:
         """This rank's part is done without error (rank 0: the commit as well)."""
@@ -145,6 +158,7 @@ class Checkpointer:
             retention=RetentionPolicy(self.config.keep_last, self.config.keep_every),
         ) if self.rank == 0 else None
         self._pool = HostPool()
+        self._reservation: Future | None = None  # host slabs being allocated by reserve()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._plans: dict[tuple, _Plan] = {}
         self._exchanged = False
@@ -154,12 +168,41 @@ class Checkpointer:
 
     # ---- saving ----------------------------------------------------------------------------
 
+    def reserve(self, state: dict) -> Future:
+        """Prepare for saving `state` (or any state of the same layout) so the first save costs what
+        later ones do: lay it out, exchange the layouts (collectives: every rank calls reserve() where it
+        would call save()), and allocate the host staging memory (pinned for CUDA state, 2-3 s per 8 GB)
+        on a background thread. Call it once the state has its final shape (after the first optimizer
+        step creates the optimizer's moments). Returns a Future done when the memory is ready; save()
+        waits for it. The state is only read for its layout, not copied.
+        """
+        self._check_open()
+        tree, _, plan = self._prepare(state)
+        sources = self._sources(tree.leaves, plan.layout)
+        pinned = any(s.device.type == "cuda" for s in sources)
+        self._side_streams({s.device for s in sources if s.device.type == "cuda"})
+        previous = self._reservation
+        if previous is not None:
+            previous.result()  # one allocation at a time: the pool is not shared between threads
+        self._reservation = self._writer.submit(
+            self._pool.take, plan.staging.num_slabs, plan.staging.slab_bytes, pinned, touch=True)
+        self._start_threads()
+        return self._reservation
+
+    def _start_threads(self) -> None:
+        """Start the I/O and commit threads now (executors start them at their first tasks, which on a
+        busy host costs the first save milliseconds): each I/O task waits until all have started."""
+        started = threading.Barrier(self.config.io_threads)
+        wait_futures([self._io.submit(started.wait) for _ in range(self.config.io_threads)])
+        if self._committer_thread is not None:
+            self._committer_thread.submit(lambda: None).result()
+
     def save(self, step: int, state: dict, *, blocking: bool = False, manual_release: bool = False) -> SaveHandle:
         """Save `state` as `step`; returns once the state has been staged (see SaveHandle).
 
         blocking: also wait until the step is committed.
         manual_release: do not order the current CUDA stream after the staging copies; the caller
-            calls handle.wait_staged() (or checks staged()) before changing the state.
+            calls handle.order_current_stream() (or handle.wait_staged()) before changing the state.
         """
         self._check_open()
         self.raise_if_failed()
@@ -169,33 +212,18 @@ class Checkpointer:
             raise ValueError(f"step {step} was already saved by this Checkpointer")
         if self._handles:  # its staging buffers are about to be reused
             wait_futures([self._handles[-1]._local])
-        try:
-            tree = flatten(state)
-            kinds = [leaf_kind(leaf, self.config.per_rank) for leaf in tree.leaves]
-            key = layout_key(tree.leaves, kinds)
-            plan = self._plans.get(key) or self._make_plan(key, tree.leaves, kinds)
-        except Exception as e:  # whatever it is, the other ranks must hear of it
-            if not self._exchanged and self.world_size > 1:
-                # The other ranks are about to wait for this one in the layout exchange: take part
-                # in it with the error, so they raise too instead of hanging; this rank raises its own.
-                with contextlib.suppress(ValueError):
-                    self._first_save_exchange(None, failure=f"{type(e).__name__}: {e}")
-            raise
-        if not self._exchanged:
-            self._first_save_exchange(plan.layout)
+        tree, kinds, plan = self._prepare(state)
         if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
             raise ValueError(f"step {step} is already committed in {self.storage}; delete it or save another step")
         sources = self._sources(tree.leaves, plan.layout)
         extras, values = self._per_rank_entries(tree.leaves, kinds)
-        devices = {s.device for s in sources if s.device.type == "cuda"}
-        for device in devices:
-            if device not in self._streams:
-                self._streams[device] = torch.cuda.Stream(device)
-        streams = {d: self._streams[d] for d in devices}
+        streams = self._side_streams({s.device for s in sources if s.device.type == "cuda"})
+        if self._reservation is not None:  # reserve()'s slabs: the pool is not shared between threads
+            self._reservation.result()
+            self._reservation = None
         staged = stage(plan.staging, plan.layout.pieces, sources, self._pool, streams, direct_cpu=blocking)
         if not manual_release:
-            for device, stream in streams.items():
-                torch.cuda.current_stream(device).wait_stream(stream)
+            staged.order_current_streams()
         local = self._writer.submit(self._write_local, step, plan, staged, extras, values)
         commit = None
         if self._committer_thread is not None:
@@ -213,6 +241,31 @@ class Checkpointer:
         if blocking:
             handle.wait()
         return handle
+
+    def _side_streams(self, devices: set[torch.device]) -> dict[torch.device, torch.cuda.Stream]:
+        """The staging stream of each device (made once: the copies of consecutive saves stay in order)."""
+        for device in devices:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+        return {d: self._streams[d] for d in devices}
+
+    def _prepare(self, state: dict):
+        """The state's leaves, their kinds and its (cached) plan; the first call exchanges layouts."""
+        try:
+            tree = flatten(state)
+            kinds = [leaf_kind(leaf, self.config.per_rank) for leaf in tree.leaves]
+            key = layout_key(tree.leaves, kinds)
+            plan = self._plans.get(key) or self._make_plan(key, tree.leaves, kinds)
+        except Exception as e:  # whatever it is, the other ranks must hear of it
+            if not self._exchanged and self.world_size > 1:
+                # The other ranks are about to wait for this one in the layout exchange: take part
+                # in it with the error, so they raise too instead of hanging; this rank raises its own.
+                with contextlib.suppress(ValueError):
+                    self._first_save_exchange(None, failure=f"{type(e).__name__}: {e}")
+            raise
+        if not self._exchanged:
+            self._first_save_exchange(plan.layout)
+        return tree, kinds, plan
 
     def _make_plan(self, key: tuple, leaves, kinds) -> _Plan:
         layout = build_rank_layout(leaves, kinds, rank=self.rank, world_size=self.world_size)
@@ -464,6 +517,8 @@ class Checkpointer:
             return
         try:
             self.wait()
+            if self._reservation is not None:
+                self._reservation.result()
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)

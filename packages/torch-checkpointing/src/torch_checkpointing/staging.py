@@ -75,11 +75,16 @@ class HostPool:
         self.slab_bytes = 0
         self.pinned = False
 
-    def take(self, count: int, slab_bytes: int, pinned: bool) -> list[torch.Tensor]:
+    def take(self, count: int, slab_bytes: int, pinned: bool, *, touch: bool = False) -> list[torch.Tensor]:
+        """`count` slabs, allocated where missing. touch: write new unpinned slabs once, so the first
+        staging copy does not pay the page faults (pinned memory is resident when allocated)."""
         if slab_bytes != self.slab_bytes or pinned != self.pinned:
             self.slabs, self.slab_bytes, self.pinned = [], slab_bytes, pinned
         while len(self.slabs) < count:  # kept at the largest save's size: pinned allocation is slow
-            self.slabs.append(torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pinned))
+            slab = torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pinned)
+            if touch and not pinned:
+                slab.zero_()
+            self.slabs.append(slab)
         return self.slabs[:count]
 
     def release(self) -> None:
@@ -93,6 +98,7 @@ class Staged:
     memory: list[memoryview]
     events: list[list[torch.cuda.Event]]  # per segment: wait on these before reading its memory
     keepalive: list[object]  # sources read by in-flight copies must outlive them
+    finished: dict[torch.device, torch.cuda.Event]  # per device: recorded after its last copy
 
     def ready(self) -> bool:
         return all(e.query() for evs in self.events for e in evs)
@@ -101,6 +107,11 @@ class Staged:
         for evs in self.events:
             for e in evs:
                 e.synchronize()
+
+    def order_current_streams(self) -> None:
+        """Work queued on each device's current stream from now on runs after the copies (no host wait)."""
+        for device, event in self.finished.items():
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -156,4 +167,8 @@ def stage(
                 pending.setdefault(source.device, []).append(i)
         if i + 1 == len(plan.segments) or plan.segments[i + 1].slab != seg.slab:
             record_events()  # one event per slab: its segments are written as soon as it is complete
-    return Staged(memory, events, keepalive=[sources, slabs])
+    finished = {}
+    for device, stream in streams.items():
+        finished[device] = torch.cuda.Event()
+        finished[device].record(stream)
+    return Staged(memory, events, keepalive=[sources, slabs], finished=finished)

@@ -9,12 +9,11 @@ the aux-loss-free balancing of DeepSeek-V3; a trainer updates it from `tokens_pe
 experts come from the frozen table `tid2eid[token_id]` instead of a top-k (DeepSeek-V4's hash layers).
 With `score_func="topk_softmax"` (gpt-oss, Mixtral) the experts are the top-k of
 `logits + expert_bias` and their weights the softmax over the chosen experts' logits alone.
+Shared experts (one SwiGLU FFN every token passes) are added to the routed output, optionally
+scaled per token by a sigmoid gate (Qwen2-MoE / Qwen3-Next / Qwen3.5).
 
 gpt-oss adds a router bias (`router_bias`, part of the logits, unlike `expert_bias`), biases on
 every expert projection (`expert_linear_bias`) and a clamped SwiGLU (`activation`).
-
-Shared experts (one SwiGLU FFN every token passes) are added to the routed output, optionally
-scaled per token by a sigmoid gate (Qwen2-MoE / Qwen3-Next / Qwen3.5).
 """
 from __future__ import annotations
 

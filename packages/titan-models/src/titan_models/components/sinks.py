@@ -18,7 +18,7 @@ from torch import nn
 
 class AttentionSinks(nn.Module):
     """Holds the sink logits [num_heads]; `sinks()` returns them. A module (not a bare parameter) so
-    a tensor-parallel plan can shard it with the heads (style "heads") and hand back the local part."""
+    a tensor-parallel plan can shard it with the heads (style "headwise") and hand back the local part."""
 
     def __init__(self, num_heads: int):
         super().__init__()

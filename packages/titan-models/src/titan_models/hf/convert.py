@@ -45,22 +45,14 @@ def _checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _load_plan(converter: Converter, config: Any, model: nn.Module, present: set[str]) -> dict[str, Any]:
-    """titan state name -> where it is stored: a dict of HF tensors with their shapes on disk (a
-    converter's own layout, read by its `load`), or the `hf_names` sources under the checkpoint's
-    text prefix (stacked when several; rows of a fused tensor; none = zero)."""
-    prefix = converter.text_prefix(present)
+def _load_plan(converter: Converter, config: Any, model: nn.Module) -> dict[str, list[str]]:
+    """titan state name -> HF tensors that hold it (stacked when several; none = zero)."""
     plan = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name in model.state_dict(keep_vars=True):
         if config.tie_embeddings and name == "output.weight":
             continue
-        custom = converter.hf_shapes(config, name, tuple(tensor.shape), present)
-        plan[name] = custom if custom is not None else _located(converter.hf_names(config, name), prefix)
+        plan[name] = converter.hf_names(config, name)
     return plan
-
-
-def _planned_names(sources: Any) -> list[str]:
-    return list(sources) if isinstance(sources, dict) else [source_name(s) for s in sources]
 
 
 def _read_folder(folder: Path) -> tuple[Any, Converter, SafetensorsFolder]:
@@ -103,9 +95,13 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         model = config.build()
     params = model.state_dict(keep_vars=True)
     present = files.names()
-    plan = _load_plan(converter, config, model, present)
+    plan = _located(_load_plan(converter, config, model), converter.text_prefix(present))
+    # tensors in a layout of the converter's own (gpt-oss's fused, interleaved, MXFP4 experts)
+    layouts = {name: layout for name in plan
+               if (layout := converter.disk_layout(config, name, tuple(params[name].shape), present)) is not None}
 
-    expected = {hf_name for sources in plan.values() for hf_name in _planned_names(sources)}
+    expected = {source_name(source) for name, sources in plan.items() if name not in layouts for source in sources}
+    expected |= {hf_name for layout in layouts.values() for hf_name in layout}
     missing = sorted(expected - present)
     if missing:
         raise ValueError(f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} "
@@ -119,11 +115,11 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         warnings.warn(f"{folder}: from_hf loads the text model only; {len(others)} tensors are not loaded "
                       f"({_by_prefix(others)}): {others[:10]}{' ...' if len(others) > 10 else ''}", stacklevel=2)
     for name, sources in plan.items():
-        if isinstance(sources, dict):
-            for hf_name, want in sources.items():
+        if name in layouts:
+            for hf_name, want in layouts[name].items():
                 if files.shape(hf_name) != want:
-                    raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(files.shape(hf_name))}, "
-                                     f"expected {list(want)} (for {name} of {type(config).__name__})")
+                    raise ValueError(f"{folder}: tensor {hf_name!r} has shape {list(files.shape(hf_name))}, expected "
+                                     f"{list(want)} (for {name} of {type(config).__name__})")
         else:
             _check_shapes(folder, config, name, tuple(params[name].shape), sources, files)
 
@@ -133,7 +129,7 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     fused: dict[str, torch.Tensor] = {}  # the fused HF tensor last read (its parts are planned together)
     with torch.no_grad():
         for name, sources in plan.items():
-            if isinstance(sources, dict):  # the converter's own layout
+            if name in layouts:
                 state[name].copy_(converter.load(config, name, files, present))
                 continue
             if not sources:
@@ -152,15 +148,16 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     return model
 
 
-def _located(sources: list, prefix: str) -> list:
-    """`hf_names` sources with the decoder's `model.` names moved under `prefix` (composite checkpoints)."""
+def _located(plan: dict[str, list], prefix: str) -> dict[str, list]:
+    """The plan with the decoder's `model.` names moved under `prefix` (composite checkpoints)."""
     if prefix == "model.":
-        return sources
+        return plan
 
     def move(name: str) -> str:
         return prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
-    return [Rows(move(s.hf_name), s.rows) if isinstance(s, Rows) else move(s) for s in sources]
+    return {titan: [Rows(move(s.hf_name), s.rows) if isinstance(s, Rows) else move(s) for s in sources]
+            for titan, sources in plan.items()}
 
 
 def _by_prefix(names: list[str]) -> str:
@@ -199,8 +196,8 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     hf_config = converter.config_to_hf(config)
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # as stored, even after .to()
     entries = []
-    fused: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> the titan tensors written into it
-    fused_parts: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}  # HF name -> its rows
+    fused_parts: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    own_layout: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> titan tensors in the converter's layout
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "output.weight":
             continue
@@ -216,16 +213,19 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
                 warnings.warn(f"{name} is not stored by Hugging Face {hf_config['architectures'][0]}; "
                               "its nonzero values are dropped", stacklevel=2)
             continue
-        if len(hf_names) == 1 and isinstance(hf_names[0], Rows):
+        if converter.disk_layout(config, name, tuple(tensor.shape), set()) is not None:
+            (hf_name,) = hf_names
+            if hf_name not in own_layout:
+                entries.append(hf_name)  # its place in the file order, resolved below
+            own_layout.setdefault(hf_name, {})[name] = tensor
+        elif len(hf_names) == 1 and isinstance(hf_names[0], Rows):
             fused_parts.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
         elif len(hf_names) == 1:
-            if hf_names[0] not in fused:
-                entries.append(hf_names[0])  # its place in the file order; resolved below
-            fused.setdefault(hf_names[0], {})[name] = tensor
+            entries.append((hf_names[0], tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().contiguous()))
         else:
             for e, hf_name in enumerate(hf_names):
                 entries.append((hf_name, tuple(tensor.shape[1:]), tensor.dtype, lambda t=tensor, e=e: t[e].cpu().clone()))
-    entries = [_written_entry(converter, config, e, fused[e]) if isinstance(e, str) else e for e in entries]
+    entries = [_own_layout_entry(converter, config, e, own_layout[e]) if isinstance(e, str) else e for e in entries]
     for hf_name, parts in fused_parts.items():
         entries.append(_fused_entry(hf_name, parts))
     for hf_name, tensor in converter.extra_tensors(model):
@@ -235,14 +235,6 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_safetensors(folder, entries, max_shard_bytes=max_shard_bytes)
-
-
-def _written_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
-    """The write entry of HF tensor `hf_name`, made from the titan tensors `parts` (usually one)."""
-    name, tensor = next(iter(parts.items()))
-    custom = converter.hf_shapes(config, name, tuple(tensor.shape), set())
-    shape = tuple(tensor.shape) if custom is None else custom[hf_name]
-    return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
 
 
 def _fused_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]]):
@@ -259,6 +251,13 @@ def _fused_entry(hf_name: str, parts: list[tuple[tuple[int, ...], torch.Tensor]]
         return out
 
     return hf_name, shape, first.dtype, make
+
+
+def _own_layout_entry(converter: Converter, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> tuple:
+    """The write entry of HF tensor `hf_name`, made by the converter from the titan tensors `parts`."""
+    name, tensor = next(iter(parts.items()))
+    shape = converter.disk_layout(config, name, tuple(tensor.shape), set())[hf_name]
+    return (hf_name, shape, tensor.dtype, lambda: converter.to_hf_tensor(config, hf_name, parts).cpu().contiguous())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

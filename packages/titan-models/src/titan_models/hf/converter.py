@@ -48,23 +48,22 @@ class Converter:
         a `Rows` = part of a fused HF tensor)."""
         raise NotImplementedError
 
-    def hf_shapes(self, config: Any, name: str, shape: tuple[int, ...], present: set[str]
-                  ) -> dict[str, tuple[int, ...]] | None:
-        """None: titan tensor `name` is stored as `hf_names` says (whole, stacked or rows, as laid out
-        in titan). A converter whose layout on disk differs (transposed, interleaved, quantised) returns
-        the HF tensors holding it with their shapes on disk, and says how to `load` and `to_hf_tensor`
-        them. `present` names the folder's tensors when reading (a converter may accept several
-        layouts), empty when writing."""
+    def disk_layout(self, config: Any, name: str, shape: tuple[int, ...], present: set[str]
+                    ) -> dict[str, tuple[int, ...]] | None:
+        """For a tensor stored in a layout `hf_names` cannot describe (interleaved, transposed or quantized:
+        gpt-oss's experts), the HF tensors holding it with their on-disk shapes; `present` names the
+        folder's tensors when reading (a converter may accept several layouts), empty when writing.
+        None (the default): the `hf_names` layout. Such tensors are read by `load` and written by
+        `to_hf_tensor`."""
         return None
 
-    def load(self, config: Any, name: str, files: Any, present: set[str]) -> torch.Tensor | None:
-        """Titan tensor `name` read from `files` (a SafetensorsFolder) when `hf_shapes` names its tensors."""
-        raise NotImplementedError(f"{type(self).__name__}.hf_shapes names the tensors of {name}; load must read them")
+    def load(self, config: Any, name: str, files: Any, present: set[str]) -> torch.Tensor:
+        """Titan tensor `name` (one with a `disk_layout`) from `files`, a SafetensorsFolder."""
+        raise NotImplementedError(f"{type(self).__name__} declares a disk layout for {name} but no load")
 
     def to_hf_tensor(self, config: Any, hf_name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The HF tensor `hf_name` from the titan tensors that map to it alone (one, unless fused on disk)."""
-        assert len(parts) == 1, f"{hf_name} is written from {sorted(parts)}; the converter must say how"
-        return next(iter(parts.values()))
+        """HF tensor `hf_name` from the titan tensors with a `disk_layout` that `hf_names` maps to it."""
+        raise NotImplementedError(f"{type(self).__name__} declares a disk layout for {hf_name} but no writer")
 
     def text_prefix(self, tensor_names: set[str]) -> str:
         """Where the decoder's `model.*` tensors live in this checkpoint: "model." for a causal-LM

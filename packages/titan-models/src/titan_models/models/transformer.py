@@ -131,10 +131,9 @@ class Transformer(nn.Module):
 
         Each parameter draws from its own generator seeded by (seed, its name), so the values do
         not depend on which other modules exist: a pipeline stage holding layers 8..15 gets the
-        same weights as the full model. Scheme: a module's own `init_parameter(name, param, generator)`
-        where it returns True (Gated DeltaNet's decay); other biases zero; embeddings N(0, 1)
-        (N(0, dim^-1/2) when tied); output N(0, dim^-1/2); norms ones (zero-centred norms zeros;
-        biases zero); projections that write into the residual
+        same weights as the full model. Scheme: projection biases zero; embeddings N(0, 1) (N(0, dim^-1/2)
+        when tied); output N(0, dim^-1/2); norms ones (zero-centred norms zeros; biases zero); a module's own
+        `init_parameter(name, param, generator)` where it returns True (Gated DeltaNet's decay); projections that write into the residual
         stream (wo, w2) N(0, 0.02 / sqrt(2 * num_layers)); every other matrix N(0, 0.02); normals
         truncated at 3 std.
         """

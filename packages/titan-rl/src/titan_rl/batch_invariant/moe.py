@@ -28,6 +28,7 @@ class BatchInvariantMoE(nn.Module):
             raise ValueError("batch_invariant() does not provide group-limited MoE routing (n_group > 1)")
         self.config = old.config
         self.router, self.experts, self.shared_experts = old.router, old.experts, old.shared_experts
+        self.shared_gate = getattr(old, "shared_gate", None)  # Qwen3-Next / Qwen3.5's sigmoid gate
         self.register_buffer("expert_bias", old.expert_bias)
         self.register_buffer("tokens_per_expert", old.tokens_per_expert, persistent=False)
 
@@ -75,5 +76,8 @@ class BatchInvariantMoE(nn.Module):
         for j in range(1, experts.shape[1]):  # a token's choices summed in its own order
             out = out + routed[:, j] * weights[:, j, None].to(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                shared = shared * _sigmoid(ops.matmul(tokens, self.shared_gate.weight))
+            out = out + shared
         return out.view(batch, seq, dim)

@@ -145,7 +145,7 @@ class DeepSeekV4Converter(Converter):
     def text_prefix(self, tensor_names: set[str]) -> str:
         return "" if self._release(tensor_names) else "model."
 
-    def hf_shapes(self, config: DeepSeekV4Config, name: str, shape: tuple[int, ...], present: set[str]
+    def disk_layout(self, config: DeepSeekV4Config, name: str, shape: tuple[int, ...], present: set[str]
                   ) -> dict[str, tuple[int, ...]] | None:
         if self._release(present) and name in _RELEASE_TOP_LEVEL:
             return {_RELEASE_TOP_LEVEL[name]: shape}

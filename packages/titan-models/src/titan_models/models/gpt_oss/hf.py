@@ -105,11 +105,11 @@ class GptOssConverter(Converter):
         """'w1', 'w3_bias', ... for a routed-expert tensor, else None."""
         return name.rpartition(".")[2] if ".moe.experts." in name else None
 
-    def hf_shapes(self, config: GptOssConfig, name: str, shape: tuple[int, ...], present: set[str]
-                  ) -> dict[str, tuple[int, ...]]:
+    def disk_layout(self, config: GptOssConfig, name: str, shape: tuple[int, ...], present: set[str]
+                    ) -> dict[str, tuple[int, ...]] | None:
         expert = self._expert(name)
         if expert is None:
-            return super().hf_shapes(config, name, shape, present)
+            return None  # hf_names' one-to-one layout
         (hf_name,) = self.hf_names(config, name)
         e, ffn, dim = config.moe.num_experts, config.moe.expert_dim, config.dim
         if expert in ("w1", "w3", "w2") and hf_name not in present and hf_name + "_blocks" in present:
@@ -123,8 +123,6 @@ class GptOssConverter(Converter):
 
     def load(self, config: GptOssConfig, name: str, files: Any, present: set[str]) -> torch.Tensor | None:
         expert = self._expert(name)
-        if expert is None:
-            return super().load(config, name, files, present)
         (hf_name,) = self.hf_names(config, name)
         if expert in ("w1", "w3", "w2") and hf_name not in present:  # MXFP4: [E, rows, cols] -> x @ W layout
             fused = dequantize_mxfp4(files.get(hf_name + "_blocks"), files.get(hf_name + "_scales")).transpose(1, 2)
@@ -136,8 +134,6 @@ class GptOssConverter(Converter):
 
     def to_hf_tensor(self, config: GptOssConfig, hf_name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         by_kind = {self._expert(n): t for n, t in parts.items()}
-        if None in by_kind:
-            return super().to_hf_tensor(config, hf_name, parts)
         if "w2" in by_kind:
             return by_kind["w2"].transpose(1, 2)
         if "w2_bias" in by_kind:

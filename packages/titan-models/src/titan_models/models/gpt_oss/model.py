@@ -114,7 +114,7 @@ class GptOssConfig(ModelConfigBase):
                                tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
 
     def parallel_plan(self) -> ParallelPlan:
-        """Heads colwise with their sinks ("heads": sharded on dim 0 like q's rows), o rowwise,
+        """Heads colwise with their sinks ("headwise": sharded on dim 0 like q's rows), o rowwise,
         the router whole, routed experts for expert parallelism; a cut point before every layer."""
-        return decoder_plan(num_layers=self.num_layers, attention=GQA_ATTENTION | {"sinks": "heads"},
+        return decoder_plan(num_layers=self.num_layers, attention=GQA_ATTENTION | {"sinks": "headwise"},
                             dense=False, moe=True)

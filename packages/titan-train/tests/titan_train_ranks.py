@@ -1,0 +1,32 @@
+"""Starting gloo ranks from test files with the spawn start method.
+
+Spawn, not fork: a child forked from a process where autograd already ran (an earlier test of the
+session, or this test's single-process reference run) cannot run autograd ("Unable to handle
+autograd's threading in combination with fork-based multiprocessing"). pytest imports test files
+under --import-mode=importlib, with module names a spawned child cannot import, so a rank function
+is sent by its file and name and the child loads that file itself. This module is importable by name
+in the children because conftest.py puts this folder on sys.path, which spawn hands on.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _run_from_file(rank: int, path: str, name: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # the machine is shared; one thread per rank also keeps runs reproducible
+    spec = importlib.util.spec_from_file_location(f"titan_train_rank_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    getattr(module, name)(rank, *args)
+
+
+def spawn_ranks(fn: Callable, nprocs: int, args: tuple) -> None:
+    """fn(rank, *args) on `nprocs` spawned processes; fn is a module-level function of a test file."""
+    assert fn.__qualname__ == fn.__name__, f"{fn.__qualname__}: only module-level functions can be sent by name"
+    mp.start_processes(_run_from_file, args=(fn.__code__.co_filename, fn.__name__, args), nprocs=nprocs,
+                       start_method="spawn")
