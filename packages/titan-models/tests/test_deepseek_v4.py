@@ -174,3 +174,13 @@ def test_flops_count_the_window_and_the_entries_read():
             "heavily_compressed_attention": 16 + 256 // 16}
     want = 6 * (counts.active - counts.embedding) + per_key * sum(keys[k] for k in kinds)
     assert tm.flops_per_token(config, seq) == want
+
+
+@pytest.mark.parametrize(("field", "value"), [("layer_types", ["sliding_attention"]),
+                                              ("mlp_layer_types", ["hash_moe", "dense", "moe", "moe"])])
+def test_bad_config_json_names_the_field(tmp_path, field, value):
+    _reference().save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(hf | {field: value}))
+    with pytest.raises(ValueError, match=f"config.json field {field}"):
+        read_config(tmp_path)
