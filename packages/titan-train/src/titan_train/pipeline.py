@@ -34,8 +34,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import titan_models as tm
-
 from .config import ParallelismConfig
 from .grad_norm import clip_by_total_norm
 from .loss import CausalLMLoss

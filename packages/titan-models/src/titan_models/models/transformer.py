@@ -92,7 +92,8 @@ class Transformer(nn.Module):
         the embedding when `first`, the final norm and output when `last` (the others None). Other modules
         (DeepSeek-V3's MTP) are left out; a subclass whose forward needs more adds it."""
         stage = copy.copy(self)
-        stage._modules = {k: v for k, v in self._modules.items() if k in ("tok_embeddings", "rope", "layers", "norm", "output")}
+        own = ("tok_embeddings", "rope", "layers", "norm", "output")
+        stage._modules = {k: v for k, v in self._modules.items() if k in own}
         stage._parameters, stage._buffers = dict(self._parameters), dict(self._buffers)
         stage.tok_embeddings = self.tok_embeddings if first else None
         stage.layers = nn.ModuleDict({name: self.layers[name] for name in layer_names})

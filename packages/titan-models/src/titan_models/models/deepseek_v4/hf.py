@@ -10,6 +10,7 @@ either; to_hf writes transformers' layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -38,6 +39,42 @@ _LAYER_MAP = {
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+def _read_ropes(hf: dict[str, Any], head_dim: int) -> tuple[int, float, float, Any]:
+    """(rope_dim, main theta, compress theta, compress scaling) from transformers' nested `rope_parameters`
+    ({"main": ..., "compress": ...}) or the release's flat form (YaRN keys belong to the compressed RoPE)."""
+    rope = hf.get("rope_parameters") or {}
+    if isinstance(rope.get("compress"), dict):
+        main, compress = rope.get("main") or {}, rope["compress"]
+    else:
+        main = {}
+        compress = {**(hf.get("rope_scaling") or rope), "rope_theta": hf.get("compress_rope_theta", 160000.0)}
+    rotary = main.get("partial_rotary_factor", compress.get("partial_rotary_factor", hf.get("partial_rotary_factor")))
+    rope_dim = int(head_dim * rotary) if rotary is not None else hf.get("qk_rope_head_dim", 64)
+    main_theta, _ = read_rope({"rope_parameters": {"rope_theta": hf.get("rope_theta", 10000.0), **main}}, allowed=())
+    compress_theta, scaling = read_rope({"rope_parameters": compress, "max_position_embeddings":
+                                         hf.get("max_position_embeddings", 1048576)}, allowed=("yarn",))
+    if scaling is not None and scaling.explicit_attention_factor is None:  # transformers forces 1.0 for V4
+        scaling = dataclasses.replace(scaling, explicit_attention_factor=1.0)
+    return rope_dim, main_theta, compress_theta, scaling
+
+
+def _read_schedules(hf: dict[str, Any], layers: int) -> tuple[list[str] | None, list[str]]:
+    """(layer_types or None for the default, mlp_layer_types); ValueError naming a malformed field."""
+    layer_types = hf.get("layer_types")
+    if layer_types is None and hf.get("compress_ratios") is not None:  # the release's per-layer 0 / 4 / 128
+        kind = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+        layer_types = [kind[r] for r in hf["compress_ratios"]][:layers]
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types is None:
+        mlp_types = ["hash_moe" if i < hf.get("num_hash_layers", 3) else "moe" for i in range(layers)]
+    for field, types, allowed in (("layer_types", layer_types, ATTENTION_KINDS),
+                                  ("mlp_layer_types", mlp_types, MLP_KINDS)):
+        if types is not None and (len(types) != layers or set(types) - set(allowed)):
+            raise ValueError(f"config.json field {field}={types} must have num_hidden_layers={layers} entries "
+                             f"from {list(allowed)}")
+    return layer_types, mlp_types
+
+
 class DeepSeekV4Converter(Converter):
     architectures = ("DeepseekV4ForCausalLM",)
     config_type = DeepSeekV4Config
@@ -47,47 +84,29 @@ class DeepSeekV4Converter(Converter):
         require(hf, "num_key_value_heads", (1,), 1)
         require(hf, "attention_bias", (False,), False)
         layers, head_dim = hf["num_hidden_layers"], hf.get("head_dim", 512)
-        rope = hf.get("rope_parameters") or {}
-        if isinstance(rope.get("compress"), dict):  # transformers' nested form
-            main, compress = rope.get("main") or {}, rope["compress"]
-        else:  # flat: YaRN keys (if any) are the compressed RoPE's
-            main, compress = {}, {**(hf.get("rope_scaling") or rope), "rope_theta": hf.get("compress_rope_theta", 160000.0)}
-        rotary = main.get("partial_rotary_factor", compress.get("partial_rotary_factor", hf.get("partial_rotary_factor")))
-        rope_dim = int(head_dim * rotary) if rotary is not None else hf.get("qk_rope_head_dim", 64)
-        main_theta, _ = read_rope({"rope_parameters": {"rope_theta": hf.get("rope_theta", 10000.0), **main}}, allowed=())
-        compress_theta, scaling = read_rope({"rope_parameters": compress, "max_position_embeddings":
-                                             hf.get("max_position_embeddings", 1048576)}, allowed=("yarn",))
-        if scaling is not None and scaling.explicit_attention_factor is None:  # transformers forces 1.0 for V4
-            scaling = type(scaling)(**{**scaling.__dict__, "explicit_attention_factor": 1.0})
-        layer_types = hf.get("layer_types")
-        if layer_types is None and hf.get("compress_ratios") is not None:  # the release's per-layer 0 / 4 / 128
-            kind = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-            layer_types = [kind[r] for r in hf["compress_ratios"]][:layers]
-        mlp_types = hf.get("mlp_layer_types")
-        if mlp_types is None:
-            hashed = hf.get("num_hash_layers", 3)
-            mlp_types = ["hash_moe" if i < hashed else "moe" for i in range(layers)]
-        for field, types, allowed in (("layer_types", layer_types, ATTENTION_KINDS), ("mlp_layer_types", mlp_types, MLP_KINDS)):
-            if types is not None and (len(types) != layers or set(types) - set(allowed)):
-                raise ValueError(f"config.json field {field}={types} must have num_hidden_layers={layers} entries "
-                                 f"from {list(allowed)}")
+        rope_dim, main_theta, compress_theta, scaling = _read_ropes(hf, head_dim)
+        layer_types, mlp_types = _read_schedules(hf, layers)
         rates = dict(hf.get("compress_rates") or {"compressed_sparse_attention": hf.get("compress_rate_csa", 4),
                                                   "heavily_compressed_attention": hf.get("compress_rate_hca", 128)})
         moe = deepseek_v4_moe(num_experts=hf.get("n_routed_experts", 256), top_k=hf.get("num_experts_per_tok", 6),
                               expert_dim=hf.get("moe_intermediate_size", 2048),
-                              route_scale=hf.get("routed_scaling_factor", 1.5), swiglu_limit=hf.get("swiglu_limit", 10.0),
+                              route_scale=hf.get("routed_scaling_factor", 1.5),
+                              swiglu_limit=hf.get("swiglu_limit", 10.0),
                               score_func=hf.get("scoring_func", "sqrtsoftplus"))
         return DeepSeekV4Config(
-            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], num_layers=layers, num_heads=hf["num_attention_heads"],
-            head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=hf.get("q_lora_rank", 1024), o_groups=hf.get("o_groups", 8),
+            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], num_layers=layers,
+            num_heads=hf["num_attention_heads"], head_dim=head_dim, rope_dim=rope_dim,
+            q_lora_rank=hf.get("q_lora_rank", 1024), o_groups=hf.get("o_groups", 8),
             o_lora_rank=hf.get("o_lora_rank", 1024), sliding_window=hf.get("sliding_window", 128),
             layer_types=None if layer_types is None else tuple(layer_types), compress_rates=rates,
             index_n_heads=hf.get("index_n_heads", 64), index_head_dim=hf.get("index_head_dim", 128),
             index_topk=hf.get("index_topk", 512), mlp_layer_types=tuple(mlp_types), moe=moe,
-            hc_mult=hf.get("hc_mult", 4), hc_sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20), hc_eps=hf.get("hc_eps", 1e-6),
-            norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=main_theta, compress_rope_theta=compress_theta,
-            compress_rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 1048576),
-            num_mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0, tie_embeddings=hf.get("tie_word_embeddings", False))
+            hc_mult=hf.get("hc_mult", 4), hc_sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20),
+            hc_eps=hf.get("hc_eps", 1e-6), norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=main_theta,
+            compress_rope_theta=compress_theta, compress_rope_scaling=scaling,
+            max_seq_len=hf.get("max_position_embeddings", 1048576),
+            num_mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0,
+            tie_embeddings=hf.get("tie_word_embeddings", False))
 
     def config_to_hf(self, config: DeepSeekV4Config) -> dict[str, Any]:
         moe = config.moe
@@ -146,7 +165,7 @@ class DeepSeekV4Converter(Converter):
         return "" if self._release(tensor_names) else "model."
 
     def disk_layout(self, config: DeepSeekV4Config, name: str, shape: tuple[int, ...], present: set[str]
-                  ) -> dict[str, tuple[int, ...]] | None:
+                    ) -> dict[str, tuple[int, ...]] | None:
         if self._release(present) and name in _RELEASE_TOP_LEVEL:
             return {_RELEASE_TOP_LEVEL[name]: shape}
         return None
@@ -159,7 +178,8 @@ class DeepSeekV4Converter(Converter):
 
 
 _TINY = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 128, "hidden_size": 32,
-         "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 16,
+         "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 16,
+         "q_lora_rank": 16,
          "partial_rotary_factor": 0.5, "num_experts_per_tok": 2, "n_routed_experts": 4, "hc_mult": 2,
          "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                          "compressed_sparse_attention"],
