@@ -1,6 +1,7 @@
 """DeepSeek-V4 through the trainer: the debug recipe learns on CPU, FSDP on 2 gloo ranks follows the
 single-process loss curve (96-token sequences: 6 heavy and 24 sparse entries per row, past the 16-token
-window), and dist-moe refuses its MoE (hash routing, sqrt-softplus, clamped SwiGLU) by name."""
+window), as does a 2-stage pipeline and full activation checkpointing; tensor parallelism is refused
+(one shared key=value head) and dist-moe refuses its MoE (hash routing, sqrt-softplus, clamped SwiGLU) by name."""
 from __future__ import annotations
 
 import pytest
@@ -41,3 +42,15 @@ def test_dist_moe_refuses_deepseek_v4_moe():
         model = tm.transforms.num_layers(1)(tm.flavor("deepseek_v4", "debug")).build()
     with pytest.raises(ValueError, match="activation, hash_vocab_size, score_func='sqrtsoftplus'"):
         use_dist_moe(model, aux_loss_alpha=0.0)
+
+
+def test_activation_checkpointing_follows_the_reference(reference, tmp_path, jobs):
+    """Every block recomputed in backward (its keyword inputs: ropes, positions, token ids) changes nothing."""
+    losses = train(jobs.tiny(tmp_path, **DSV4, **STEPS, **{"activation_checkpoint.mode": "full"})).losses
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), (step, losses, reference)
+
+
+def test_tensor_parallel_is_refused_naming_the_shared_head(tmp_path, jobs):
+    with pytest.raises(Exception, match="does not divide the model's num_kv_heads=1"):  # raised on the ranks
+        jobs.on_ranks(jobs.tiny(tmp_path, **DSV4, **STEPS, **{"parallelism.tp": "2"}), 2)
