@@ -3,7 +3,6 @@ final norm, output projection. Families differ only in the blocks their configs 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import zlib
 from typing import Any, Iterator
@@ -91,11 +90,11 @@ class Transformer(nn.Module):
         """A model of the same type over some of this one's modules (shared, not copied): `layer_names`,
         the embedding when `first`, the final norm and output when `last` (the others None). Other modules
         (DeepSeek-V3's MTP) are left out; a subclass whose forward needs more adds it."""
-        stage = copy.copy(self)
-        own = ("tok_embeddings", "rope", "layers", "norm", "output")
-        stage._modules = {k: v for k, v in self._modules.items() if k in own}
-        stage._parameters, stage._buffers = dict(self._parameters), dict(self._buffers)
+        stage = type(self).__new__(type(self))  # a fresh module (own hooks and state), not a copy
+        nn.Module.__init__(stage)
+        stage.config, stage.parallel_plan, stage.tie_embeddings = self.config, self.parallel_plan, False
         stage.tok_embeddings = self.tok_embeddings if first else None
+        stage.rope = self.rope
         stage.layers = nn.ModuleDict({name: self.layers[name] for name in layer_names})
         stage.norm = self.norm if last else None
         stage.output = self.output if last else None
