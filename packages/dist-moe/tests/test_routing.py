@@ -105,3 +105,15 @@ def test_balanced_routing_gives_alpha():
 def test_bad_routing_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dist_moe.route(torch.randn(2, 8), **kwargs)
+
+
+def test_forced_balance_deals_every_expert_the_same_load_with_the_routers_weights():
+    torch.manual_seed(0)
+    logits = torch.randn(30, 8)
+    learned = dist_moe.route(logits, top_k=2, score_func="sigmoid", route_scale=2.5)
+    forced = dist_moe.forced_balance(learned, norm_topk_prob=True, route_scale=2.5)
+    assert dist_moe.tokens_per_expert(forced.expert_ids, 8).tolist() == [60 // 8 + (e < 60 % 8) for e in range(8)]
+    assert all(len(set(row)) == 2 for row in forced.expert_ids.tolist())  # a token's two experts differ
+    chosen = logits.sigmoid().gather(1, forced.expert_ids)
+    torch.testing.assert_close(forced.weights, 2.5 * chosen / chosen.sum(-1, keepdim=True))
+    assert not torch.equal(forced.expert_ids, learned.expert_ids)  # the router's choice is overridden

@@ -183,6 +183,23 @@ def test_override_errors_name_the_problem(config):
     assert isinstance(model.layers["0"].feed_forward, tm.components.ffn.FeedForward)  # nothing half-replaced
 
 
+def test_override_may_add_parameters_when_asked(config):
+    model = build(config)
+
+    class WithAdapter(nn.Module):  # keeps the Linear's weight, adds one parameter
+        def __init__(self, old):
+            super().__init__()
+            self.weight, self.extra = old.weight, nn.Parameter(torch.zeros(2))
+
+    with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
+        tm.override(model, "layers.*.attention.wq", lambda fqn, old: WithAdapter(old))
+    replaced = tm.override(model, "layers.*.attention.wq", lambda fqn, old: WithAdapter(old), adds_parameters=True)
+    assert len(replaced) == config.num_layers and "layers.0.attention.wq.extra" in model.state_dict()
+    with pytest.raises(ValueError, match=r"missing \['w3.weight'\]"):  # dropping one is still refused
+        tm.override(model, "layers.*.feed_forward", lambda fqn, old: _TwoMatrixFFN(config.dim, config.ffn_dim),
+                    adds_parameters=True)
+
+
 class _TwoMatrixFFN(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()

@@ -11,11 +11,10 @@ import titan_models as tm
 
 
 def within_published(ours: int, published: str) -> bool:
-    """Published sizes are rounded to the digits they show ("3.3B", "37B", "8.03B"): accept a count within
+    """Published sizes are rounded to the digits they show ("3.3B", "37B", "8.03B", "1T"): accept a count within
     one unit of the last shown digit, or within 0.5%, whichever is wider."""
     assert published[-1] in "BT", published
-    scale = 1e9 if published.endswith("B") else 1e12  # "1.6T" (DeepSeek-V4-Pro)
-    mantissa = published[:-1]
+    mantissa, scale = published[:-1], 1e9 if published.endswith("B") else 1e12
     value = float(mantissa) * scale
     unit = 10.0 ** -(len(mantissa.split(".")[1]) if "." in mantissa else 0) * scale
     return abs(ours - value) <= max(unit, 0.005 * value)

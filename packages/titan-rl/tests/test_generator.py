@@ -172,10 +172,10 @@ def test_group_limited_moe_is_refused_in_batch_invariant_mode():
         batch_invariant(model)
 
 
-@pytest.mark.parametrize("family, flavor", [("qwen3_5", "debug"), ("qwen3_next", "debug")])
+@pytest.mark.parametrize("family, flavor", [("qwen3_5", "debug"), ("qwen3_next", "debug"), ("kimi_linear", "debug")])
 def test_linear_attention_state_through_prefill_and_decode_matches_a_full_forward(family, flavor):
-    # Gated DeltaNet layers carry conv + delta-rule state from a right-padded prefill (prompts up to
-    # 70 tokens, past the 64-token chunk) through decode; the logits must be a full forward's.
+    # Gated DeltaNet / Kimi Delta Attention layers carry conv + delta-rule state from a right-padded prefill
+    # (prompts up to 70 tokens, past the 64-token chunk) through decode; the logits must be a full forward's.
     import titan_models as tm
     config = tm.flavor(family, flavor)
     with torch.device("meta"):
@@ -193,9 +193,10 @@ def test_linear_attention_state_through_prefill_and_decode_matches_a_full_forwar
             assert (expected - comp.logprobs).abs().max() < 1e-4, (prompt[:3], expected, comp.logprobs)
 
 
-def test_linear_attention_models_are_refused_in_batch_invariant_mode():
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_linear_attention_models_are_refused_in_batch_invariant_mode(family):
     import titan_models as tm
     with torch.device("meta"):
-        model = tm.flavor("qwen3_5", "debug").build()
+        model = tm.flavor(family, "debug").build()
     with pytest.raises(ValueError, match="linear-attention"):
         batch_invariant(model)

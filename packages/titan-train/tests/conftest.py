@@ -28,12 +28,14 @@ torch.set_num_threads(1)  # one thread per process: the machine is shared, and r
 from titan_train_ranks import spawn_ranks  # noqa: E402
 
 # A tiny, fast job: the debug Llama cut to 2 layers, short sequences, fp32 on CPU, nothing to resume.
-TINY = {"model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4", "metrics.tensorboard": "false",
+# job.device cpu: on a GPU machine "auto" would put every gloo rank of a CPU test on cuda:LOCAL_RANK.
+TINY = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "64", "training.batch_size": "4",
+        "metrics.tensorboard": "false",
         "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false"}
 
 
-def tiny_config(folder: Path, **overrides: str) -> TrainConfig:
-    config = load_recipe("llama3_debug")
+def tiny_config(folder: Path, recipe: str = "llama3_debug", **overrides: str) -> TrainConfig:
+    config = load_recipe(recipe)
     for name, value in {**TINY, "job.folder": str(folder), **overrides}.items():
         apply_override(config, name, value)
     return config

@@ -109,6 +109,17 @@ def test_ep2_qwen3_next_with_a_gated_shared_expert_follows_titan_moe(tmp_path, j
     assert_follows(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
 
 
+def test_ep2_kimi_linear_follows_titan_moe(tmp_path, jobs):
+    # DeepSeek-V3's router and shared expert beside Kimi Delta Attention, experts over 2 ranks, against
+    # titan-models' MoE in one process; 80 tokens take the KDA past its 64-token chunk.
+    job = {"training.seq_len": "80", "training.steps": "6"}
+    single = moe_job("kimi_linear_debug_ep", tmp_path / "single", **SINGLE, **job)
+    assert resolve_moe_impl(single) == "titan"
+    train(single)
+    jobs.on_ranks(moe_job("kimi_linear_debug_ep", tmp_path / "ep2", **{"parallelism.ep": "2"}, **job), 2)
+    assert_follows(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
+
+
 def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tmp_path, jobs):
     """DeepSeek-V3 (a dense first layer, shared experts, group-limited sigmoid routing): experts split over
     ep=2 and FSDP-sharded over the 2 remaining data-parallel ranks; gradient accumulation (the aux loss
@@ -146,8 +157,8 @@ def test_expert_parallel_needs_dist_moe():
     config.model.moe_impl = "titan"
     with pytest.raises(ValueError, match="parallelism.ep=2 needs model.moe_impl=dist_moe"):
         resolve_moe_impl(config)
-    config.model.moe_impl, config.parallelism.cp = "auto", 2
-    with pytest.raises(ValueError, match="with parallelism.cp > 1 it is not supported yet"):
+    config.model.moe_impl, config.parallelism.tp, config.checkpoint.interval = "auto", 2, 5
+    with pytest.raises(ValueError, match="checkpoint.interval=5 with parallelism.ep=2 x tp=2"):
         resolve_moe_impl(config)
 
 

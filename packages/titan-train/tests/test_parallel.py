@@ -58,10 +58,12 @@ def test_torchrun_runs_the_command_on_gloo_ranks(tmp_path, cli, jobs):
         assert curve[step] == pytest.approx(loss, rel=1e-4)
 
 
-def test_fsdp_follows_single_process_for_a_linear_attention_model(tmp_path, jobs):
-    # Qwen3.5 debug cut to 2 layers: one Gated DeltaNet layer (its conv / decay parameters read
-    # directly in the forward) and one gated-attention layer, at 80 tokens (past the 64-token chunk).
-    job = {"model.family": "qwen3_5", "model.flavor": "debug", "model.vocab_size": "384", "training.seq_len": "80",
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_fsdp_follows_single_process_for_a_linear_attention_model(tmp_path, jobs, family):
+    # The debug model cut to 2 layers: one Gated DeltaNet layer (Kimi: Kimi Delta Attention; its conv / decay
+    # parameters read directly in the forward) and one attention layer (Qwen3.5: gated attention; Kimi:
+    # RoPE-free MLA with an MoE), at 80 tokens (past the 64-token chunk).
+    job = {"model.family": family, "model.flavor": "debug", "model.vocab_size": "384", "training.seq_len": "80",
            "training.steps": "6"}
     expected = train(jobs.tiny(tmp_path / "single", **job)).losses
     curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **job, **{"parallelism.dp_shard": "2"}), 2)
@@ -86,6 +88,21 @@ def test_tensor_parallel_splits_linear_attention_heads(tmp_path, jobs, nproc, la
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
     # the gradient norm sees every gradient, the replicated norms' summed ones included (Adam's
     # scale-free first steps would hide a missing sum from the loss alone)
+    norms = [_grad_norms(tmp_path / folder) for folder in ("single", "tp")]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+
+
+def test_tensor_parallel_splits_kimi_delta_attention_heads(tmp_path, jobs):
+    # Kimi Linear's first layer alone (KDA + a dense FFN; its MoE layers need EP, which does not compose with
+    # TP yet): q/k/v/b and the low-rank gates' up projections colwise, their down projections replicated
+    # (gradients summed), the per-channel decay and the convs headwise, over 2 ranks.
+    job = {"model.family": "kimi_linear", "model.flavor": "debug", "model.vocab_size": "384",
+           "model.num_layers": "1", "training.seq_len": "80", "training.steps": "6"}
+    expected = train(jobs.tiny(tmp_path / "single", **job)).losses
+    curve = jobs.on_ranks(jobs.tiny(tmp_path / "tp", **job, **{"parallelism.tp": "2"}), 2)
+    assert sorted(curve) == sorted(expected) and expected[6] < expected[1]
+    for step, loss in expected.items():
+        assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
     norms = [_grad_norms(tmp_path / folder) for folder in ("single", "tp")]
     assert norms[1] == pytest.approx(norms[0], rel=1e-4)
 

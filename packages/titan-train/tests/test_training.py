@@ -86,13 +86,13 @@ def test_plans_a_model_cannot_take_are_errors():
         check_tp_divisibility(build_on_meta(dataclasses.replace(debug, tie_embeddings=True)), 2, 64)
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_5_debug", "qwen3_next_debug"])
+@pytest.mark.parametrize("recipe", ["qwen3_5_debug", "qwen3_next_debug", "kimi_linear_debug"])
 def test_linear_attention_debug_recipes_train_on_cpu(tmp_path, recipe):
     from titan_train import load_recipe
     from titan_train.cli_args import apply_override
 
     config = load_recipe(recipe)
-    # 2 layers keep one Gated DeltaNet and one gated-attention layer; 80 tokens pass the 64-token chunk.
+    # 2 layers keep one Gated DeltaNet (Kimi: KDA) and one attention layer; 80 tokens pass the 64-token chunk.
     tiny = {"model.num_layers": "2", "training.seq_len": "80", "training.batch_size": "4", "training.steps": "6",
             "metrics.tensorboard": "false", "metrics.progress": "false", "lr_schedule.warmup_steps": "2",
             "checkpoint.resume": "false", "job.folder": str(tmp_path)}

@@ -94,6 +94,33 @@ class Setup:
                 times[name].append(start.elapsed_time(end) / per_block)
         return {name: statistics.median(v) for name, v in times.items()}
 
+    def back_to_back_ms(self, fns: dict, rounds: int, per_block: int) -> dict:
+        """{name: median ms per call} in steady state: as interleaved_ms, but with no pause and no
+        synchronisation between blocks, so the GPU never idles (clocks as in sustained training).
+        The host queues ahead; events alone delimit the blocks. Off CUDA: each function once."""
+        import statistics
+
+        import torch
+
+        if self.dry or self.device.type != "cuda":
+            return {name: self.time_ms(fn, reps=1, warmup=0) for name, fn in fns.items()}
+        for fn in fns.values():
+            fn()
+        marks = []
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(per_block):
+                    fn()
+                end.record()
+                marks.append((name, start, end))
+        torch.cuda.synchronize()
+        times = {name: [] for name in fns}
+        for name, start, end in marks:
+            times[name].append(start.elapsed_time(end) / per_block)
+        return {name: statistics.median(v) for name, v in times.items()}
+
     def host_us(self, fn, reps: int = 10) -> float | None:
         """Microseconds of host time per call (launch overhead), measured without waiting for the GPU."""
         if self.dry:

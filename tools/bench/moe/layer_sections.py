@@ -7,8 +7,9 @@ forward + backward, outputs and all gradients checked against a float64 per-expe
              torch._grouped_mm fallback for the weight gradients; the pipelines timed one after
              the other and then interleaved (blocks of 3 and of 20 steps taking turns, medians:
              the ratio is taken from the 20-step blocks, so clock drift between pipelines does
-             not decide it and the clocks are those of sustained work); the time of each
-             dist-moe launch.
+             not decide it and the clocks are those of sustained work), then back to back (20-step
+             blocks taking turns with no pause: steady state); torch.compile of the usual pipeline
+             is an anchor too; the time of each dist-moe launch.
   bwd_sweep  the fused layer again with one kernel role's configuration forced at a time (the other
              roles tuned as shipped): every variant checked against float64, its launch timed in
              place, so the backward kernels are compared where they run.
@@ -21,6 +22,7 @@ import traceback
 from bench_setup import LAYER_RTOL, LaunchTimer, Setup, has_torch_grouped_mm, rel_err
 
 USUAL = "usual (torch._grouped_mm)"
+USUAL_COMPILED = "usual, torch.compile"
 FUSED = "dist_moe fused"
 FUSED_TORCH_WGRAD = "dist_moe fused, torch wgrad"
 GRADS = ["out", "x", "w1", "w2", "w3", "weights"]
@@ -29,6 +31,7 @@ GRADS = ["out", "x", "w1", "w2", "w3", "weights"]
 # there, 1.23 in 20-step blocks, 1.15-1.22 back to back), so the verdict uses the 20-step blocks.
 INTERLEAVED_BLOCKS = ((3, 6), (20, 3))
 VERDICT_BLOCK = 20
+BACK_TO_BACK = (20, 3)  # (steps per block, rounds) with no pause between blocks: steady state
 
 
 def baseline_grouped_mm(setup: Setup):
@@ -86,6 +89,18 @@ def usual_layer(x, w1, w2, w3, weights, expert_ids, num_experts, gmm):
     y = gmm(h, w2.transpose(1, 2), offsets)
     y = y * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)  # scatter-add
+
+
+def compiled_usual_layer(setup: Setup, gmm):
+    """torch.compile of the usual pipeline (inductor, static shapes), the strongest torch anchor. On
+    --dry-run: the aot_eager backend with the grouped GEMM left out of the graph (a check of the path:
+    inductor's CPU build takes minutes, and torch._grouped_mm's meta function wants bf16)."""
+    import torch
+
+    compiled = torch.compile(usual_layer, dynamic=False, backend="aot_eager" if setup.dry else "inductor")
+    traced_gmm = torch.compiler.disable(gmm) if setup.dry else gmm
+    return lambda x, w1, w2, w3, weights, expert_ids, num_experts: compiled(
+        x, w1, w2, w3, weights, expert_ids, num_experts, traced_gmm)
 
 
 def fused_layer(x, w1, w2, w3, weights, expert_ids, num_experts, weight_grad="triton"):
@@ -210,6 +225,8 @@ def section_layer(setup: Setup, budget_s: float) -> dict:
         pipelines = {FUSED: lambda: fused_layer(*case.inputs, ids, e)}
         if gmm is not None:
             pipelines[USUAL] = lambda: usual_layer(*case.inputs, ids, e, gmm)
+            compiled = compiled_usual_layer(setup, gmm)
+            pipelines[USUAL_COMPILED] = lambda: compiled(*case.inputs, ids, e)
             pipelines[FUSED_TORCH_WGRAD] = lambda: fused_layer(*case.inputs, ids, e, "torch_grouped_mm")
         for name, forward in pipelines.items():
             try:
@@ -237,6 +254,11 @@ def section_layer(setup: Setup, budget_s: float) -> dict:
                     entry[name].setdefault("interleaved_ms", {})[per_block] = ms
             print(f"[layer] {routing} interleaved fwd+bwd medians (ms by block length): "
                   + ", ".join(f"{n} {entry[n]['interleaved_ms']}" for n in steps), flush=True)
+            per_block, rounds = BACK_TO_BACK
+            for name, ms in setup.back_to_back_ms(steps, rounds=rounds, per_block=per_block).items():
+                entry[name]["back_to_back_ms"] = ms
+            print(f"[layer] {routing} back-to-back fwd+bwd medians ({per_block}-step blocks, no pauses): "
+                  + ", ".join(f"{n} {entry[n]['back_to_back_ms']:.3f}" for n in steps), flush=True)
         result["routings"][routing] = entry
     result["tuned"] = {str(k): v.name() for k, v in chosen_configs().items()}
     return result

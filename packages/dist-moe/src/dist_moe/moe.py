@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from dist_moe.backend import BACKENDS, Backend, WeightGrad, check_weight_grad
 from dist_moe.dispatch import combine, dispatch, ep_size
 from dist_moe.expert_mlp import expert_mlp
-from dist_moe.routing import ScoreFunc, check_routing_args, route, sequence_balance_loss
+from dist_moe.routing import ScoreFunc, check_routing_args, forced_balance, route, sequence_balance_loss
 
 _ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "shared_expert_dim",
                    "shared_expert_gate", "score_func", "n_group", "topk_group", "norm_topk_prob", "route_scale")
@@ -45,6 +46,8 @@ class MoEConfig:
     norm_topk_prob: bool = True
     route_scale: float = 1.0
     aux_loss_alpha: float = 0.0  # > 0 adds DeepSeek-V3's sequence-wise balance loss in training
+    # "forced_balance": tokens dealt evenly to the experts (routing.forced_balance), for measurement only
+    routing: Literal["learned", "forced_balance"] = "learned"
     ep_group: dist.ProcessGroup | None = None
     backend: Backend = "auto"
     weight_grad: WeightGrad = "triton"  # Triton path: who computes the expert weight gradients
@@ -61,6 +64,8 @@ class MoEConfig:
                            n_group=self.n_group, topk_group=self.topk_group)
         if self.aux_loss_alpha < 0:
             raise ValueError(f"aux_loss_alpha must be >= 0, got {self.aux_loss_alpha}")
+        if self.routing not in ("learned", "forced_balance"):
+            raise ValueError(f"routing must be 'learned' or 'forced_balance', got {self.routing!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         check_weight_grad(self.weight_grad)
@@ -147,6 +152,8 @@ class MoE(nn.Module):
         routing = route(logits, top_k=cfg.top_k, score_func=cfg.score_func, n_group=cfg.n_group,
                         topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale,
                         bias=self.expert_bias)
+        if cfg.routing == "forced_balance":
+            routing = forced_balance(routing, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale)
         sent = dispatch(tokens, routing.expert_ids, routing.weights, num_experts=cfg.num_experts, group=self.ep_group)
         with torch.no_grad():
             self.tokens_per_expert.copy_(sent.tokens_per_expert)

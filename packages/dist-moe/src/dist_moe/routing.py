@@ -77,6 +77,21 @@ def route(
     return Routing(weights=weights * route_scale, expert_ids=expert_ids, scores=scores)
 
 
+def forced_balance(routing: Routing, *, norm_topk_prob: bool = True, route_scale: float = 1.0) -> Routing:
+    """The same tokens dealt evenly to the experts, whatever the router chose (for measuring the layer at a
+    perfectly balanced load): token t's j-th slot goes to expert (t * k + j) mod E, so the k experts of a
+    token differ and every expert gets T k / E rows (within one). The weights are the router's unbiased
+    scores of those experts (normalised and scaled as `route` does), so the router still learns."""
+    tokens, top_k = routing.expert_ids.shape
+    num_experts = routing.scores.shape[1]
+    slots = torch.arange(tokens * top_k, device=routing.scores.device).view(tokens, top_k)
+    expert_ids = slots % num_experts
+    weights = routing.scores.gather(1, expert_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(weights=weights * route_scale, expert_ids=expert_ids, scores=routing.scores)
+
+
 def tokens_per_expert(expert_ids: Tensor, num_experts: int) -> Tensor:
     """Count routed rows per expert: expert_ids [T, k] (any shape) -> [num_experts] int64.
 

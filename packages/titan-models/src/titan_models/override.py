@@ -18,12 +18,15 @@ def _signature(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items()}
 
 
-def override(model: nn.Module, pattern: str, factory: Callable[[str, nn.Module], nn.Module]) -> list[str]:
+def override(model: nn.Module, pattern: str, factory: Callable[[str, nn.Module], nn.Module], *,
+             adds_parameters: bool = False) -> list[str]:
     """Replace each module whose name matches `pattern` by `factory(name, old_module)`.
 
     All replacements are made and checked before any is installed: a pattern that matches nothing,
     a factory that returns a non-module, or a replacement whose parameter/buffer names or shapes
     differ from the original's raises ValueError (so weights and checkpoints carry over).
+    adds_parameters: the replacement may hold parameters of its own beside the original's (an adapter,
+    e.g. LoRA); it must still keep every original name with its shape.
     Returns the replaced module names.
     """
     targets = [(name, mod) for name, mod in model.named_modules() if name and _matches(pattern, name)]
@@ -36,6 +39,8 @@ def override(model: nn.Module, pattern: str, factory: Callable[[str, nn.Module],
         if not isinstance(new, nn.Module):
             raise TypeError(f"override factory for {name!r} returned {type(new).__name__}, not an nn.Module")
         want, got = _signature(old), _signature(new)
+        if adds_parameters:
+            got = {k: v for k, v in got.items() if k in want}
         if want != got:
             missing = sorted(set(want) - set(got))
             extra = sorted(set(got) - set(want))

@@ -8,7 +8,10 @@ Patterns are module paths relative to the model with `*` standing for one path c
 - "embedding": shard the embedding table over the vocabulary; lookups are summed.
 - "output": colwise over the vocabulary for the output projection (a loss may stay sharded).
 - "sequence_parallel": a norm applied to activations sharded along the sequence dimension.
-- "replicate": keep the parameters whole on every rank (small projections, per-head norms).
+- "replicate": keep the parameters whole on every rank (small projections, per-head norms) applied to
+  each rank's own heads or tokens: their gradients are summed over the ranks.
+- "replicate_whole": keep the parameters whole on every rank, applied to activations every rank holds
+  whole (MLA's latent projections of the gathered sequence): each rank's gradient is already the whole one.
 - "headwise": shard every parameter of the module along dim 0 with no communication: per-head or
   per-channel parameters of a module whose projections are colwise (Gated DeltaNet's short convs and
   decay gate), so each rank keeps those of its own heads.
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TP_STYLES: tuple[str, ...] = ("colwise", "rowwise", "embedding", "output", "sequence_parallel", "replicate",
-                              "headwise")
+                              "replicate_whole", "headwise")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -12,14 +12,26 @@ to the newest intact step with a warning naming the damage and where the damaged
 """
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from torch_checkpointing import Checkpointer, CommitError, ModelState, OptimizerState, SaveHandle
+
+ENTRIES = ("model", "optimizer", "scheduler", "data", "rng", "step")
+
+
+def check_exclude(patterns: tuple[str, ...]) -> None:
+    """checkpoint.exclude: each pattern must match one of the state's entries."""
+    for pattern in patterns:
+        if not fnmatch.filter(ENTRIES, pattern):
+            raise ValueError(f"checkpoint.exclude: {pattern!r} matches no checkpoint entry; entries: "
+                             f"{', '.join(ENTRIES)}")
 
 
 class RNGState:
@@ -56,17 +68,29 @@ class RunCheckpoints:
     """
 
     def __init__(self, folder: Path, *, keep_last: int, async_save: bool,
-                 adapt: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+                 adapt: Callable[[dict[str, Any]], dict[str, Any]] | None = None, exclude: tuple[str, ...] = (),
+                 trainable_only: bool = False):
+        """exclude: entries a restore leaves alone (checkpoint.exclude). trainable_only: the model entry holds
+        the trainable parameters only (LoRA: the adapters; the frozen base is rebuilt from the initial weights)."""
         self.folder = folder
         self.checkpointer = Checkpointer(str(folder), keep_last=keep_last or None, per_rank=("rng",))
         self.async_save = async_save
         self.adapt = adapt  # rewrites the state of every save and load (pipeline parallelism: each rank's stages)
+        self.exclude = exclude
+        self.model_options = self.model_options_for(trainable_only=trainable_only)
         self._copying: SaveHandle | None = None  # a save whose copies the next optimizer step must follow
         self._reserved = False
 
+    @staticmethod
+    def model_options_for(*, trainable_only: bool) -> StateDictOptions | None:
+        """How the model entry is read and written: all of it, or its trainable parameters only (LoRA)."""
+        # strict=False: a load fills the trainable parameters and leaves the frozen ones (which the state
+        # lacks) alone; torch-checkpointing still refuses a checkpoint that lacks one of the state's tensors.
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
     def state(self, model: nn.Module, optimizer, scheduler, loader, step: int, device: torch.device) -> dict[str, Any]:
-        state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
-                 "data": loader, "rng": RNGState(device), "step": step}
+        state = {"model": ModelState(model, options=self.model_options), "optimizer": OptimizerState(model, optimizer),
+                 "scheduler": scheduler, "data": loader, "rng": RNGState(device), "step": step}
         return self.adapt(state) if self.adapt is not None else state
 
     def reserve(self, state: dict[str, Any]) -> None:
@@ -110,14 +134,21 @@ class RunCheckpoints:
     def latest_step(self) -> int | None:
         return self.checkpointer.latest_step()
 
-    def restore(self, model: nn.Module, optimizer, scheduler, loader, device: torch.device) -> int:
-        """Load the newest intact committed checkpoint into the run's objects; returns its step.
+    def steps(self) -> list[int]:
+        return self.checkpointer.steps()
+
+    def restore(self, model: nn.Module, optimizer, scheduler, loader, device: torch.device, *,
+                step: int | None = None) -> int:
+        """Load the newest intact committed checkpoint (or `step`) into the run's objects, but for the excluded
+        entries; returns the step the run continues after (0 when `step` itself is excluded).
 
         A damaged newer step (checksums, missing or cut files) is moved aside to damaged-step-N with a
         RuntimeWarning naming the damage; every step damaged raises torch_checkpointing.ChecksumError."""
         state = self.state(model, optimizer, scheduler, loader, 0, device)
-        self.checkpointer.load(state)
-        return int(state["step"])
+        for name in [name for name in state if any(fnmatch.fnmatchcase(name, p) for p in self.exclude)]:
+            del state[name]
+        self.checkpointer.load(state, step)
+        return int(state.get("step", 0))
 
     def close(self) -> None:
         """Wait for the saves in flight to commit, then release the checkpointer."""

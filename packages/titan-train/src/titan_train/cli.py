@@ -12,6 +12,7 @@ from .recipes import DEFAULT_RECIPE, recipes
 USAGE = """usage: titan-train [--recipe NAME | --recipe package.module:function] [--SECTION.FIELD VALUE ...]
                    [--list-recipes] [--print-config] [--help]
        titan-train rl ...   (the RL job: see titan-train rl --help)
+       titan-train export --job.folder DIR [--step N] --out HF_DIR   (a checkpoint as a Hugging Face folder)
 
 Trains a model. With no arguments: the main job (recipe {default}), the debug Llama 3 learning Python's
 standard library on a CPU. Every field below can be overridden; values are checked against their type.
@@ -31,6 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .rl.cli import main as rl_main
 
         return rl_main(argv[1:], from_command_line=from_command_line)
+    if argv and argv[0] == "export":
+        from .export_cli import main as export_main
+
+        return export_main(argv[1:])
     try:
         config, actions = parse_args(argv)
     except ConfigError as e:

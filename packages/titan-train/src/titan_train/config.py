@@ -54,6 +54,14 @@ class ModelConfig:
     expert parallelism). auto: dist_moe when parallelism.ep > 1, else titan."""
     moe_aux_loss_weight: float = 0.0
     """dist_moe only: weight of DeepSeek-V3's sequence-wise balance loss added to the objective (0: off)."""
+    moe_routing: Literal["learned", "forced_balance"] = "learned"
+    """learned: the router's top-k. forced_balance (dist_moe only, for measurement): tokens dealt evenly to
+    the experts whatever the router says (weights still from its scores), so every expert gets the same
+    load; it changes the workload, so every metrics record says `moe_routing`."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules trained beside the main model (DeepSeek-V3: 1; titan-models builds
+    depth 0 or 1). The MTP module predicts token i + 2 from the main model's hidden state at i and the
+    embedding of token i + 1; its loss, weighted by training.mtp_loss_weight, joins the objective."""
 
 
 @dataclass(kw_only=True)
@@ -83,6 +91,9 @@ class StepConfig:
     fused_kernels: bool = True
     """On CUDA, titan-train's Triton kernels for the loss's softmax gradient and the SwiGLU backward
     (false: torch ops, fused by torch.compile where compile.enabled)."""
+    mtp_loss_weight: float = 0.1
+    """lambda of DeepSeek-V3's objective main + lambda * MTP loss (each a mean over its scored tokens;
+    the report used 0.3, then 0.1); applies when model.mtp_layers > 0."""
     moe_bias_update_rate: float = 1e-3
     """MoE aux-loss-free balancing: after each optimizer step, expert_bias += rate * sign(mean load - load),
     with the loads counted over the step's whole global batch (0 disables)."""
@@ -91,6 +102,8 @@ class StepConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.mtp_loss_weight < float("inf"):
+            raise ValueError(f"training.mtp_loss_weight must be a finite number >= 0, got {self.mtp_loss_weight}")
         if self.gc_interval < 0:
             raise ValueError(f"training.gc_interval must be >= 0 (0: automatic collection), got {self.gc_interval}")
 
@@ -163,7 +176,8 @@ class LRScheduleConfig:
 class DataConfig:
     source: str = "stdlib"
     """stdlib (Python's own library sources, no download), random (uniform random tokens over the model's
-    vocabulary, for benchmarks), or a path: a text/jsonl/parquet file, a folder of them, or a Hugging Face
+    vocabulary, for benchmarks), arithmetic_chat (generated conversations, for data.chat), or a path: a
+    text/jsonl/parquet file, a folder of them, or a Hugging Face
     dataset saved with save_to_disk."""
     format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
     """auto: from the source (stdlib, file extension, or a folder holding state.json/dataset_dict.json)."""
@@ -177,10 +191,21 @@ class DataConfig:
     """Attention never crosses a document boundary inside a packed sequence."""
     shuffle: bool = True
     """Visit documents in a seeded random order (a new order each epoch)."""
+    sources: tuple[tuple[str, float], ...] = ()
+    """Mix several sources by weight instead of `source`: each packed row is drawn from one of them in a
+    seeded order (resumable). Command line: 'a.jsonl=0.7,b.parquet=0.3' (formats detected per source)."""
+    chat: bool = False
+    """Chat data (supervised fine-tuning): each record's `messages_field` is a list of {role, content},
+    rendered with `chat_template`; only the assistant's tokens are scored."""
+    messages_field: str = "messages"
+    """chat: the column (jsonl/parquet/hf_disk) holding each conversation."""
+    chat_template: str = "auto"
+    """chat: auto (the chat_template of tokenizer_config.json beside data.tokenizer, or the built-in one for
+    the byte tokenizer), builtin, or the path of a Jinja template file."""
 
     @property
     def random(self) -> bool:
-        return self.source == "random"
+        return self.source == "random" and not self.sources
 
     def build_tokenizer(self) -> Any:
         """The tokenizer of a text source (None for random tokens, which need none)."""
@@ -190,13 +215,38 @@ class DataConfig:
 
     def build(self, tokenizer: Any, *, vocab_size: int, seq_len: int, seed: int) -> Any:
         """The loader of the global token stream (every rank reads all of it and keeps its rows)."""
-        from .data import PackedLoader, RandomTokenLoader, open_documents
+        from .data import MixedLoader, RandomTokenLoader
 
         if self.random:
             return RandomTokenLoader(vocab_size, seq_len=seq_len, seed=seed)
-        documents = open_documents(self.source, format=self.format, text_field=self.text_field, split=self.split)
-        return PackedLoader(documents, tokenizer, seq_len=seq_len, seed=seed, shuffle=self.shuffle,
-                            document_masking=self.document_masking)
+        if self.sources:
+            loaders = [self.packed_loader(source, tokenizer, seq_len=seq_len, seed=seed + i, shuffle=self.shuffle,
+                                          format="auto") for i, (source, _) in enumerate(self.sources)]
+            return MixedLoader(loaders, [weight for _, weight in self.sources], seed=seed)
+        return self.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=self.shuffle)
+
+    def packed_loader(self, source: str, tokenizer: Any, *, seq_len: int, seed: int, shuffle: bool,
+                      format: str | None = None) -> Any:
+        """The packing loader of one source read as this section says (text or chat)."""
+        from .data import PackedLoader, open_documents
+
+        format = self.format if format is None else format
+        field_name = self.messages_field if self.chat else self.text_field
+        documents = open_documents(source, format=format, text_field=field_name, split=self.split,
+                                   strings=not self.chat)
+        encode = None
+        if self.chat:
+            from .data.chat import ChatEncoder
+
+            encode = ChatEncoder.build(self.chat_template, tokenizer, tokenizer_spec=self.tokenizer)
+            encode.check(documents, origin=source)
+        return PackedLoader(documents, tokenizer, seq_len=seq_len, seed=seed, shuffle=shuffle,
+                            document_masking=self.document_masking, encode=encode)
+
+    def check(self) -> None:
+        for source, weight in self.sources:
+            if not weight > 0:
+                raise ValueError(f"data.sources: the weight of {source!r} must be > 0, got {weight}")
 
 
 @dataclass(kw_only=True)
@@ -257,18 +307,40 @@ class CheckpointConfig:
     """Resume from the newest checkpoint in <job.folder>/checkpoints when there is one."""
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
+    initial_load: str = ""
+    """Initial model weights only (no optimizer or data state): a titan-train job folder or its checkpoints
+    folder (the newest committed step), or a Hugging Face folder (config.json + safetensors) of the same
+    architecture. A resumed run then loads its own checkpoint over them. '' keeps model.* (init_seed, hf_path)."""
+    load_step: int = 0
+    """Resume from this committed step instead of the newest (0: the newest; it must be committed)."""
+    exclude: tuple[str, ...] = ()
+    """Checkpoint entries a resume does not load (patterns over model, optimizer, scheduler, data, rng,
+    step), e.g. 'optimizer,scheduler' to continue with a fresh optimizer."""
+    export_hf_at_end: bool = False
+    """After the last step write the model (LoRA merged) as a Hugging Face folder into <job.folder>/hf."""
 
     def check(self) -> None:
         if self.interval < 0 or self.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if self.load_step < 0:
+            raise ValueError(f"checkpoint.load_step must be >= 0 (0: the newest), got {self.load_step}")
+        if self.load_step and not self.resume:
+            raise ValueError(f"checkpoint.load_step={self.load_step} resumes from that step: "
+                             "set checkpoint.resume true")
+        from .checkpoint import check_exclude
 
-    def build(self, folder: Path, *, adapt: Callable[[dict], dict] | None = None) -> RunCheckpoints | None:
-        """The run's checkpoints in `folder` (None when neither saving nor resuming)."""
+        check_exclude(self.exclude)
+
+    def build(self, folder: Path, *, adapt: Callable[[dict], dict] | None = None,
+              trainable_only: bool = False) -> RunCheckpoints | None:
+        """The run's checkpoints in `folder` (None when neither saving nor resuming). trainable_only: save the
+        model's trainable parameters only (LoRA adapters; the frozen base comes from the run's initial weights)."""
         if self.interval == 0 and not self.resume:
             return None
         from .checkpoint import RunCheckpoints  # torch-checkpointing is only needed when checkpointing
 
-        return RunCheckpoints(folder, keep_last=self.keep_last, async_save=self.async_save, adapt=adapt)
+        return RunCheckpoints(folder, keep_last=self.keep_last, async_save=self.async_save, adapt=adapt,
+                              exclude=self.exclude, trainable_only=trainable_only)
 
 
 @dataclass(kw_only=True)
@@ -279,32 +351,179 @@ class MetricsConfig:
     """Write TensorBoard event files beside metrics.jsonl."""
     progress: bool = True
     """Show the progress bar on rank 0."""
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install 'titan-train[wandb]'); WANDB_MODE=offline needs no network."""
+    wandb_project: str = "titan-train"
+    """wandb: the project the run is logged under."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """wandb: auto takes WANDB_MODE from the environment (online when unset); offline writes <job.folder>/wandb."""
+    plot: bool = True
+    """At the end of the run write <job.folder>/metrics.png: loss (and eval loss) and throughput per step."""
 
     def check(self) -> None:
         if self.log_interval < 1:
             raise ValueError(f"metrics.log_interval must be >= 1, got {self.log_interval}")
 
-    def build(self, folder: Path, *, start_step: int) -> MetricsWriter:
+    def build(self, folder: Path, *, start_step: int, run_config: dict | None = None) -> MetricsWriter:
         from .metrics import MetricsWriter
 
-        return MetricsWriter(folder, tensorboard=self.tensorboard, start_step=start_step)
+        sinks = []
+        if self.wandb:
+            from .tracking import WandbSink
+
+            sinks.append(WandbSink(folder, project=self.wandb_project, mode=self.wandb_mode, config=run_config))
+        return MetricsWriter(folder, tensorboard=self.tensorboard, start_step=start_step, sinks=sinks)
+
+
+@dataclass(kw_only=True)
+class ValidationConfig:
+    source: str = ""
+    """Held-out data in the formats of data.source (read with data.tokenizer, and as chat data under
+    data.chat); '' turns validation off."""
+    format: Literal["auto", "stdlib", "text", "jsonl", "parquet", "hf_disk"] = "auto"
+    """As data.format, for validation.source."""
+    interval: int = 0
+    """Evaluate every this many steps, and after the last step (0: after the last step only)."""
+    steps: int = 4
+    """Batches (training.batch_size x training.seq_len) per evaluation: the same first ones every time."""
+
+    def check(self) -> None:
+        if self.interval < 0 or self.steps < 1:
+            raise ValueError(f"validation.interval must be >= 0 and validation.steps >= 1, got "
+                             f"{self.interval} and {self.steps}")
+
+    def build(self, data: DataConfig, tokenizer: Any, *, seq_len: int, batch_size: int, seed: int) -> Any:
+        """The run's Validator (validation.py), None when validation.source is ''."""
+        if not self.source:
+            return None
+        from .validation import Validator
+
+        # In file order (a bad source or record fails here, before training); rewound for every evaluation.
+        loader = data.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=False,
+                                    format=self.format)
+        return Validator(loader, interval=self.interval, steps=self.steps, batch_size=batch_size)
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    targets: tuple[str, ...] = ()
+    """LoRA adapters on the Linears whose names match these patterns (titan_models.override's: '*' within
+    one name component), e.g. 'layers.*.attention.wq,layers.*.attention.wv'; the rest of the model is frozen
+    and only the adapters are trained and checkpointed. Empty: no LoRA."""
+    rank: int = 8
+    """Rank r of each adapter: W x + (alpha / r) B A x with A [r, in], B [out, r] (B starts at zero)."""
+    alpha: float = 16.0
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only)."""
+
+    def check(self) -> None:
+        if self.targets and (self.rank < 1 or not 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"lora.rank must be >= 1 and lora.dropout in [0, 1), got {self.rank} and {self.dropout}")
+
+    def build(self, *, seed: int) -> Any:
+        """The adapters to apply (lora.py's LoRA), None when no targets are given."""
+        if not self.targets:
+            return None
+        from .lora import LoRA
+
+        return LoRA(self.targets, rank=self.rank, alpha=self.alpha, dropout=self.dropout, seed=seed)
+
+
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    steps: tuple[int, ...] = ()
+    """Record these steps with torch.profiler (e.g. '5,6') into <job.folder>/profile/trace_rank<R>.json
+    (Chrome/Perfetto) and print where their time went: compute, communication, idle."""
+    memory_snapshot: bool = False
+    """CUDA: record allocations over the profiled steps (or the first 3 steps) and write torch's memory
+    snapshot <job.folder>/profile/memory_snapshot_rank<R>.pickle (open it in pytorch.org/memory_viz)."""
+
+    def check(self) -> None:
+        if any(step < 1 for step in self.steps):
+            raise ValueError(f"profiling.steps must be >= 1, got {self.steps}")
+
+    def build(self, folder: Path, *, rank: int, device: torch.device) -> Any:
+        from .profiling import StepProfiler
+
+        return StepProfiler(folder / "profile", steps=self.steps, memory_snapshot=self.memory_snapshot, rank=rank,
+                            device=device)
+
+
+# (module-path pattern, compile options) pairs; see CompileConfig.regions.
+RegionRules = tuple[tuple[str, str], ...]
 
 
 @dataclass(kw_only=True)
 class CompileConfig:
+    mode: Literal["none", "blocks", "regions", "graph"] = "none"
+    """none: eager. blocks: torch.compile each transformer block (and the loss's chunks). regions:
+    torch.compile the modules `regions` selects, each with its own options. graph: trace the whole step
+    (forward, loss, backward) into one FX graph once and run that graph each step (graph passes apply)."""
     enabled: bool = False
-    """torch.compile each transformer block (and the loss)."""
+    """Alias of mode=blocks (kept for older recipes)."""
+    regions: RegionRules = ()
+    """mode=regions: (module-path pattern, options) pairs; `*` stands for one path component; options are a
+    torch.compile mode (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs) followed by
+    optional /fullgraph and /dynamic or /static. A pattern matching no module is an error.
+    Command line: 'layers.*.attention=default,layers.*.feed_forward=max-autotune/fullgraph'."""
+    backend: str = "inductor"
+    """torch.compile backend of blocks and regions (inductor; aot_eager or eager to debug)."""
+    dump_graph: bool = False
+    """mode=graph: write the step's graph (readable code, and node counts per op) to <job.folder>/graph/."""
+    graph_passes: tuple[str, ...] = ("remove_detach", "eliminate_dead_code")
+    """mode=graph: graph passes applied in order after capture, each a registered name (see
+    titan_train.graph.graph_passes()) or package.module:function taking and returning a GraphModule."""
+
+    @property
+    def effective_mode(self) -> str:
+        """mode with the `enabled` alias resolved."""
+        return "blocks" if self.enabled and self.mode == "none" else self.mode
+
+    @property
+    def uses_torch_compile(self) -> bool:
+        """torch.compile is applied to parts of the model (blocks or regions); the loss's chunks then too."""
+        return self.effective_mode in ("blocks", "regions")
+
+    def check(self) -> None:
+        if self.enabled and self.mode not in ("none", "blocks"):
+            raise ValueError(f"compile.enabled=true is an alias of compile.mode=blocks; it conflicts with "
+                             f"compile.mode={self.mode} (drop compile.enabled)")
+        if self.effective_mode == "regions" and not self.regions:
+            raise ValueError("compile.mode=regions needs compile.regions, e.g. 'layers.*.attention=default'")
+        if self.regions and self.effective_mode != "regions":
+            raise ValueError(f"compile.regions is set but compile.mode={self.effective_mode}; use compile.mode=regions")
 
 
 @dataclass(kw_only=True)
 class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective"] = "none"
-    """full: recompute every block in backward. selective: see `selective`."""
+    mode: Literal["none", "full", "selective", "remat"] = "none"
+    """full: recompute every block in backward. selective: see `selective`. remat: per-op and per-block
+    choices, given (save_ops, save_blocks) or planned under memory_budget_gib; the plan is printed and
+    written to <job.folder>/remat_plan.json."""
+    save_ops: tuple[str, ...] = ()
+    """remat: aten op names whose outputs every checkpointed block keeps (e.g. 'mm,addmm'); the rest is
+    recomputed in backward (empty: recompute the whole block)."""
+    save_blocks: tuple[str, ...] = ()
+    """remat: block-path patterns (e.g. 'layers.0,layers.1') kept whole: nothing in them is recomputed."""
+    memory_budget_gib: float = 0.0
+    """remat: plan what to save so parameters, gradients, AdamW moments and the saved activations of one
+    microbatch fit this many GiB per rank with the least recomputation (0: use save_ops/save_blocks)."""
     selective: Literal["ops", "layers"] = "ops"
     """ops: keep matmul and attention outputs, recompute the cheap elementwise ops between them.
     layers: recompute one block in `every`."""
     every: int = 2
     """selective=layers: checkpoint one block in this many."""
+
+    def check(self) -> None:
+        if self.memory_budget_gib < 0:
+            raise ValueError(f"activation_checkpoint.memory_budget_gib must be >= 0, got {self.memory_budget_gib}")
+        explicit = bool(self.save_ops or self.save_blocks)
+        if self.mode != "remat" and (explicit or self.memory_budget_gib):
+            raise ValueError("activation_checkpoint.save_ops/save_blocks/memory_budget_gib need "
+                             "activation_checkpoint.mode=remat")
+        if explicit and self.memory_budget_gib:
+            raise ValueError("activation_checkpoint: give either memory_budget_gib (planned) or save_ops/"
+                             "save_blocks (explicit), not both")
 
 
 @dataclass(kw_only=True)
@@ -322,6 +541,9 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def check(self) -> None:
         """The checks of each section that need nothing but the section (the layout's come with
@@ -330,3 +552,9 @@ class TrainConfig:
         self.lr_schedule.check()
         self.checkpoint.check()
         self.metrics.check()
+        self.data.check()
+        self.validation.check()
+        self.lora.check()
+        self.profiling.check()
+        self.compile.check()
+        self.activation_checkpoint.check()

@@ -48,10 +48,19 @@ def resolve_moe_impl(config: TrainConfig) -> str:
     impl = m.moe_impl if m.moe_impl != "auto" else ("dist_moe" if ep > 1 else "titan")
     if ep > 1 and impl != "dist_moe":
         raise ValueError(f"parallelism.ep={ep} needs model.moe_impl=dist_moe (or auto), got {m.moe_impl!r}")
-    for name in ("pp", "cp", "tp"):
-        if ep > 1 and getattr(config.parallelism, name) > 1:
-            raise ValueError(f"parallelism.ep={ep} composes with FSDP/HSDP; with parallelism.{name} > 1 it is not "
-                             "supported yet")
+    if ep > 1 and config.parallelism.tp > 1 and config.checkpoint.interval > 0:
+        raise ValueError(f"checkpoint.interval={config.checkpoint.interval} with parallelism.ep={ep} x tp="
+                         f"{config.parallelism.tp}: the expert shards, whole on every tp rank, cannot be saved yet "
+                         "(each tp rank would write the same pieces); use checkpoint.interval 0 or tp=1")
+    if ep > 1 and config.parallelism.tp > 1 and m.moe_aux_loss_weight > 0:
+        raise ValueError(f"model.moe_aux_loss_weight > 0 with parallelism.ep={ep} x tp={config.parallelism.tp}: "
+                         "the sequence-wise balance loss needs whole sequences, which tp splits over its ranks; "
+                         "use the aux-loss-free bias (training.moe_bias_update_rate) or tp=1")
+    if m.moe_routing not in ("learned", "forced_balance"):
+        raise ValueError(f"model.moe_routing must be learned or forced_balance, got {m.moe_routing!r}")
+    if m.moe_routing == "forced_balance" and impl != "dist_moe":
+        raise ValueError("model.moe_routing=forced_balance needs model.moe_impl=dist_moe (titan-models' MoE "
+                         "routes by its router only)")
     if m.moe_aux_loss_weight < 0:
         raise ValueError(f"model.moe_aux_loss_weight must be >= 0, got {m.moe_aux_loss_weight}")
     if m.moe_aux_loss_weight > 0 and impl != "dist_moe":
@@ -68,7 +77,7 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [model.get_submodule(n) for n in sorted(set(names), key=names.index)]
 
 
-def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float) -> list[str]:
+def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "learned") -> list[str]:
     """Replace every MoE layer of the (meta) model by dist-moe's, with the same parameter names and
     shapes (tm.override checks them), so weights, init and checkpoints carry over. Returns their names."""
     replaced: list[str] = []
@@ -78,7 +87,8 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float) -> list[str]:
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
             _check_dist_moe_supports(fqn, old.config)
-            config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha)
+            config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha,
+                                             routing=routing)
             with torch.device(old.router.gate.weight.device):
                 return config.build()
 
@@ -130,7 +140,7 @@ class ExpertParallel:
             if not isinstance(moe, dist_moe.MoE):
                 raise ValueError(f"parallelism.ep={ep} needs dist-moe's MoE layers (model.moe_impl=dist_moe), "
                                  f"found {type(moe).__name__}")
-        if not moes:
+        if not moes and mesh["pp"].size() == 1:  # a pipeline rank may hold dense layers only
             raise ValueError(f"parallelism.ep={ep}, but the model has no MoE layers to split")
         self.moes, self.ep, self.grad_divisor = moes, ep, grad_divisor
         self.mesh = mesh
@@ -139,6 +149,7 @@ class ExpertParallel:
             # Lets DTensor reduce an expert gradient's norm over (dp_shard_mod_ep, ep) in one all-reduce.
             self.expert_mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
         self.dp_groups = data_parallel_groups(mesh)
+        self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
         self.dp = 1
         for group in self.dp_groups:
             self.dp *= dist.get_world_size(group)
@@ -157,9 +168,7 @@ class ExpertParallel:
                    reshard_after_forward: bool) -> None:
         """FSDP units for the MoE layers; call before the blocks' fully_shard (which then skips them)."""
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        replicated = self.expert_mesh["dp_replicate"].size() > 1
-        expert_dp_mesh = self.expert_mesh["dp_replicate", "dp_shard_mod_ep"] if replicated else \
-            self.expert_mesh["dp_shard_mod_ep"]
+        expert_dp_mesh = self.expert_dp_mesh()
         # dist-moe's layer returns a view; FSDP warns because an in-place op on it would skip its backward
         # hook, but the Transformer block adds the MoE output out of place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
@@ -171,6 +180,29 @@ class ExpertParallel:
             fully_shard(moe, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                         ignored_params={moe.router.gate.weight})
 
+    def expert_dp_mesh(self) -> DeviceMesh:
+        """The ranks that hold the same experts but see other tokens: dp_shard_mod_ep, with the context-
+        parallel ranks (other chunks of the same sequences) flattened in, and dp_replicate outermost."""
+        shard = self.expert_mesh["dp_shard_mod_ep"]
+        if self.expert_mesh["cp"].size() > 1:
+            shard = self.expert_mesh["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
+        if self.expert_mesh["dp_replicate"].size() > 1:
+            return self.expert_mesh["dp_replicate", shard.mesh_dim_names[0]]
+        return shard
+
+    @torch.no_grad()
+    def _sum_over_tp(self) -> None:
+        """Every MoE parameter's gradient (experts, shared experts, router gate; local shards where sharded)
+        summed over the tp ranks, in one all-reduce."""
+        grads = [p.grad for moe in self.moes for p in moe.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return
+        flat = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(flat, group=self.tp_group)
+        torch._foreach_copy_(local, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in local]),
+                                                                             local)])
+
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """After the step's last backward: expert gradients divided by grad_divisor (ep), and the replicated
@@ -180,6 +212,8 @@ class ExpertParallel:
                    if w.grad is not None]
         if experts:
             torch._foreach_div_(experts, float(self.grad_divisor))
+        if self.tp_group is not None:  # each tp rank ran the MoE layers on its own sequence shard
+            self._sum_over_tp()
         grads = [moe.router.gate.weight.grad for moe in self.moes if moe.router.gate.weight.grad is not None]
         if not grads:
             return
@@ -194,39 +228,54 @@ class ExpertParallel:
 class ExpertBiasUpdate:
     """Aux-loss-free balancing: counts each MoE layer's routed tokens over a whole optimizer step (every
     microbatch, every data-parallel rank) and moves expert_bias towards the mean load after the step,
-    identically on every rank."""
+    identically on every rank.
+
+    A forward hook adds each training forward's `tokens_per_expert` into a buffer of the layer
+    (`step_tokens_per_expert`), so the count needs no call from the step's loop and covers the pipeline's
+    microbatches, which its schedule runs in any order. Forwards that only recompute (activation
+    checkpointing, inside the backward) are not counted. The count is a buffer so that torch's pipeline
+    metadata inference, which runs a trial forward and restores the module buffers after it, leaves it
+    unchanged. Under pipeline parallelism each rank updates its own stages' layers (the counts are
+    summed over the data-parallel ranks of its pp slice, which hold the same layers)."""
 
     def __init__(self, moes: list[nn.Module], *, rate: float, groups: list[dist.ProcessGroup]):
         self.moes, self.rate, self.groups = moes, rate, groups
-        self.counts: torch.Tensor | None = None  # [layers, experts] float32
+        if self.enabled:
+            for moe in moes:
+                moe.register_buffer("step_tokens_per_expert", torch.zeros_like(moe.tokens_per_expert,
+                                                                              dtype=torch.float32), persistent=False)
+                moe.register_forward_hook(_count_tokens)
 
     @property
     def enabled(self) -> bool:
         return bool(self.moes) and self.rate > 0
 
     @torch.no_grad()
-    def accumulate(self) -> None:
-        """After a microbatch's forward and backward (recomputation in backward counts the same tokens)."""
-        if not self.enabled:
-            return
-        counts = torch.stack([moe.tokens_per_expert.float() for moe in self.moes])
-        self.counts = counts if self.counts is None else self.counts + counts
-
-    @torch.no_grad()
     def update(self) -> None:
         """After the optimizer step: one all-reduce per data-parallel dimension for all layers, then the update."""
-        if not self.enabled or self.counts is None:
+        if not self.enabled:
             return
-        counts, self.counts = self.counts, None
+        counts = torch.stack([moe.step_tokens_per_expert for moe in self.moes])
+        for moe in self.moes:
+            moe.step_tokens_per_expert.zero_()
         for group in self.groups:
             dist.all_reduce(counts, group=group)
         for moe, load in zip(self.moes, counts):
             dist_moe.update_expert_bias(moe.expert_bias, load, rate=self.rate)
 
 
+def _count_tokens(moe: nn.Module, args, output) -> None:
+    """Forward hook: a training forward's counts join the step's (see ExpertBiasUpdate)."""
+    recomputing = torch._C._current_graph_task_id() != -1  # a forward run by the autograd engine (backward)
+    if moe.training and torch.is_grad_enabled() and not recomputing and moe.tokens_per_expert.device.type != "meta":
+        with torch.no_grad():
+            moe.step_tokens_per_expert += moe.tokens_per_expert.float()
+
+
 def prepare_moe_layers(model: nn.Module, config: TrainConfig) -> list[nn.Module]:
     """Swap in the configured MoE implementation (on the meta model) and return the MoE layers."""
     if resolve_moe_impl(config) == "dist_moe":
         # The trainer sums the microbatches' gradients, so each carries 1 / grad_accum_steps of the weight.
-        use_dist_moe(model, aux_loss_alpha=config.model.moe_aux_loss_weight / config.training.grad_accum_steps)
+        use_dist_moe(model, aux_loss_alpha=config.model.moe_aux_loss_weight / config.training.grad_accum_steps,
+                     routing=config.model.moe_routing)
     return moe_layers(model)

@@ -23,13 +23,30 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             # bf16 gradients (mixed_precision=bf16_params): each tensor's norm accumulated and returned in fp32
             norms.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))))
             continue
-        norm = torch.nn.utils.get_total_norm(group, foreach=True)
-        if isinstance(norm, DTensor):  # sharded gradients: a partial norm to reduce over the mesh
-            norm = norm.full_tensor()
-        norms.append(norm)
+        norms.append(_mesh_norm(group))
     if len(norms) == 1:
         return norms[0]
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+
+def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The whole 2-norm of gradients on one mesh (or plain ones).
+
+    DTensor reduces a norm over several mesh dimensions at once through a flattened mesh of them; where
+    the dimensions are not in the root mesh's order (experts under context parallelism: FSDP over the
+    flattened (dp_shard_mod_ep, cp), ep between the two) it cannot build one and raises KeyError while
+    planning, before any communication. The squares are then summed one sharded dimension at a time."""
+    try:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    except KeyError:
+        squared = torch.nn.utils.get_total_norm([g.to_local() for g in grads], foreach=True).float() ** 2
+        mesh = grads[0].device_mesh
+        for dim, placement in enumerate(grads[0].placements):  # (FSDP's _StridedShard is no Shard)
+            assert all(g.placements[dim].is_replicate() == placement.is_replicate() for g in grads)
+            if not placement.is_replicate():
+                dist.all_reduce(squared, group=mesh.get_group(dim))
+        return squared.sqrt().to(grads[0].dtype)
 
 
 def scale_to_max_norm(with_grad: list[torch.Tensor], max_norm: float, norm: torch.Tensor, *,

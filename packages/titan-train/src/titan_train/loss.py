@@ -212,12 +212,29 @@ class CausalLMLoss(nn.Module):
                             compiled=self.compiled, triton=self.triton)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, *, mtp_embeddings: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The summed loss [], or with multi-token prediction (mtp_labels given) the sums [2]: (main, MTP).
+
+        MTP (DeepSeek-V3, depth 1): position i's MTP input is the final hidden state at i with the
+        embedding of token i + 1 (`mtp_tokens` [b, s] looked up here, or `mtp_embeddings` [b, s, d] from
+        a pipeline's first stage), its target `mtp_labels` [b, s] token i + 2 (IGNORE_INDEX where that
+        lies in another document or past the sequence); the output projection is the main model's."""
         context = self.context_factory(document_ids) if self.context_factory is not None else None
         # Explicit positions: under sequence parallelism the embedding output holds only s / tp positions.
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand(*tokens.shape[:2])
         hidden = self.model.hidden_states(tokens, positions=positions, context=context)  # [b, s, d]
+        main = self._output_loss(hidden, labels)
+        if mtp_labels is None:
+            return main
+        if mtp_embeddings is None:
+            mtp_embeddings = self.model.tok_embeddings(mtp_tokens)
+        rope = tuple(t.to(hidden.dtype) for t in self.model.rope(positions))
+        mtp_hidden = self.model.mtp(hidden, mtp_embeddings.to(hidden.dtype), rope, context=context)
+        return torch.stack([main, self._output_loss(mtp_hidden, mtp_labels)])
+
+    def _output_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = self.model.output.weight
         vocab_group = None
         if self.tp_group is not None:

@@ -41,7 +41,9 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, folder: Path, *, tensorboard: bool, start_step: int = 0):
+    def __init__(self, folder: Path, *, tensorboard: bool, start_step: int = 0, sinks: list | None = None):
+        """sinks: more writers of each record (write(record), close()), e.g. tracking.WandbSink."""
+        self.sinks = list(sinks or [])
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
         if start_step and self.path.exists():
@@ -63,11 +65,15 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:

@@ -1,5 +1,5 @@
 """Parallelism applied from outside the model: tensor + sequence parallel from the model's declared plan,
-activation checkpointing, torch.compile per block, and FSDP/HSDP (torch's fully_shard).
+activation checkpointing, and FSDP/HSDP (torch's fully_shard).
 
 Order matters and follows what each wrapper expects to find: TP turns parameters into DTensors on the
 tp mesh, checkpointing and compile wrap each block, and fully_shard goes last so it shards the
@@ -70,7 +70,7 @@ class _SumGradient(torch.autograd.Function):
         return grad, None
 
 
-def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement) -> None:
+def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement, *, sum_gradient: bool = True) -> None:
     """"replicate" (placement Replicate) and "headwise" (Shard(0)): the module's own parameters become
     DTensors with that placement (what checkpoints and FSDP see), while its forward, which also gets
     this rank's local activations (heads from colwise projections), computes with their local values:
@@ -86,8 +86,10 @@ def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement) 
             if isinstance(param, DTensor):
                 parameters[name] = param
                 local = param.to_local()
+                # replicate_whole (sum_gradient False): applied to what every rank holds whole, its gradient is
+                # already the whole one on each rank
                 mod._parameters[name] = (_SumGradient.apply(local, tp_mesh.get_group())
-                                         if isinstance(placement, Replicate) else local)
+                                         if isinstance(placement, Replicate) and sum_gradient else local)
 
     def swap_out(mod, args, output):
         mod._parameters.update(parameters)
@@ -107,6 +109,28 @@ def _gather_sequence_hook(tp_mesh: DeviceMesh):
         x = x.redistribute(tp_mesh, (Replicate(),)).to_local()
         return (x, *args[1:]), kwargs
     return hook
+
+
+def _sum_shared_key_rope_gradient(wkv_a: nn.Linear, kv_lora_rank: int, tp_mesh: DeviceMesh) -> None:
+    """MLA under TP: wkv_a (replicate_whole) maps the gathered sequence to [latent | shared rope key]. The
+    latent feeds the colwise wkv_b, whose input gradient comes back summed over tp, but the rope key joins
+    this rank's heads directly, so its gradient holds those heads' share only: sum it over tp, making the
+    whole output's gradient the same on every rank (and wkv_a's own gradient whole, as replicate_whole says)."""
+    group = tp_mesh.get_group()
+
+    def hook(module, args, out):
+        latent, rope_key = out.split([kv_lora_rank, out.shape[-1] - kv_lora_rank], dim=-1)
+        return torch.cat([latent, _SumGradient.apply(rope_key, group)], dim=-1)
+    wkv_a.register_forward_hook(hook)
+
+
+def local_sequence_hooks(module: nn.Module) -> None:
+    """The module takes this rank's sequence shard as a plain tensor (a sequence-parallel norm hands it a
+    DTensor) and returns a plain tensor, as the rowwise projections of the other blocks do."""
+    def to_local(mod, args):
+        x = args[0]
+        return (x.to_local(grad_placements=x.placements) if isinstance(x, DTensor) else x, *args[1:])
+    module.register_forward_pre_hook(to_local)
 
 
 def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
@@ -131,18 +155,26 @@ def _check_vocab_divisible(model: nn.Module, names: list[str], tp: int) -> None:
                              f"vocabulary-parallel loss shards {name} over; set model.vocab_size to a multiple of tp")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard `model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_local: tuple[str, ...] = ()) -> None:
+    """Shard `model` over `tp_mesh` following `model.parallel_plan.tensor_parallel`.
+
+    sequence_local: module names (the MoE layers under expert parallelism) left out of the plan: each tp
+    rank runs them whole on its own sequence shard [b, s / tp, d] (local_sequence_hooks), and the caller
+    sums their parameters' gradients over the tp ranks."""
     plan: dict[str, ParallelStyle] = {}
     gathered_parents: set[str] = set()
+    inside = lambda name: any(name == m or name.startswith(m + ".") for m in sequence_local)  # noqa: E731
+    for module_name in sequence_local:
+        local_sequence_hooks(model.get_submodule(module_name))
     for pattern, style_name in model.parallel_plan.tensor_parallel.items():
-        names = matching_modules(model, pattern)
+        names = [n for n in matching_modules(model, pattern) if not inside(n)]
         if not names:
             continue  # e.g. `output` removed from a pipeline stage
-        if style_name in ("replicate", "headwise"):
+        if style_name in ("replicate", "headwise", "replicate_whole"):
             for name in names:
                 _compute_on_local_values(model.get_submodule(name), tp_mesh,
-                                         Replicate() if style_name == "replicate" else Shard(0))
+                                         Shard(0) if style_name == "headwise" else Replicate(),
+                                         sum_gradient=style_name == "replicate")
             continue
         style = _tp_style(style_name, pattern)
         if style_name == "output":
@@ -154,7 +186,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, plan)
     for parent in sorted(gathered_parents):
         model.get_submodule(parent).register_forward_pre_hook(_gather_sequence_hook(tp_mesh), with_kwargs=True)
-    leftovers = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    for module in model.modules():
+        if hasattr(getattr(module, "config", None), "kv_lora_rank") and isinstance(getattr(module, "wkv_a", None),
+                                                                                    nn.Linear):
+            _sum_shared_key_rope_gradient(module.wkv_a, module.config.kv_lora_rank, tp_mesh)
+    leftovers = [n for n, p in model.named_parameters()
+                 if not isinstance(p, DTensor) and not inside(n.rpartition(".")[0])]
     if leftovers:
         raise ValueError(f"the model's parallel plan leaves parameters without a tensor-parallel style: "
                          f"{', '.join(leftovers[:5])}")
@@ -205,12 +242,6 @@ def keep_activations_in(model: nn.Module, dtype: torch.dtype) -> None:
     moves twice the bytes. Matmuls see the same bf16 inputs either way."""
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings.register_forward_hook(lambda module, args, out: out.to(dtype))
-
-
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (parameter names unchanged); blocks share one compiled graph."""
-    for block in model.layers.values():
-        block.compile(fullgraph=False)
 
 
 def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,

@@ -8,6 +8,7 @@ checkpointing, compile, FSDP) and given weights that do not depend on the layout
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 import titan_models as tm
 
+from .compile_regions import apply_compile_regions
 from .config import TrainConfig
 from .context_parallel import apply_context_parallel, check_context_parallel
 from .expert_parallel import (
@@ -29,7 +31,6 @@ from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
 from .model_setup import build_on_meta, materialize
 from .parallelize import (
     apply_activation_checkpointing,
-    apply_compile,
     apply_fsdp,
     apply_tensor_parallel,
     check_tp_divisibility,
@@ -71,14 +72,34 @@ class Parallelizer:
         self.pp_settings = None
         if degrees.pp > 1:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
-                                              grad_accum_steps=t.grad_accum_steps, compiled=run.compile.enabled)
+                                              grad_accum_steps=t.grad_accum_steps,
+                                              compiled=run.compile.uses_torch_compile)
+        if run.model.mtp_layers > 0:
+            for name in ("tp", "cp"):
+                if getattr(degrees, name) > 1:
+                    raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with parallelism.{name}="
+                                     f"{getattr(degrees, name)} is not supported yet (the MTP block is not split over "
+                                     f"{name}); use parallelism.{name}=1 (dp, pp and ep compose with it)")
+            if run.compile.effective_mode == "graph":
+                raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with compile.mode graph is not supported "
+                                 "yet (the captured step holds the main loss only); use compile.mode none, blocks "
+                                 "or regions")
         if degrees.cp > 1:
             check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
+        if run.compile.effective_mode == "graph":
+            from .graph.build import check_graph_mode
+
+            check_graph_mode(run, degrees, device)
         self.mesh = build_mesh(degrees, device)
         self.dp_rank = dp_rank(self.mesh, degrees)
         self.precision = t.precision(device)
         self.compute_dtype = torch.bfloat16 if self.precision in ("bf16", "bf16_params") else torch.float32
         self.fsdp = degrees.dp * degrees.cp > 1  # cp ranks share the gradient reduction
+        self.adapters = run.lora.build(seed=run.model.init_seed)  # LoRA, or None
+        if self.adapters is not None and (degrees.tp > 1 or par.fsdp_impl == "flexshard"):
+            raise ValueError("lora.targets: LoRA adapters compose with fully_shard FSDP and pipeline parallelism; "
+                             "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
+        self.remat_plan: dict | None = None  # activation_checkpoint.mode=remat: the plan's report
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -107,18 +128,17 @@ class Parallelizer:
         """This rank's parallelized model of `model_cfg`, with weights independent of the layout."""
         run, t = self.run, self.run.training
         model = build_on_meta(model_cfg)
+        if self.adapters is not None:  # on the whole model, so every pattern finds its Linears
+            self.adapters.apply(model)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
-        if layout is not None and moes and t.moe_bias_update_rate > 0:
-            raise ValueError("parallelism.pp > 1 with MoE layers: the expert-bias update does not count the "
-                             "pipeline's microbatches yet; set training.moe_bias_update_rate 0")
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu
 
             use_fused_swiglu(model)
         loss = CausalLMLoss(
-            model, chunk=t.loss_chunk_size, compiled=run.compile.enabled, triton=fused,
+            model, chunk=t.loss_chunk_size, compiled=run.compile.uses_torch_compile, triton=fused,
             context_factory=(lambda ids: tm.AttentionContext(document_ids=ids)) if document_masking else None,
             tp_group=self.mesh["tp"].get_group() if self.degrees.tp > 1 else None)
         # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
@@ -128,7 +148,7 @@ class Parallelizer:
         if not dist.is_initialized():
             # init_weights seeds each parameter by its name: run it before wrappers rename blocks.
             materialize(model, model_cfg, device=self.device, seed=run.model.init_seed, distributed=False,
-                        hf_path=run.model.hf_path)
+                        hf_path=run.model.hf_path, adapters=self.adapters)
         expert_parallel = self._wrap(model, moes)
         pipeline = None
         if layout is not None:
@@ -138,7 +158,10 @@ class Parallelizer:
         if self.fsdp:
             self._shard(loss, pipeline, expert_parallel)
         self._materialize(model, model_cfg, pipeline)
-        expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=data_parallel_groups(self.mesh))
+        counted_by = data_parallel_groups(self.mesh)
+        if expert_parallel is not None and expert_parallel.tp_group is not None:  # tp ranks route their own shards
+            counted_by.append(expert_parallel.tp_group)
+        expert_bias = ExpertBiasUpdate(moes, rate=t.moe_bias_update_rate, groups=counted_by)
         return ParallelModel(model=model, loss=loss, pipeline=pipeline, expert_parallel=expert_parallel,
                              expert_bias=expert_bias, autocast=autocast)
 
@@ -158,14 +181,34 @@ class Parallelizer:
             apply_context_parallel(model, self.mesh["cp"].get_group())
         if self.degrees.tp > 1:
             check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
-            apply_tensor_parallel(model, self.mesh["tp"])
+            # Under expert parallelism the MoE layers are not TP-split: each tp rank routes its own sequence
+            # shard to the experts (ExpertParallel sums their gradients over tp).
+            local = tuple(n for n, m in model.named_modules() if m in moes) if self.degrees.ep > 1 else ()
+            apply_tensor_parallel(model, self.mesh["tp"], sequence_local=local)
         expert_parallel = None
         if self.degrees.ep > 1:
             expert_parallel = ExpertParallel(moes, self.mesh, self.degrees.ep, grad_divisor=self.expert_grad_divisor)
-        apply_activation_checkpointing(model, self.run.activation_checkpoint)
-        if self.run.compile.enabled:
-            apply_compile(model)
+        if self.run.activation_checkpoint.mode == "remat":
+            self._apply_remat(model)
+        else:
+            apply_activation_checkpointing(model, self.run.activation_checkpoint)
+        if self.run.compile.uses_torch_compile:
+            apply_compile_regions(model, self.run.compile)
         return expert_parallel
+
+    def _apply_remat(self, model: nn.Module) -> None:
+        """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank; the weights,
+        fp32 gradients and AdamW moments (16 bytes a parameter, sharded over FSDP) count against the budget."""
+        from .remat import apply_remat
+
+        t, d = self.run.training, self.degrees
+        shards = d.dp * d.cp if self.fsdp else 1
+        static = 16 * sum(p.numel() for p in model.parameters()) // shards
+        is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.remat_plan = apply_remat(model, self.run.activation_checkpoint,
+                                      rows=t.batch_size // d.dp // t.grad_accum_steps, seq_len=t.seq_len // d.cp,
+                                      activation_dtype=self.compute_dtype, static_bytes=static,
+                                      folder=Path(self.run.job.folder) if is_main else None)
 
     def _shard(self, loss: CausalLMLoss, pipeline: Pipeline | None, expert_parallel: ExpertParallel | None) -> None:
         """FSDP/HSDP over the data-parallel (x cp) mesh: MoE layers first (the blocks' units then leave them
@@ -187,12 +230,14 @@ class Parallelizer:
     def _materialize(self, model: nn.Module, model_cfg, pipeline: Pipeline | None) -> None:
         m = self.run.model
         if pipeline is not None:
-            materialize_rank_part(model, model_cfg, device=self.device, seed=m.init_seed, hf_path=m.hf_path)
+            materialize_rank_part(model, model_cfg, device=self.device, seed=m.init_seed, hf_path=m.hf_path,
+                                  adapters=self.adapters)
             pipeline.finish()
         elif dist.is_initialized():
             # Sharded while still on meta: each rank allocates only its shards, then copies them out
             # of rank 0's full initialisation.
-            materialize(model, model_cfg, device=self.device, seed=m.init_seed, distributed=True, hf_path=m.hf_path)
+            materialize(model, model_cfg, device=self.device, seed=m.init_seed, distributed=True, hf_path=m.hf_path,
+                        adapters=self.adapters)
 
 
 def _check_bf16_params(run: TrainConfig, world_size: int) -> None:

@@ -200,19 +200,31 @@ class PipelineStageModule(nn.Module):
                  loss: CausalLMLoss, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         stage = model.pipeline_stage(layer_names, first=first, last=last)
-        self.transformer = stage
+        # Multi-token prediction: the MTP module on the last stage; the embeddings of its input tokens
+        # come from the first stage (which holds the shared table) and travel beside the hidden states.
+        self.mtp = bool(getattr(model.config, "mtp", False))  # model.mtp is gone on the other stages' ranks
+        if last and self.mtp:
+            stage.mtp = model.mtp
+        self.transformer, self.first = stage, first
         self.loss = loss.with_model(stage) if last else None
         self.context_factory, self.autocast_dtype = loss.context_factory, autocast_dtype
 
-    def forward(self, x: torch.Tensor, *, labels: torch.Tensor, positions: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mtp_embeddings: torch.Tensor | None = None, *, labels: torch.Tensor,
+                positions: torch.Tensor, document_ids: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None):
         autocast = (torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
         with autocast:
-            if self.loss is not None:
-                return self.loss(x, labels, document_ids, positions)
+            if self.first and self.mtp:
+                mtp_embeddings = self.transformer.tok_embeddings(mtp_tokens)
+            if self.loss is not None:  # (main, MTP) summed losses [2]
+                sums = self.loss(x, labels, document_ids, positions, mtp_embeddings=mtp_embeddings,
+                                 mtp_labels=mtp_labels)
+                return sums if self.mtp else torch.stack([sums, torch.zeros_like(sums)])
             context = self.context_factory(document_ids) if self.context_factory is not None else None
-            return self.transformer.hidden_states(x, positions=positions, context=context)
+            hidden = self.transformer.hidden_states(x, positions=positions, context=context)
+            # a view, so the passed-on embeddings are an output of this stage's graph, not its input leaf
+            return (hidden, mtp_embeddings.view_as(mtp_embeddings)) if self.mtp else hidden
 
 
 class Pipeline:
@@ -240,7 +252,7 @@ class Pipeline:
                         for s in self.stage_indices]
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.has_first, self.has_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
-        self._scale = 1.0
+        self._scale, self._mtp_weight = 1.0, 0.0
         self.fsdp = False  # set by apply_fsdp
         self._pipelining = pipelining
         self.schedule = None  # built by finish(), after FSDP has wrapped the stage modules
@@ -272,31 +284,59 @@ class Pipeline:
             self.schedule = schedule_cls(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss: the last stage's forward already returned this microbatch's summed loss.
-        (torch may also call it on a warm-up output to infer gradient shapes, so it records nothing.)"""
-        return output * self._scale
+        """The schedule's loss: the last stage's forward already returned this microbatch's summed (main, MTP)
+        losses [2]; the objective is main + mtp_weight * MTP, scaled. (torch may also call it on a warm-up
+        output to infer gradient shapes, so it records nothing.)"""
+        objective = output[0] if self._mtp_weight == 0 else output[0] + self._mtp_weight * output[1]
+        return objective * self._scale
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
-             document_ids: torch.Tensor | None, *, scale: float) -> torch.Tensor:
+             document_ids: torch.Tensor | None, *, scale: float, mtp=None, mtp_weight: float = 0.0) -> torch.Tensor:
         """Forward and backward over this data-parallel rank's rows ([rows, s] each), `microbatches` at a
-        time. Returns the summed loss of those rows on the rank holding the last stage, 0 elsewhere."""
-        self._scale = scale
+        time; `mtp`: the rows' multi_token.MTPBatch (model.mtp_layers > 0). Returns the summed (main, MTP)
+        losses [2] of those rows on the rank holding the last stage, zeros elsewhere."""
+        self._scale, self._mtp_weight = scale, mtp_weight
+        kwargs = {"labels": labels, "positions": positions}
+        if document_ids is not None:
+            kwargs["document_ids"] = document_ids
+        if mtp is not None:
+            kwargs |= {"mtp_tokens": mtp.tokens, "mtp_labels": mtp.labels}
+        args = (tokens,) if self.has_first else ()
+        # The last stage's outputs, [2] per microbatch, come back concatenated: [2 * microbatches].
+        outputs = self.schedule.step(*args, target=labels, return_outputs=True, **kwargs)
+        if not self.has_last or outputs is None:
+            return torch.zeros(2, device=self.device, dtype=torch.float32)
+        return outputs.detach().float().view(-1, 2).sum(0)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+                 document_ids: torch.Tensor | None) -> torch.Tensor:
+        """Forward only over this data-parallel rank's rows: their summed loss on the rank holding the last
+        stage, 0 elsewhere (as `step`, without the backward)."""
+        self._scale = 1.0
         kwargs = {"labels": labels, "positions": positions}
         if document_ids is not None:
             kwargs["document_ids"] = document_ids
         args = (tokens,) if self.has_first else ()
-        losses: list[torch.Tensor] = []  # the loss_fn's outputs, one per microbatch, on the last stage's rank
-        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        losses: list[torch.Tensor] = []
+        if hasattr(self.schedule, "eval"):  # outputs are 0-dim losses: not merged (return_outputs reaches step)
+            self.schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        else:  # torch without Schedule.eval: the same switch it makes
+            has_backward, self.schedule._has_backward = self.schedule._has_backward, False
+            try:
+                self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            finally:
+                self.schedule._has_backward = has_backward
         if not losses:
             return torch.zeros((), device=self.device, dtype=torch.float32)
-        return torch.stack([loss.detach().float() for loss in losses]).sum() / scale
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
 
     def checkpoint_entries(self, state: dict) -> dict:
         """The run's checkpoint state with the model and optimizer entries presenting every stage (see
         pipeline_checkpoint.py), so the ranks' states fit together and load into any layout."""
         from .pipeline_checkpoint import StageEntries
 
-        for key in ("model", "optimizer"):
+        for key in [key for key in ("model", "optimizer") if key in state]:
             state[key] = StageEntries(state[key], pp_group=self.group, slice_ranks=self.slice_ranks,
                                       model_order=list(self.layout.parameter_order))
         return state
@@ -339,14 +379,15 @@ def _no_weight_step():
     return lambda: None
 
 
-def materialize_rank_part(model: nn.Module, model_cfg, *, device: torch.device, seed: int, hf_path: str = "") -> None:
+def materialize_rank_part(model: nn.Module, model_cfg, *, device: torch.device, seed: int, hf_path: str = "",
+                          adapters=None) -> None:
     """model_setup.materialize for a rank model that holds only some layers: rank 0 builds the whole initial
     state and broadcasts every tensor; each rank keeps those of its own stages (a non-strict load, since
     rank 0's full state names layers it does not hold)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
-    full = initial_state(model_cfg, seed=seed, hf_path=hf_path) if dist.get_rank() == 0 else {}
+    full = initial_state(model_cfg, seed=seed, hf_path=hf_path, adapters=adapters) if dist.get_rank() == 0 else {}
     model.init_buffers()  # buffers (RoPE frequencies) are recomputed, not broadcast
     expected = set(model.state_dict())
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,

@@ -38,6 +38,15 @@ def _tensor_leaves(tree: Any, prefix: Path = ()) -> list[tuple[Path, torch.Tenso
     return leaves
 
 
+def _copy_containers(tree: Any) -> Any:
+    """`tree` with new dicts and lists (the tensors and other leaves themselves shared)."""
+    if isinstance(tree, dict):
+        return {key: _copy_containers(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_containers(value) for value in tree]
+    return tree
+
+
 def _set(tree: Any, path: Path, value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {}) if isinstance(tree, dict) else tree[key]
@@ -75,7 +84,10 @@ class StageEntries:
         return DeviceMesh(device_type, torch.tensor(self.slice_ranks), _init_backend=False)
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.inner.state_dict()
+        # Fresh containers: the entries are rewritten below, and the optimizer's state dict shares its
+        # per-parameter dicts with the live optimizer (a save, or the first step's reserve, would leave
+        # DTensors in its moments and break the next step).
+        state = _copy_containers(self.inner.state_dict())
         leaves = _tensor_leaves(state)
         mine = {path: (tuple(t.shape), t.dtype, t.device.type) for path, t in leaves}
         everyone: list[dict] = [None] * dist.get_world_size(self.pp_group)
@@ -125,6 +137,15 @@ class StageEntries:
             for group, names in zip(state["param_groups"], self._local_params):
                 group["params"] = names
         self.inner.load_state_dict(state)
+
+
+def _copy_containers(tree: Any) -> Any:
+    """The dicts and lists of `tree` copied, its leaves (tensors, numbers) shared."""
+    if isinstance(tree, dict):
+        return {key: _copy_containers(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_containers(value) for value in tree]
+    return tree
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

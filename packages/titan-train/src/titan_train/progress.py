@@ -16,7 +16,8 @@ class ProgressBar:
         self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
 
-    def update(self, step: int, *, loss: float, tokens_per_s: float, mfu: float | None, memory_gib: float) -> None:
+    def update(self, step: int, *, loss: float, tokens_per_s: float, mfu: float | None, memory_gib: float,
+               mtp_loss: float | None = None) -> None:
         if not self.enabled:
             return
         width = 24
@@ -24,7 +25,8 @@ class ProgressBar:
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(step - self.start, 1) * (self.total - step)
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-        line = (f"[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}  loss {loss:.4f}  "
+        mtp_text = f"mtp {mtp_loss:.4f}  " if mtp_loss is not None else ""
+        line = (f"[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}  loss {loss:.4f}  {mtp_text}"
                 f"{_fmt_rate(tokens_per_s)} tok/s  MFU {mfu_text}  mem {memory_gib:.2f} GiB  "
                 f"{elapsed:.0f}s (eta {eta:.0f}s)")
         if self.tty:

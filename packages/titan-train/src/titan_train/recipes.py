@@ -17,6 +17,7 @@ from .config import (
     CompileConfig,
     DataConfig,
     JobConfig,
+    LoRAConfig,
     LRScheduleConfig,
     ModelConfig,
     OptimizerConfig,
@@ -113,6 +114,16 @@ def qwen3_5_debug() -> TrainConfig:
     return config
 
 
+@register_recipe("kimi_linear_debug")
+def kimi_linear_debug() -> TrainConfig:
+    """The main job on the debug Kimi Linear (Kimi Delta Attention and RoPE-free MLA alternating, a dense first
+    layer then 8-expert MoE), on a CPU."""
+    config = llama3_debug()
+    config.job.folder = "runs/kimi_linear_debug"
+    config.model = ModelConfig(family="kimi_linear", flavor="debug", vocab_size=384)
+    return config
+
+
 @register_recipe("qwen3_next_debug")
 def qwen3_next_debug() -> TrainConfig:
     """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8 experts + gated shared one)."""
@@ -151,6 +162,40 @@ def deepseek_v3_debug_ep() -> TrainConfig:
     return _debug_moe_ep("deepseek_v3", "debug", "runs/deepseek_v3_debug_ep")
 
 
+@register_recipe("kimi_linear_debug_ep")
+def kimi_linear_debug_ep() -> TrainConfig:
+    """The debug Kimi Linear (KDA + RoPE-free MLA; shared + 8 routed experts) with expert parallelism 2."""
+    return _debug_moe_ep("kimi_linear", "debug", "runs/kimi_linear_debug_ep")
+@register_recipe("deepseek_v3_debug_mtp_pp_ep")
+def deepseek_v3_debug_mtp_pp_ep() -> TrainConfig:
+    """The MLPerf shape in miniature on 8 ranks: debug DeepSeek-V3 + one MTP module, pp 2 x dp 4 with its
+    experts split over ep 2 (torchrun --nproc-per-node 8)."""
+    config = _debug_moe_ep("deepseek_v3", "debug", "runs/deepseek_v3_debug_mtp_pp_ep")
+    config.model.mtp_layers = 1
+    config.training.mtp_loss_weight = 0.3
+    config.parallelism = ParallelismConfig(pp=2, ep=2, pp_schedule="1F1B", pp_microbatches=2)
+    return config
+
+
+@register_recipe("deepseek_v3_mlperf")
+def deepseek_v3_mlperf() -> TrainConfig:
+    """DeepSeek-V3 671B + one MTP module as the update's MLPerf run: pp 2 x dp 128 with experts over ep 64 on
+    256 GPUs (32 nodes of 8; README: the 256 / 512 GPU table). Point data.source / data.tokenizer at the corpus."""
+    return TrainConfig(
+        job=JobConfig(folder="runs/deepseek_v3_mlperf"),
+        model=ModelConfig(family="deepseek_v3", flavor="671B", mtp_layers=1, moe_impl="dist_moe"),
+        # 1024 sequences of 4096 tokens: 8 per data-parallel rank, one per pipeline microbatch
+        training=StepConfig(steps=10000, batch_size=1024, seq_len=4096, mixed_precision="bf16", mtp_loss_weight=0.3,
+                            moe_bias_update_rate=1e-3),
+        optimizer=OptimizerConfig(lr=2.2e-4, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(kind="cosine", warmup_steps=2000, min_lr_ratio=0.1),
+        data=DataConfig(source="random"),
+        parallelism=ParallelismConfig(pp=2, ep=64, pp_schedule="1F1B", pp_microbatches=8),
+        checkpoint=CheckpointConfig(interval=500),
+        activation_checkpoint=ActivationCheckpointConfig(mode="full"),
+    )
+
+
 @register_recipe("gpt_oss_debug")
 def gpt_oss_debug() -> TrainConfig:
     """The main job with the debug gpt-oss: sinks, sliding-window layers of 64 keys, 8 clamped-SwiGLU experts."""
@@ -183,4 +228,31 @@ def llama3_debug_muon() -> TrainConfig:
     # and the output head (AdamW's) row-sharded as fully_shard would.
     config.parallelism = ParallelismConfig(fsdp_impl="flexshard",
                                            flexshard_placements=(("layers.*.w*.weight", "owned"),))
+    return config
+
+
+@register_recipe("llama3_debug_sft")
+def llama3_debug_sft() -> TrainConfig:
+    """Supervised fine-tuning of the main job's model on generated arithmetic chats (after the main job).
+
+    Start the main job with --checkpoint.interval 100 so runs/llama3_debug holds its weights."""
+    config = llama3_debug()
+    config.job.folder = "runs/llama3_debug_sft"
+    config.training = StepConfig(steps=60, batch_size=8, seq_len=128, max_grad_norm=1.0)
+    config.optimizer = OptimizerConfig(lr=5e-4, weight_decay=0.0)
+    config.lr_schedule = LRScheduleConfig(kind="cosine", warmup_steps=5, min_lr_ratio=0.1)
+    # Built-in chat template for the byte tokenizer; loss on the assistant's replies only.
+    config.data = DataConfig(source="arithmetic_chat", chat=True, tokenizer="byte")
+    config.checkpoint = CheckpointConfig(initial_load="runs/llama3_debug", interval=60)
+    return config
+
+
+@register_recipe("llama3_debug_lora")
+def llama3_debug_lora() -> TrainConfig:
+    """The SFT job with LoRA adapters (rank 8) on the attention projections, the base model frozen."""
+    config = llama3_debug_sft()
+    config.job.folder = "runs/llama3_debug_lora"
+    config.optimizer = OptimizerConfig(lr=2e-3, weight_decay=0.0)
+    config.lora = LoRAConfig(targets=("layers.*.attention.wq", "layers.*.attention.wk", "layers.*.attention.wv",
+                                      "layers.*.attention.wo"), rank=8, alpha=16.0)
     return config

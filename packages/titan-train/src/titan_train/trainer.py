@@ -3,6 +3,7 @@ metrics, progress, checkpoint/resume and a stop on a non-finite loss."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -16,17 +17,19 @@ import titan_models as tm
 from .cli_args import check_types
 from .config import TrainConfig
 from .context_parallel import local_indices, shard_sequence
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, Batch
 from .field_checks import check_run_fields
 from .grad_norm import clip_by_total_norm
 from .memory_estimate import check_memory_fits
 from .metrics import memory_gib, peak_flops
 from .model_setup import model_config
+from .multi_token import MTPBatch, mtp_batch, mtp_weight
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
 from .optimizer_settings import OptimizerSettings
 from .process_group import process_group, select_device
 from .progress import ProgressBar
 from .run_folder import check_run_folder, claim_run_folder
+from .saved_config import save_config
 
 
 @dataclass
@@ -35,6 +38,8 @@ class TrainResult:
     """step -> global mean loss, for the steps this call ran."""
     start_step: int = 0
     """The step the run resumed from (0 for a fresh run)."""
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    """step -> validation loss, for the steps that evaluated."""
     tokens_per_s: float = 0.0
     """Mean throughput over the steps after the first (which includes warm-up)."""
     folder: Path = Path(".")
@@ -68,14 +73,27 @@ class Trainer:
         self.tokenizer = config.data.build_tokenizer()
         vocab_needed = 0 if self.tokenizer is None else self.tokenizer.vocab_size
         self.model_cfg = model_config(config.model, vocab_needed=vocab_needed)
+        self.model_cfg_mtp = bool(getattr(self.model_cfg, "mtp", False))  # model.mtp_layers > 0
         check_memory_fits(config, self.model_cfg, self.degrees, device=device,
                           n_params=tm.count_params(self.model_cfg).total)
         self.loader = config.data.build(self.tokenizer, vocab_size=self.model_cfg.vocab_size, seq_len=t.seq_len,
                                         seed=config.job.seed)
+        self.validator = config.validation.build(config.data, self.tokenizer, seq_len=t.seq_len,
+                                                 batch_size=t.batch_size, seed=config.job.seed)
         # Model: built on meta, parallelized, then given weights that do not depend on the layout.
         self.parallel = self.parallelizer.build_model(
             self.model_cfg, document_masking=config.data.document_masking and not config.data.random)
         self.model, self.loss_module, self.pipeline = self.parallel.model, self.parallel.loss, self.parallel.pipeline
+        if config.checkpoint.initial_load:  # before a resume, which loads over it (LoRA: the adapters only)
+            from .initial_weights import load_initial_weights
+
+            load_initial_weights(self.model, config.checkpoint.initial_load, pipeline=self.pipeline)
+        self.graph_step = None  # compile.mode=graph: the captured step runs instead of eager autograd
+        if config.compile.effective_mode == "graph":
+            from .graph.build import build_graph_step
+
+            self.graph_step = build_graph_step(config, self.loss_module, folder=self.folder,
+                                               is_main=self.rank == 0, autocast=self._autocast)
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.parallelizer.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
@@ -84,8 +102,16 @@ class Trainer:
         # the run folder is claimed before anything writes there
         self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
         self.checkpoints = config.checkpoint.build(
-            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None)
-        self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len)
+            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
+            trainable_only=self.parallelizer.adapters is not None)
+        self.profiler = config.profiling.build(self.folder, rank=self.rank, device=device)
+        if config.checkpoint.export_hf_at_end and self.pipeline is not None:
+            raise ValueError("checkpoint.export_hf_at_end with parallelism.pp > 1: export the last checkpoint with "
+                             "titan-train export --job.folder DIR --out HF_DIR instead")
+        if self.rank == 0:
+            save_config(config, self.folder)  # what titan-train export rebuilds the model from
+        # MTP's block and second output projection are work the step does (model.mtp_layers > 0)
+        self.flops_per_token = tm.flops_per_token(self.model_cfg, t.seq_len, include_mtp=self.model_cfg_mtp)
         self.peak = peak_flops(device)
 
     # --- one optimizer step -------------------------------------------------------------------------
@@ -94,47 +120,38 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm), 0-dim tensors that
-        may still be computing (NonFiniteGuard says when a non-finite one stops the run)."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm, mtp_loss), 0-dim
+        tensors that may still be computing (NonFiniteGuard says when a non-finite one stops the run);
+        mtp_loss is 0 without multi-token prediction."""
         t = self.config.training
         batch = self.loader.next_batch(t.batch_size)  # the global batch, on every rank
         scored = int((batch.labels != IGNORE_INDEX).sum())
         scale = self.parallelizer.loss_scale(scored)
-        rows = t.batch_size // self.degrees.dp
-        local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
-        positions = None
-        if self.degrees.cp > 1:  # this cp rank's two load-balanced chunks of every sequence
-            cp_rank = self.mesh.get_local_rank("cp")
-            local = type(local)(*shard_sequence(cp_rank, self.degrees.cp, local.tokens, local.labels,
-                                                local.document_ids))
-            positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
-        micro_rows = rows // t.grad_accum_steps
+        mtp, mtp_scored, weight = None, 0, 0.0
+        if self.model_cfg_mtp:
+            mtp = mtp_batch(batch.tokens, batch.labels, batch.document_ids)
+            mtp_scored = int((mtp.labels != IGNORE_INDEX).sum())
+            weight = mtp_weight(t.mtp_loss_weight, scored=scored, mtp_scored=mtp_scored)
+        local, positions = self._local_rows(batch)
+        rows = local.tokens.shape[0]
+        if mtp is not None:  # whole rows: MTP does not compose with cp (Parallelizer refuses it)
+            mtp = mtp.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
         if self.pipeline is not None:  # the schedule splits the rows into microbatches, FSDP reduces once
             if positions is None:
                 positions = torch.arange(t.seq_len, device=self.device).expand(rows, -1)
-            loss_sum = self.pipeline.step(local.tokens, local.labels, positions, local.document_ids, scale=scale)
+            sums = self.pipeline.step(local.tokens, local.labels, positions, local.document_ids, scale=scale,
+                                      mtp=mtp, mtp_weight=weight)
         else:
-            loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-            for i in range(t.grad_accum_steps):
-                micro = local.rows(i * micro_rows, (i + 1) * micro_rows)
-                micro_positions = None if positions is None else positions[i * micro_rows:(i + 1) * micro_rows]
-                # fully_shard reduces once, after the last microbatch (flexshard: after every one)
-                if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
-                    self.loss_module.set_requires_gradient_sync(i == t.grad_accum_steps - 1)
-                with self._autocast():
-                    micro_loss = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions)
-                (micro_loss * scale).backward()
-                loss_sum += micro_loss.detach().float()
-                self.parallel.expert_bias.accumulate()
+            sums = self._accumulate(local, positions, mtp, scale=scale, mtp_weight=weight)
         if self.parallel.expert_parallel is not None:
             self.parallel.expert_parallel.finish_gradients()
         grad_norm = self._clip_gradients()
         if dist.is_initialized():
-            dist.all_reduce(loss_sum)  # dp and cp ranks hold other tokens, pp ranks other stages
+            dist.all_reduce(sums)  # dp and cp ranks hold other tokens, pp ranks other stages
             if self.degrees.tp > 1:
-                loss_sum /= self.degrees.tp  # tp ranks all hold the same (vocabulary-parallel) loss
-        loss = loss_sum / max(scored, 1)
+                sums /= self.degrees.tp  # tp ranks all hold the same (vocabulary-parallel) loss
+        loss, mtp_loss = sums[0] / max(scored, 1), sums[1] / max(mtp_scored, 1)
         try:
             self.guard.before_update(step, loss, grad_norm)
         except NonFiniteLossError:
@@ -146,7 +163,76 @@ class Trainer:
         self.parallel.expert_bias.update()  # after the step, as aux-loss-free balancing prescribes
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm
+        return loss, grad_norm, mtp_loss
+
+    def _accumulate(self, local, positions: torch.Tensor | None, mtp: MTPBatch | None, *, scale: float,
+                    mtp_weight: float) -> torch.Tensor:
+        """Forward/backward of this rank's rows, training.grad_accum_steps microbatches at a time; returns
+        the summed (main, MTP) losses [2] of those rows."""
+        steps = self.config.training.grad_accum_steps
+        micro_rows = local.tokens.shape[0] // steps
+        sums = torch.zeros(2, device=self.device, dtype=torch.float32)
+        for i in range(steps):
+            rows = slice(i * micro_rows, (i + 1) * micro_rows)
+            micro = local.rows(rows.start, rows.stop)
+            micro_positions = None if positions is None else positions[rows]
+            extra = {} if mtp is None else {"mtp_tokens": mtp.tokens[rows], "mtp_labels": mtp.labels[rows]}
+            # fully_shard reduces once, after the last microbatch (flexshard: after every one)
+            if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
+                self.loss_module.set_requires_gradient_sync(i == steps - 1)
+            if self.graph_step is not None:  # compile.mode graph (refused with MTP): the captured step
+                sums[0] += self.graph_step(micro.tokens, micro.labels, micro.document_ids, micro_positions, scale,
+                                           last=i == steps - 1).detach().float()
+                continue
+            with self._autocast():
+                micro_sums = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions,
+                                              **extra)
+            if mtp is None:
+                (micro_sums * scale).backward()
+                sums[0] += micro_sums.detach().float()
+            else:  # the objective: main + mtp_weight * MTP sums (multi_token.mtp_weight)
+                ((micro_sums[0] + mtp_weight * micro_sums[1]) * scale).backward()
+                sums += micro_sums.detach().float()
+        return sums
+
+    def _local_rows(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:
+        """This rank's rows of the global batch on the device (under cp: its chunks of each sequence, and
+        their positions)."""
+        t = self.config.training
+        rows = t.batch_size // self.degrees.dp
+        local = batch.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        positions = None
+        if self.degrees.cp > 1:  # this cp rank's two load-balanced chunks of every sequence
+            cp_rank = self.mesh.get_local_rank("cp")
+            local = type(local)(*shard_sequence(cp_rank, self.degrees.cp, local.tokens, local.labels,
+                                                local.document_ids))
+            positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
+        return local, positions
+
+    @torch.no_grad()
+    def summed_loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of a global batch over every rank's tokens, forward only, in eval mode (no dropout:
+        LoRA's) (validation)."""
+        self.model.eval()
+        try:
+            return self._summed_loss(batch)
+        finally:
+            self.model.train()
+
+    def _summed_loss(self, batch: Batch) -> torch.Tensor:
+        local, positions = self._local_rows(batch)
+        if self.pipeline is not None:
+            if positions is None:
+                positions = torch.arange(local.tokens.shape[1], device=self.device).expand_as(local.tokens)
+            loss_sum = self.pipeline.evaluate(local.tokens, local.labels, positions, local.document_ids)
+        else:
+            with self._autocast():
+                loss_sum = self.loss_module(local.tokens, local.labels, local.document_ids, positions).float()
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum)
+            if self.degrees.tp > 1:
+                loss_sum /= self.degrees.tp
+        return loss_sum
 
     def _clip_gradients(self) -> torch.Tensor:
         # Reading the norm skips the multiplication of gradients within the bound (by exactly 1). On the guard's
@@ -167,13 +253,11 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         config, t = self.config, self.config.training
-        start, settings_changed = 0, []
-        if self.checkpoints is not None and config.checkpoint.resume and self.checkpoints.latest_step() is not None:
-            start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device)
-            settings_changed = self.optimizer_settings.reapply(self.optimizer, self.scheduler)
+        start, settings_changed = self._resume()
         result = TrainResult(start_step=start, folder=self.folder)
         is_main = self.rank == 0
-        metrics = config.metrics.build(self.folder, start_step=start) if is_main else None
+        metrics = (config.metrics.build(self.folder, start_step=start, run_config=dataclasses.asdict(config))
+                   if is_main else None)
         bar = ProgressBar(t.steps, start=start, enabled=is_main and config.metrics.progress)
         if is_main:
             self._announce(start, settings_changed)
@@ -188,48 +272,89 @@ class Trainer:
                     self.checkpoints.poll()
                 lr = self.scheduler.get_last_lr()[0]
                 began = time.perf_counter()
-                loss, grad_norm = self.train_step(step)
+                self.profiler.before(step)
+                loss, grad_norm, mtp_loss = self.train_step(step)
+                self.profiler.after(step)
                 if self.checkpoints is not None and config.checkpoint.interval and step == start + 1:
                     self.checkpoints.reserve(self.checkpoints.state(  # the state now has its optimizer moments
                         self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
                 if t.gc_interval and step % t.gc_interval == 0:  # the optimizer step is still queued on the GPU
                     gc.collect(1)
-                pending.append(_PendingStep(step, lr, loss, grad_norm, time.perf_counter() - began))
-                log = step % config.metrics.log_interval == 0 or step == t.steps
+                pending.append(_PendingStep(step, lr, loss, grad_norm, mtp_loss, time.perf_counter() - began))
+                evaluate = self.validator is not None and self.validator.due(step, t.steps)
+                log = step % config.metrics.log_interval == 0 or step == t.steps or evaluate
                 interval = config.checkpoint.interval
                 save = self.checkpoints is not None and interval and (step % interval == 0 or step == t.steps)
                 if log or save:  # the only host syncs of the loop; a non-finite step stops the run here
                     record = self._read_back(pending, result, timing, first=start + 1)
                     pending = []
+                    if evaluate:
+                        record.update(self.validator.evaluate(self.summed_loss))
+                        result.eval_losses[step] = record["eval_loss"]
                     if log and is_main:
                         metrics.write(record)
                         bar.update(step, loss=record["loss"], tokens_per_s=record["tokens_per_s"], mfu=record["mfu"],
-                                   memory_gib=record["memory_gib"])
+                                   memory_gib=record["memory_gib"], mtp_loss=record.get("mtp_loss"))
                 if save:
                     self.checkpoints.save(step, self.checkpoints.state(
                         self.model, self.optimizer, self.scheduler, self.loader, step, self.device))
         finally:
             if collect_automatically:
                 gc.enable()
+            self.profiler.close()
             bar.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()
             if metrics is not None:
                 metrics.close()
         result.tokens_per_s = timing.tokens / timing.seconds if timing.seconds else 0.0
-        if is_main:
-            self._summarize(result)
+        self._finish(result)
         return result
+
+    def _finish(self, result: TrainResult) -> None:
+        """What a finished run leaves besides its metrics: the HF export, metrics.png, the summary line."""
+        config = self.config
+        if config.checkpoint.export_hf_at_end:
+            from .export import export_trained
+
+            export_trained(self.model, config, self.folder / "hf")  # every rank: the weights are gathered
+        if self.rank != 0:
+            return
+        if config.metrics.plot and (self.folder / "metrics.jsonl").is_file():
+            from .plot import write_plot
+
+            write_plot(self.folder / "metrics.jsonl", self.folder / "metrics.png")
+        self._summarize(result)
+
+    def _resume(self) -> tuple[int, list[str]]:
+        """Load the checkpoint to continue from (the newest, or checkpoint.load_step): the step it holds and
+        the optimizer settings the command line changed (0 and [] for a fresh run)."""
+        c = self.config.checkpoint
+        committed = self.checkpoints.steps() if self.checkpoints is not None else []
+        if c.load_step and c.load_step not in committed:
+            raise ValueError(f"checkpoint.load_step={c.load_step} is not a committed checkpoint in "
+                             f"{self.folder / 'checkpoints'} (committed: {committed or 'none'})")
+        later = [s for s in committed if s > c.load_step] if c.load_step else []
+        if later and c.interval:
+            raise ValueError(f"checkpoint.load_step={c.load_step} with later checkpoints {later} in {self.folder}: "
+                             "the resumed run would save over them; set checkpoint.interval 0, or start another "
+                             "job.folder with checkpoint.initial_load")
+        if not (committed and c.resume):
+            return 0, []
+        start = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.loader, self.device,
+                                         step=c.load_step or None)
+        return start, self.optimizer_settings.reapply(self.optimizer, self.scheduler)
 
     def _read_back(self, pending: list[_PendingStep], result: TrainResult, timing: _Timing, *, first: int) -> dict:
         """Wait for the pending steps, check them (NonFiniteGuard), record their losses; returns the metrics
         record of the last one, whose throughput covers all of them (the wait included)."""
         began = time.perf_counter()
         self.guard.check()
-        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float()]) for p in pending]).tolist()
+        values = torch.stack([torch.stack([p.loss.float(), p.grad_norm.float(), p.mtp_loss.float()])
+                              for p in pending]).tolist()
         pending[-1].seconds += time.perf_counter() - began
         tokens_per_step = self.config.training.batch_size * self.config.training.seq_len
-        for p, (loss, _) in zip(pending, values):
+        for p, (loss, _, _) in zip(pending, values):
             result.losses[p.step] = loss
             if p.step > first:  # the first step includes the warm-up
                 timing.tokens, timing.seconds = timing.tokens + tokens_per_step, timing.seconds + p.seconds
@@ -238,8 +363,14 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         mfu = self.flops_per_token * tokens_per_s / (self.peak * world) if self.peak else None
         last = pending[-1]
-        return {"step": last.step, "loss": values[-1][0], "tokens_per_s": tokens_per_s, "lr": last.lr,
-                "grad_norm": values[-1][1], "mfu": mfu, "memory_gib": memory_gib(self.device), "step_seconds": seconds}
+        record = {"step": last.step, "loss": values[-1][0], "tokens_per_s": tokens_per_s, "lr": last.lr,
+                  "grad_norm": values[-1][1], "mfu": mfu, "memory_gib": memory_gib(self.device),
+                  "step_seconds": seconds}
+        if self.model_cfg_mtp:  # beside the main loss, which stays comparable with runs without MTP
+            record["mtp_loss"] = values[-1][2]
+        if self.config.model.moe_routing != "learned":  # forced routing changes the workload: say so everywhere
+            record["moe_routing"] = self.config.model.moe_routing
+        return record
 
     def _announce(self, start: int, settings_changed: list[str]) -> None:
         c, d = self.config, self.degrees
@@ -248,10 +379,21 @@ class Trainer:
         if settings_changed:
             resumed += f" with the command line's optimizer settings ({', '.join(settings_changed)})"
         model_name = c.model.hf_path or f"{c.model.family} {c.model.flavor}"
+        data = ", ".join(f"{source} ({weight:g})" for source, weight in c.data.sources) or c.data.source
         print(f"titan-train: {model_name} ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
-              f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp}; "
+              f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep}"
+              f"{self._model_extras()}; "
               f"{c.training.steps} steps of {c.training.batch_size} x {c.training.seq_len} tokens from "
-              f"{c.data.source}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+              f"{data}{resumed}; metrics in {self.folder / 'metrics.jsonl'}", flush=True)
+
+    def _model_extras(self) -> str:
+        """What the run trains or routes unlike a plain next-token run (MTP, forced-balance routing)."""
+        m, extras = self.config.model, ""
+        if self.model_cfg_mtp:
+            extras += f", MTP {m.mtp_layers} (weight {self.config.training.mtp_loss_weight})"
+        if m.moe_routing != "learned":
+            extras += f", moe_routing={m.moe_routing}"
+        return extras
 
     def _summarize(self, result: TrainResult) -> None:
         if not result.losses:
@@ -273,6 +415,7 @@ class _PendingStep:
     lr: float
     loss: torch.Tensor
     grad_norm: torch.Tensor
+    mtp_loss: torch.Tensor
     seconds: float
     """Wall time of train_step (plus, for the last step before a read-back, the wait for the device)."""
 

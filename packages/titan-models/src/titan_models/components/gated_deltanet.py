@@ -11,6 +11,10 @@ q and k come L2-normalised (q also scaled by key_dim^-1/2) from a short causal d
 (kernel `conv_kernel`, SiLU) over [q | k | v]. The output passes a gated RMSNorm (`norm(o) * silu(z)`)
 and `wo`. Key heads are shared by `num_value_heads / num_key_heads` consecutive value heads (GQA-like).
 
+Kimi Delta Attention (Kimi Linear, arXiv 2510.26692) is this layer with three options: a decay per key
+channel (`decay_per_channel`: g_t [Hv, dk], S <- diag(exp(g_t)) S), the decay input and the output gate
+as low-rank projections (`gate_rank`), and a sigmoid-gated output norm (`output_gate="sigmoid"`).
+
 Two forms compute the same recurrence: `chunked_delta_rule` (chunks of `chunk_size` tokens solved in
 parallel with a triangular solve, then a scan over chunks; training and prefill) and
 `recurrent_delta_rule` (token by token; decode). Both run in float32. The chunked one is plain
@@ -48,6 +52,12 @@ class GatedDeltaNetConfig:
     conv_kernel: int = 4
     norm_eps: float = 1e-6
     chunk_size: int = 64
+    # Kimi Delta Attention's variations (arXiv 2510.26692): one decay per key channel of each head instead of
+    # one per head; the decay input and the output gate as low-rank projections dim -> gate_rank -> width
+    # (None: one full-rank projection each); the output norm gated by sigmoid instead of silu.
+    decay_per_channel: bool = False
+    gate_rank: int | None = None
+    output_gate: str = "silu"
 
     def build(self, dim: int) -> "GatedDeltaNet":
         if self.num_key_heads < 1 or self.num_value_heads % self.num_key_heads:
@@ -55,6 +65,10 @@ class GatedDeltaNetConfig:
                              f"({self.num_key_heads})")
         if self.conv_kernel < 1 or self.chunk_size < 1:
             raise ValueError(f"conv_kernel ({self.conv_kernel}) and chunk_size ({self.chunk_size}) must be >= 1")
+        if self.gate_rank is not None and self.gate_rank < 1:
+            raise ValueError(f"gate_rank ({self.gate_rank}) must be >= 1 or None (full rank)")
+        if self.output_gate not in ("silu", "sigmoid"):
+            raise ValueError(f"output_gate {self.output_gate!r} is not supported; supported: ['silu', 'sigmoid']")
         return GatedDeltaNet(dim, self)
 
 
@@ -90,12 +104,15 @@ class ShortConv(nn.Module):
 
 
 class DecayGate(nn.Module):
-    """g = -exp(A_log) * softplus(a + dt_bias) per value head, in float32 (log of the per-token decay)."""
+    """g = -exp(A_log) * softplus(a + dt_bias), in float32 (log of the per-token decay): one per value head
+    (`channels` 1, a [.., H] -> g [.., H]) or per key channel of each head (`channels` dk, a [.., H*dk] ->
+    g [.., H, dk], Kimi Delta Attention). A_log [H], dt_bias [H*channels], head-major."""
 
-    def __init__(self, num_heads: int):
+    def __init__(self, num_heads: int, channels: int = 1):
         super().__init__()
+        self.per_channel = channels > 1
         self.A_log = nn.Parameter(torch.empty(num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_heads * channels))
 
     def init_parameter(self, name: str, param: torch.Tensor, generator: torch.Generator) -> bool:
         if name == "A_log":  # A uniform in [1, 16] as Mamba-2 / Gated DeltaNet initialise it
@@ -106,7 +123,23 @@ class DecayGate(nn.Module):
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(a.dtype, torch.float32)
-        return -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
+        heads = self.A_log.shape[0]  # local heads under tensor parallelism
+        x = (a.to(dtype) + self.dt_bias.to(dtype)).unflatten(-1, (heads, -1))  # [.., H, channels]
+        g = -self.A_log.to(dtype).exp()[:, None] * F.softplus(x)
+        return g if self.per_channel else g[..., 0]
+
+
+class LowRankProjection(nn.Module):
+    """`up(down(x))`: dim -> rank -> out without a nonlinearity (Kimi Delta Attention's decay input and
+    output gate). Under tensor parallelism `down` is replicated and `up` split by heads."""
+
+    def __init__(self, dim: int, rank: int, out_features: int):
+        super().__init__()
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
 
 
 def document_segments(context: AttentionContext | None) -> torch.Tensor | None:
@@ -162,19 +195,21 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          *, segments: torch.Tensor | None = None, initial_state: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule token by token. q, k [b, s, h, dk] (normalised, q scaled), v [b, s, h, dv],
-    g, beta [b, s, h]; segments [b, s] or None; initial_state [b, h, dk, dv] or None (zeros).
+    g [b, s, h] (one log decay per head) or [b, s, h, dk] (per key channel, Kimi Delta Attention),
+    beta [b, s, h]; segments [b, s] or None; initial_state [b, h, dk, dv] or None (zeros).
     Returns (out [b, s, h, dv], final state [b, h, dk, dv]), both float32 (float64 for float64 inputs)."""
     batch, seq, heads, dk = k.shape
     dtype = _compute_dtype(v)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    decay = (g if g.dim() == 4 else g[..., None]).exp()[..., None]  # [b, s, h, dk or 1, 1]
     state = (torch.zeros(batch, heads, dk, v.shape[-1], device=v.device, dtype=dtype) if initial_state is None
              else initial_state.to(dtype))
     out = torch.empty_like(v)
     for t in range(seq):
         if segments is not None and t > 0:
-            keep = (segments[:, t] == segments[:, t - 1]).float()[:, None, None, None]
+            keep = (segments[:, t] == segments[:, t - 1]).to(dtype)[:, None, None, None]
             state = state * keep
-        state = state * g[:, t].exp()[..., None, None]
+        state = state * decay[:, t]
         predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
         update = beta[:, t, :, None] * (v[:, t] - predicted)
         state = state + k[:, t, :, :, None] * update[:, :, None, :]
@@ -199,16 +234,19 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence as `recurrent_delta_rule` (same arguments), chunk by chunk.
 
-    Within a chunk (cumulative log decay c_i, D_ij = exp(c_i - c_j) for j <= i in i's segment, else 0),
-    the delta-rule corrections u solve (I + strict_lower(beta_i k_i.k_j D_ij)) u = beta (v - R k S0),
-    where R_i = exp(c_i) if token i still sees the incoming state S0 (no boundary since the chunk began)
-    else 0; then o = R q S0 + (q k^T * D) u and the outgoing state is exp(c_last) S0 (if the last token
-    sees S0) + sum_j D_last,j k_j u_j^T.
+    Within a chunk (cumulative log decay c_i per channel d, D_ij = exp(c_i - c_j) for j <= i in i's segment,
+    else 0), the delta-rule corrections u solve (I + strict_lower(beta_i sum_d k_id k_jd D_ijd)) u =
+    beta (v - (R_i * k_i) S0), where R_i = exp(c_i) if token i still sees the incoming state S0 (no boundary
+    since the chunk began) else 0; then o = (R q) S0 + (sum_d q_id k_jd D_ijd) u and the outgoing state is
+    exp(c_last) S0 (if the last token sees S0) + sum_j (D_last,j * k_j) u_j^T. With one decay per head
+    (Gated DeltaNet) D_ij is a scalar and the pair sums are matmuls; per channel (Kimi Delta Attention)
+    they are formed chunk by chunk ([b, h, C, C, dk] at a time).
     """
     batch, seq, heads, dk = k.shape
     dv = v.shape[-1]
     pad = (-seq) % chunk_size
     dtype = _compute_dtype(v)
+    g = g if g.dim() == 4 else g[..., None]  # [b, s, h, D]: D = 1 (per head) or dk (per channel)
     q, k, v, g, beta = (_to_chunks(t.to(dtype), chunk_size, pad) for t in (q, k, v, g, beta))  # [b, h, n, C, ...]
     chunks = q.shape[2]
     if segments is None:
@@ -217,23 +255,22 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     seg = F.pad(segments[:, None].float(), (0, pad), mode="replicate")[:, 0].long()
     seg = seg.view(batch, 1, chunks, chunk_size)  # [b, 1, n, C], broadcast over heads
     seg_before = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], dim=2)  # segment of the state entering
-    sees_state = seg == seg_before  # [b, 1, n, C]
-    same = seg[..., :, None] == seg[..., None, :]
+    sees_state = (seg == seg_before)[..., None]  # [b, 1, n, C, 1]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    visible = (seg[..., :, None] == seg[..., None, :]) & causal  # [b, 1, n, C, C]
 
-    log_decay = g.cumsum(dim=-1)  # [b, h, n, C]
-    pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~(same & causal), float("-inf")).exp()
+    log_decay = g.cumsum(dim=-2)  # [b, h, n, C, D]
     state_read = log_decay.exp() * sees_state  # R_i
-    to_end = (log_decay[..., -1:] - log_decay).exp() * (seg == seg[..., -1:])  # D_last,j
-    state_carry = log_decay[..., -1].exp() * sees_state[..., -1]  # [b, h, n]
+    to_end = (log_decay[..., -1:, :] - log_decay).exp() * (seg == seg[..., -1:])[..., None]  # D_last,j
+    state_carry = log_decay[..., -1, :].exp() * sees_state[..., -1, :]  # [b, h, n, D]
 
-    system = (beta[..., None] * k) @ k.transpose(-1, -2) * pair  # only its strict lower part is used
+    system = _decayed_pairs(beta[..., None] * k, k, log_decay, visible)  # only its strict lower part is used
     solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
     corrections = solve(beta[..., None] * v)  # u before the incoming state's share
-    state_keys = solve((beta * state_read)[..., None] * k)  # u = corrections - state_keys @ S0
-    scores = (q @ k.transpose(-1, -2)) * pair
-    q_state = q * state_read[..., None]
-    k_end = k * to_end[..., None]
+    state_keys = solve(beta[..., None] * state_read * k)  # u = corrections - state_keys @ S0
+    scores = _decayed_pairs(q, k, log_decay, visible)
+    q_state = q * state_read
+    k_end = k * to_end
 
     state = (torch.zeros(batch, heads, dk, dv, device=q.device, dtype=dtype) if initial_state is None
              else initial_state.to(dtype))
@@ -241,9 +278,25 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     for c in range(chunks):
         u = corrections[:, :, c] - state_keys[:, :, c] @ state
         out[:, :, c] = q_state[:, :, c] @ state + scores[:, :, c] @ u
-        state = state * state_carry[:, :, c, None, None] + k_end[:, :, c].transpose(-1, -2) @ u
+        state = state * state_carry[:, :, c, :, None] + k_end[:, :, c].transpose(-1, -2) @ u
     out = out.reshape(batch, heads, chunks * chunk_size, dv)[:, :, :seq].transpose(1, 2)
     return out, state
+
+
+def _decayed_pairs(a: torch.Tensor, b: torch.Tensor, log_decay: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """sum_d a_id b_jd exp(c_id - c_jd) where j is visible from i, else 0: a, b [b, h, n, C, dk], log_decay c
+    [b, h, n, C, D] (D = 1: one decay per head; D = dk: per channel), visible [b, 1, n, C, C]. Per channel,
+    exp(c_i - c_j) <= 1 for j <= i is formed explicitly (factoring it as exp(c_i) exp(-c_j) overflows)."""
+    if log_decay.shape[-1] == 1:
+        c = log_decay[..., 0]
+        pair = (c[..., :, None] - c[..., None, :]).masked_fill(~visible, float("-inf")).exp()
+        return (a @ b.transpose(-1, -2)) * pair
+    out = a.new_empty(*a.shape[:-1], a.shape[-2])
+    for n in range(a.shape[2]):  # one chunk at a time bounds the [b, h, C, C, dk] decay tensor
+        c = log_decay[:, :, n]
+        pair = (c[..., :, None, :] - c[..., None, :, :]).masked_fill(~visible[:, :, n, ..., None], float("-inf"))
+        out[:, :, n] = torch.einsum("bhid,bhjd,bhijd->bhij", a[:, :, n], b[:, :, n], pair.exp())
+    return out
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -255,7 +308,8 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class GatedDeltaNet(nn.Module):
     """`gdn(x [b, s, dim], rope, *, context) -> [b, s, dim]` (rope is ignored: no positions here).
 
-    Projections wq, wk [dim, Hk*dk], wv, wz [dim, Hv*dv], wb, wa [dim, Hv] (read by one GEMM when
+    Projections wq, wk [dim, Hk*dk], wv, wz [dim, Hv*dv], wb [dim, Hv], wa [dim, Hv] (per-channel decay:
+    [dim, Hv*dk]), wz and wa low-rank `LowRankProjection`s when `gate_rank` is set (read by one GEMM when
     fusable), their convs q_conv/k_conv/v_conv, the decay gate, the gated output norm and wo. Head
     counts are inferred from the projections' outputs, so a tensor-parallel shard holding
     Hk/tp key and Hv/tp value heads runs unchanged.
@@ -266,19 +320,31 @@ class GatedDeltaNet(nn.Module):
         self.config = config
         key_dim = config.num_key_heads * config.key_head_dim
         value_dim = config.num_value_heads * config.value_head_dim
+        decay_channels = config.key_head_dim if config.decay_per_channel else 1
         self.heads_per_key = config.num_value_heads // config.num_key_heads
         self.wq = nn.Linear(dim, key_dim, bias=False)
         self.wk = nn.Linear(dim, key_dim, bias=False)
         self.wv = nn.Linear(dim, value_dim, bias=False)
-        self.wz = nn.Linear(dim, value_dim, bias=False)  # output gate
+        self.wz = self._gate_projection(dim, value_dim)  # output gate
         self.wb = nn.Linear(dim, config.num_value_heads, bias=False)  # beta logits
-        self.wa = nn.Linear(dim, config.num_value_heads, bias=False)  # decay input
+        self.wa = self._gate_projection(dim, config.num_value_heads * decay_channels)  # decay input
         self.q_conv = ShortConv(key_dim, config.conv_kernel)
         self.k_conv = ShortConv(key_dim, config.conv_kernel)
         self.v_conv = ShortConv(value_dim, config.conv_kernel)
-        self.decay = DecayGate(config.num_value_heads)
-        self.norm = GatedRMSNorm(config.value_head_dim, eps=config.norm_eps)
+        self.decay = DecayGate(config.num_value_heads, decay_channels)
+        self.norm = GatedRMSNorm(config.value_head_dim, eps=config.norm_eps, activation=config.output_gate)
         self.wo = nn.Linear(value_dim, dim, bias=False)
+
+    def _gate_projection(self, dim: int, out_features: int) -> nn.Module:
+        rank = self.config.gate_rank
+        return nn.Linear(dim, out_features, bias=False) if rank is None else LowRankProjection(dim, rank, out_features)
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v, z, b, a) of x, the input-side matmuls as one GEMM when fusable."""
+        if self.config.gate_rank is None:
+            return project(x, self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)
+        q, k, v, b, z_low, a_low = project(x, self.wq, self.wk, self.wv, self.wb, self.wz.down, self.wa.down)
+        return q, k, v, self.wz.up(z_low), b, self.wa.up(a_low)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, *,
                 context: AttentionContext | None = None) -> torch.Tensor:
@@ -297,7 +363,7 @@ class GatedDeltaNet(nn.Module):
         decay nor update the state, and the conv history ends at the last valid token."""
         cfg = self.config
         batch, seq, _ = x.shape
-        q, k, v, z, b, a = project(x, self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)
+        q, k, v, z, b, a = self._projections(x)
         lengths = None if valid is None else valid.sum(dim=1)
         histories = [None] * 3 if state is None else state.conv.split([q.shape[-1], k.shape[-1], v.shape[-1]], -1)
         convs = [conv(t, h, segments, lengths) for conv, t, h in zip((self.q_conv, self.k_conv, self.v_conv),
@@ -311,7 +377,8 @@ class GatedDeltaNet(nn.Module):
             q, k = (t.repeat_interleave(self.heads_per_key, dim=2) for t in (q, k))
         g, beta = self.decay(a), b.to(_compute_dtype(b)).sigmoid()  # [b, s, Hv]
         if valid is not None:  # padding: no decay (g = 0) and no update (beta = 0)
-            g, beta = g * valid[..., None], beta * valid[..., None]
+            g = g * valid.view(*valid.shape, *[1] * (g.dim() - 2))
+            beta = beta * valid[..., None]
         initial = None if state is None else state.recurrent
         # The delta rule stays in float32 under autocast too (its triangular solve and state products
         # lose too much in bf16); the projections around it follow autocast.

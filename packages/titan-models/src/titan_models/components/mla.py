@@ -5,6 +5,7 @@ Keys and values come from a compressed latent: `wkv_a` maps x to [kv_lora_rank l
 shared rope key], the latent is normed (`kv_norm`) and expanded by `wkv_b` into per-head
 [k_nope | v]. Each head's key is [k_nope | shared rope key]; only the rope part carries position
 ("decoupled RoPE"). The inner attention sees q/k of qk_nope + qk_rope dims and v of v_head_dim.
+With `rope=False` (Kimi Linear's MLA) nothing is rotated: the shared key part stays, position-free.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class MLAConfig:
     latent_norm: NormConfig = field(default_factory=lambda: RMSNormConfig(eps=1e-6))
     rope_interleave: bool = False  # DeepSeek's original checkpoints rotate interleaved pairs
     softmax_scale_factor: float = 1.0  # YaRN's mscale**2 (1 without YaRN)
+    rope: bool = True  # False: no position at all (the qk_rope dims are kept, unrotated)
     backend: AttentionBackend = "sdpa"
 
     @property
@@ -67,9 +69,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_rope = k_rope.unsqueeze(2)  # [b, s, 1, rope]: one rope key shared by all heads
-        cos, sin = rope
-        q_rope = apply_rotary(q_rope, cos, sin, interleaved=cfg.rope_interleave)
-        k_rope = apply_rotary(k_rope, cos, sin, interleaved=cfg.rope_interleave)
+        if cfg.rope:
+            cos, sin = rope
+            q_rope = apply_rotary(q_rope, cos, sin, interleaved=cfg.rope_interleave)
+            k_rope = apply_rotary(k_rope, cos, sin, interleaved=cfg.rope_interleave)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)

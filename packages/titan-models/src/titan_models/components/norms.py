@@ -76,18 +76,25 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """`weight * rms_norm(x) * silu(gate)` over the last dim (Gated DeltaNet's output norm; plain,
-    not zero-centred, weight). Normed in float32, cast to x's dtype before the weight, gated in float32."""
+    """`weight * rms_norm(x) * act(gate)` over the last dim, act = silu (Gated DeltaNet's output norm) or
+    sigmoid (Kimi Delta Attention's); plain, not zero-centred, weight. Normed in float32, cast to x's dtype
+    before the weight, gated in float32."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6):
+    def __init__(self, dim: int, *, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
+        if activation not in _GATE_ACTIVATIONS:
+            raise ValueError(f"gate activation {activation!r} is not supported; supported: {sorted(_GATE_ACTIVATIONS)}")
         self.eps = eps
+        self.activation = activation
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         out = self.weight * normed.to(x.dtype)
-        return (out * F.silu(gate.float())).to(x.dtype)
+        return (out * _GATE_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, {self.activation}"
+
+
+_GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}

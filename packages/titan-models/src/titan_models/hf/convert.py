@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan_models import registry
-from titan_models.hf.converter import Converter, Rows, check_field_types, source_name
+from titan_models.hf.converter import Converter, Reshaped, Rows, check_field_types, source_name
 from titan_models.hf.names import NoHFName
 from titan_models.hf.safetensors_io import SafetensorsFolder, write_safetensors
 
@@ -95,7 +95,7 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         model = config.build()
     params = model.state_dict(keep_vars=True)
     present = files.names()
-    plan = _located(_load_plan(converter, config, model), converter.text_prefix(present))
+    plan = _located(_load_plan(converter, config, model), converter.checkpoint_prefixes(present))
     # tensors in a layout of the converter's own (gpt-oss's fused, interleaved, MXFP4 experts)
     layouts = {name: layout for name in plan
                if (layout := converter.disk_layout(config, name, tuple(params[name].shape), present)) is not None}
@@ -140,6 +140,8 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
                 if rows.hf_name not in fused:
                     fused = {rows.hf_name: files.get(rows.hf_name)}
                 source = fused[rows.hf_name][list(rows.rows)]
+            elif len(sources) == 1 and isinstance(sources[0], Reshaped):
+                source = files.get(sources[0].hf_name).reshape(state[name].shape)
             elif len(sources) == 1:
                 source = files.get(sources[0])
             else:
@@ -148,16 +150,25 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     return model
 
 
-def _located(plan: dict[str, list], prefix: str) -> dict[str, list]:
-    """The plan with the decoder's `model.` names moved under `prefix` (composite checkpoints)."""
-    if prefix == "model.":
+def _located(plan: dict[str, list], prefixes: dict[str, str]) -> dict[str, list]:
+    """The plan with its causal-LM names moved to where the checkpoint keeps them (composite checkpoints):
+    a name starting with a key of `prefixes` gets that key replaced by its value."""
+    moves = {old: new for old, new in prefixes.items() if old != new}
+    if not moves:
         return plan
 
     def move(name: str) -> str:
-        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+        for old, new in moves.items():
+            if name.startswith(old):
+                return new + name.removeprefix(old)
+        return name
 
-    return {titan: [Rows(move(s.hf_name), s.rows) if isinstance(s, Rows) else move(s) for s in sources]
-            for titan, sources in plan.items()}
+    def moved(source):
+        if isinstance(source, str):
+            return move(source)
+        return dataclasses.replace(source, hf_name=move(source.hf_name))
+
+    return {titan: [moved(s) for s in sources] for titan, sources in plan.items()}
 
 
 def _by_prefix(names: list[str]) -> str:
@@ -179,6 +190,10 @@ def _check_shapes(folder: Path, config: Any, name: str, want: tuple[int, ...], s
                 raise ValueError(f"{folder}: tensor {source.hf_name!r} has shape {list(got)}, expected "
                                  f"[{max(source.rows) + 1}+, {', '.join(map(str, want[1:]))}] with rows for "
                                  f"{name} {list(want)} of {type(config).__name__}")
+        elif isinstance(source, Reshaped):  # same elements, the shape on disk
+            if got != source.shape or torch.Size(got).numel() != torch.Size(want).numel():
+                raise ValueError(f"{folder}: tensor {source.hf_name!r} has shape {list(got)}, expected "
+                                 f"{list(source.shape)} (for {name} {list(want)} of {type(config).__name__})")
         elif got != per_tensor:
             raise ValueError(f"{folder}: tensor {source!r} has shape {list(got)}, expected "
                              f"{list(per_tensor)} (for {name} of {type(config).__name__})")
@@ -220,6 +235,10 @@ def to_hf(model: nn.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_
             own_layout.setdefault(hf_name, {})[name] = tensor
         elif len(hf_names) == 1 and isinstance(hf_names[0], Rows):
             fused_parts.setdefault(hf_names[0].hf_name, []).append((hf_names[0].rows, tensor))
+        elif len(hf_names) == 1 and isinstance(hf_names[0], Reshaped):
+            shape = hf_names[0].shape
+            entries.append((hf_names[0].hf_name, shape, tensor.dtype,
+                            lambda t=tensor, shape=shape: t.cpu().reshape(shape).contiguous()))
         elif len(hf_names) == 1:
             entries.append((hf_names[0], tuple(tensor.shape), tensor.dtype, lambda t=tensor: t.cpu().contiguous()))
         else:

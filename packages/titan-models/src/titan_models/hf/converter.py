@@ -26,11 +26,20 @@ class Rows:
         return Rows(hf_name, tuple(range(start, stop)))
 
 
-HFSource = Union[str, Rows]  # what `hf_names` lists: a whole tensor, or rows of one
+@dataclass(frozen=True)
+class Reshaped:
+    """A Hugging Face tensor holding the titan tensor's elements in another shape (e.g. Kimi Linear's
+    `A_log` [1, 1, H, 1] for titan's [H]): loaded and written with a reshape."""
+
+    hf_name: str
+    shape: tuple[int, ...]  # the shape on disk
+
+
+HFSource = Union[str, Rows, Reshaped]  # what `hf_names` lists: a whole tensor, rows of one, or a reshaped one
 
 
 def source_name(source: HFSource) -> str:
-    return source.hf_name if isinstance(source, Rows) else source
+    return source if isinstance(source, str) else source.hf_name
 
 
 class Converter:
@@ -70,6 +79,11 @@ class Converter:
         folder; composite (multimodal) checkpoints override this (e.g. "model.language_model.")."""
         return "model."
 
+    def checkpoint_prefixes(self, tensor_names: set[str]) -> dict[str, str]:
+        """Name prefixes of the causal-LM layout (`hf_names`' "model.", "lm_head.") -> where this
+        checkpoint keeps them; by default only the decoder moves, to `text_prefix`."""
+        return {"model.": self.text_prefix(tensor_names)}
+
     def reported(self, config: Any, hf_name: str) -> bool:
         """HF tensors present but not part of the titan model (another tower, an MTP head): loaded
         into nothing and listed in a warning by from_hf, rather than refused as unexpected."""
@@ -92,16 +106,18 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "n_routed_experts", "num_experts_per_tok", "num_experts", "num_local_experts", "kv_lora_rank",
                 "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step",
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_conv_kernel_dim", "shared_expert_intermediate_size", "full_attention_interval")
+                "linear_conv_kernel_dim", "shared_expert_intermediate_size", "full_attention_interval",
+                "num_experts_per_token", "model_max_length", "linear_num_heads", "linear_head_dim")  # Kimi Linear's
 _COUNT_FIELDS = ("n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers",
-                 "num_mtp_layers")
+                 "num_mtp_layers", "num_shared_experts", "num_expert_group")
 _NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
 _BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "attention_bias", "mlp_bias", "rope_interleave",
-                "use_sliding_window")
-_OBJECT_FIELDS = ("rope_scaling", "rope_parameters")
+                "use_sliding_window", "moe_renormalize", "mla_use_nope")
+_OBJECT_FIELDS = ("rope_scaling", "rope_parameters", "linear_attn_config")
 # Read as `hf.get(field) or default`: null means "the default".
 _NULLABLE = ("head_dim", "num_key_value_heads", "q_lora_rank", "n_shared_experts", "n_group", "topk_group",
-             "num_nextn_predict_layers", "rope_scaling", "rope_parameters", "num_experts", "num_local_experts")
+             "num_nextn_predict_layers", "rope_scaling", "rope_parameters", "num_experts", "num_local_experts",
+             "num_shared_experts", "num_expert_group", "linear_attn_config")
 
 
 def check_field_types(hf: Any, where: str) -> None:

@@ -7,6 +7,7 @@ the data-parallel degree, and the loader state is the same on every rank.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,10 @@ from .sources import Documents
 from .tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
+
+# A document -> (its tokens, which of them are scored as labels). Plain text: every token plus the EOS
+# appended; chat data (chat.py): the assistant's tokens only.
+Encode = Callable[[bytes | str], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -35,17 +40,19 @@ class Batch:
 
 class PackedLoader:
     def __init__(self, documents: Documents, tokenizer: Tokenizer, *, seq_len: int, seed: int = 0,
-                 shuffle: bool = True, document_masking: bool = True):
+                 shuffle: bool = True, document_masking: bool = True, encode: Encode | None = None):
         if len(documents) == 0:
             raise ValueError("the data source holds no documents")
         if seq_len < 1:
             raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
-        _check_has_tokens(documents, tokenizer)
+        if encode is None:  # chat records are checked by their encoder (chat.py)
+            _check_has_tokens(documents, tokenizer)
         self.documents, self.tokenizer = documents, tokenizer
         self.seq_len, self.seed, self.shuffle, self.document_masking = seq_len, seed, shuffle, document_masking
+        self.encode = encode or self._encode_text
         self.epoch = self.position = self.offset = 0  # the stream's cursor: document `position` of `epoch`'s order
         self._order: torch.Tensor | None = None
-        self._doc: np.ndarray | None = None
+        self._doc: tuple[np.ndarray, np.ndarray] | None = None
 
     # --- position -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -65,7 +72,11 @@ class PackedLoader:
         self._order = self._doc = None
 
     # --- the token stream ---------------------------------------------------------------------------
-    def _document(self) -> np.ndarray:
+    def _encode_text(self, document: bytes | str) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.append(self.tokenizer.encode(document), self.tokenizer.eos_id)
+        return tokens, np.ones(len(tokens), dtype=bool)
+
+    def _document(self) -> tuple[np.ndarray, np.ndarray]:
         if self._doc is None:
             if self._order is None:
                 if self.shuffle:
@@ -73,11 +84,10 @@ class PackedLoader:
                     self._order = torch.randperm(len(self.documents), generator=g)
                 else:
                     self._order = torch.arange(len(self.documents))
-            tokens = self.tokenizer.encode(self.documents[int(self._order[self.position])])
-            self._doc = np.append(tokens, self.tokenizer.eos_id)
-            if self.offset >= len(self._doc):  # only a cursor from another stream gets here
+            self._doc = self.encode(self.documents[int(self._order[self.position])])
+            if self.offset >= len(self._doc[0]):  # only a cursor from another stream gets here
                 raise ValueError(f"the data position (epoch {self.epoch}, document {self.position}, token "
-                                 f"{self.offset}) lies past that document's {len(self._doc)} tokens: the "
+                                 f"{self.offset}) lies past that document's {len(self._doc[0])} tokens: the "
                                  "checkpoint was written reading other data")
         return self._doc
 
@@ -86,15 +96,18 @@ class PackedLoader:
         if self.position == len(self.documents):
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
 
-    def _row(self) -> tuple[np.ndarray, np.ndarray]:
-        """seq_len + 1 tokens and their document numbers; the cursor moves by seq_len (one overlaps)."""
+    def row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """seq_len + 1 tokens, their document numbers and scored flags; the cursor moves by seq_len (one
+        overlaps)."""
         tokens = np.empty(self.seq_len + 1, dtype=np.int64)
         doc_ids = np.empty(self.seq_len + 1, dtype=np.int64)
+        scored = np.empty(self.seq_len + 1, dtype=bool)
         filled, doc_number = 0, 0
         while filled < self.seq_len + 1:
-            doc = self._document()
+            doc, doc_scored = self._document()
             take = min(self.seq_len + 1 - filled, len(doc) - self.offset)
             tokens[filled:filled + take] = doc[self.offset:self.offset + take]
+            scored[filled:filled + take] = doc_scored[self.offset:self.offset + take]
             doc_ids[filled:filled + take] = doc_number
             filled += take
             if filled == self.seq_len + 1:
@@ -105,17 +118,23 @@ class PackedLoader:
             if self.offset == len(doc):
                 self._advance_document()
                 doc_number += 1
-        return tokens, doc_ids
+        return tokens, doc_ids, scored
 
     def next_batch(self, rows: int) -> Batch:
         """The next `rows` packed sequences of the stream."""
-        tokens, doc_ids = zip(*(self._row() for _ in range(rows)))
-        tokens_np, ids_np = np.stack(tokens), np.stack(doc_ids)  # [rows, seq + 1]
-        labels = tokens_np[:, 1:].copy()
-        if self.document_masking:
-            labels[ids_np[:, 1:] != ids_np[:, :-1]] = IGNORE_INDEX
-        ids = torch.from_numpy(ids_np[:, :-1].copy()) if self.document_masking else None
-        return Batch(torch.from_numpy(tokens_np[:, :-1].copy()), torch.from_numpy(labels), ids)
+        return pack_rows([self.row() for _ in range(rows)], document_masking=self.document_masking)
+
+
+def pack_rows(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], *, document_masking: bool) -> Batch:
+    """Rows of (seq + 1 tokens, document numbers, scored flags) -> a Batch: labels are the next tokens,
+    IGNORE_INDEX where the next token is not scored or (document_masking) belongs to another document."""
+    tokens, doc_ids, scored = (np.stack(parts) for parts in zip(*rows))  # [rows, seq + 1] each
+    labels = tokens[:, 1:].copy()
+    labels[~scored[:, 1:]] = IGNORE_INDEX
+    if document_masking:
+        labels[doc_ids[:, 1:] != doc_ids[:, :-1]] = IGNORE_INDEX
+    ids = torch.from_numpy(doc_ids[:, :-1].copy()) if document_masking else None
+    return Batch(torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(labels), ids)
 
 
 _PROBED_DOCUMENTS = 1000

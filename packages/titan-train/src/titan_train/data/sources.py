@@ -49,14 +49,15 @@ class JsonlDocuments:
     Opening reads the whole file once (to index the lines) and checks every record on the way, so a bad
     line stops the run before training, naming the file and the line, not when the loader reaches it."""
 
-    def __init__(self, path: Path, text_field: str):
+    def __init__(self, path: Path, text_field: str, *, strings: bool = True):
+        """strings: the field holds text (else anything JSON: chat conversations, checked by data/chat.py)."""
         self.path, self.text_field = path, text_field
         self._offsets = []
         with open(path, "rb") as f:
             offset = 0
             for number, line in enumerate(f, start=1):
                 if line.strip():
-                    _check_jsonl_record(path, number, line, text_field)
+                    _check_jsonl_record(path, number, line, text_field, strings=strings)
                     self._offsets.append(offset)
                 offset += len(line)
         self._file = None
@@ -71,7 +72,7 @@ class JsonlDocuments:
         return json.loads(self._file.readline())[self.text_field]
 
 
-def _check_jsonl_record(path: Path, number: int, line: bytes, text_field: str) -> None:
+def _check_jsonl_record(path: Path, number: int, line: bytes, text_field: str, *, strings: bool = True) -> None:
     """ValueError naming `path` and the 1-based line `number` unless the line is a UTF-8 JSON object
     whose `text_field` is a string."""
     where = f"{path}: line {number}"
@@ -88,7 +89,7 @@ def _check_jsonl_record(path: Path, number: int, line: bytes, text_field: str) -
     if text_field not in record:
         raise ValueError(f"{where} has no field {text_field!r} (data.text_field; it has {', '.join(record) or 'none'})")
     text = record[text_field]
-    if not isinstance(text, str):
+    if strings and not isinstance(text, str):
         shown = "null" if text is None else f"a JSON {type(text).__name__}"
         raise ValueError(f"{where}: field {text_field!r} is {shown}, not a string")
 
@@ -96,7 +97,7 @@ def _check_jsonl_record(path: Path, number: int, line: bytes, text_field: str) -
 class ArrowDocuments:
     """The string column `text_field` of an Arrow table (parquet files, saved HF datasets)."""
 
-    def __init__(self, table, text_field: str, origin: str):
+    def __init__(self, table, text_field: str, origin: str, *, strings: bool = True):
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -105,7 +106,7 @@ class ArrowDocuments:
                              f"{', '.join(table.column_names)})")
         self.column = table.column(text_field)
         kind = self.column.type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        if strings and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise ValueError(f"{origin}: column {text_field!r} holds {kind}, not strings (data.text_field)")
         if self.column.null_count:
             row = pc.index(pc.is_null(self.column), True).as_py()
@@ -118,7 +119,7 @@ class ArrowDocuments:
         return self.column[index].as_py()
 
 
-def parquet_documents(path: Path, text_field: str) -> ArrowDocuments:
+def parquet_documents(path: Path, text_field: str, *, strings: bool = True) -> ArrowDocuments:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -129,10 +130,10 @@ def parquet_documents(path: Path, text_field: str) -> ArrowDocuments:
         table = pq.read_table(path, columns=[text_field], memory_map=True)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"{path} is not a readable parquet file ({e})") from None
-    return ArrowDocuments(table, text_field, str(path))
+    return ArrowDocuments(table, text_field, str(path), strings=strings)
 
 
-def hf_disk_documents(folder: Path, text_field: str, split: str) -> ArrowDocuments:
+def hf_disk_documents(folder: Path, text_field: str, split: str, *, strings: bool = True) -> ArrowDocuments:
     """A dataset written by `datasets`' save_to_disk: arrow stream files listed in state.json
     (a DatasetDict has dataset_dict.json and one such folder per split)."""
     import pyarrow as pa
@@ -156,7 +157,7 @@ def hf_disk_documents(folder: Path, text_field: str, split: str) -> ArrowDocumen
                 tables.append(pa.ipc.open_file(source).read_all())
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{file} is not a readable Arrow file ({e})") from None
-    return ArrowDocuments(pa.concat_tables(tables), text_field, str(folder))
+    return ArrowDocuments(pa.concat_tables(tables), text_field, str(folder), strings=strings)
 
 
 def _json_field(path: Path, field: str):
@@ -202,10 +203,16 @@ def _detect_format(path: Path) -> str:
     return _SUFFIXES[path.suffix]
 
 
-def open_documents(source: str, *, format: str = "auto", text_field: str = "text", split: str = "train") -> Documents:
-    """The documents of `data.source` in `data.format` (see DataConfig)."""
+def open_documents(source: str, *, format: str = "auto", text_field: str = "text", split: str = "train",
+                   strings: bool = True) -> Documents:
+    """The documents of `data.source` in `data.format` (see DataConfig). strings=False: records whose field
+    holds other JSON (chat conversations)."""
     if source == "stdlib" and format in ("auto", "stdlib"):
         return stdlib_documents()
+    if source == "arithmetic_chat":  # generated conversations (data.chat)
+        from .arithmetic_chat import ArithmeticChat
+
+        return ArithmeticChat()
     path = Path(source)
     if not path.exists():
         raise ValueError(f"data.source {source!r} does not exist (give 'stdlib' or a file/folder path)")
@@ -213,7 +220,7 @@ def open_documents(source: str, *, format: str = "auto", text_field: str = "text
     if format != "auto":
         _check_format_matches(path, kind)
     if kind == "hf_disk":
-        return hf_disk_documents(path, text_field, split)
+        return hf_disk_documents(path, text_field, split, strings=strings)
     suffixes = [s for s, k in _SUFFIXES.items() if k == kind]
     files = sorted(p for p in path.rglob("*") if p.suffix in suffixes) if path.is_dir() else [path]
     if not files:
@@ -221,9 +228,9 @@ def open_documents(source: str, *, format: str = "auto", text_field: str = "text
     if kind == "text":
         return FileDocuments(files)
     if kind == "jsonl":
-        return ConcatDocuments([JsonlDocuments(f, text_field) for f in files])
+        return ConcatDocuments([JsonlDocuments(f, text_field, strings=strings) for f in files])
     if kind == "parquet":
-        return ConcatDocuments([parquet_documents(f, text_field) for f in files])
+        return ConcatDocuments([parquet_documents(f, text_field, strings=strings) for f in files])
     raise ValueError(f"data.format {kind!r} is not one of auto, stdlib, text, jsonl, parquet, hf_disk")
 
 

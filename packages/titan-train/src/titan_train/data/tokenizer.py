@@ -16,11 +16,48 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in character for each byte (what the `tokenizers` ByteLevel steps use):
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
 class ByteTokenizer:
     """Token = byte (0..255), then BOS 256, EOS 257, PAD 258: any text, no files, no training."""
 
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
+    special_tokens = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+    def save_hf(self, folder: Path, *, chat_template: bool = False) -> None:
+        """tokenizer.json + tokenizer_config.json giving the same ids through transformers' fast tokenizer
+        (a byte-level BPE without merges); with chat_template, the built-in chat template too."""
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _Tokenizer
+
+        vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
+        tokenizer = _Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([AddedToken(t, special=True) for t in self.special_tokens])
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(folder / "tokenizer.json"))
+        bos, eos, pad = self.special_tokens
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
+                  "model_max_length": 1 << 30}
+        if chat_template:
+            from .chat import BUILTIN_TEMPLATE
+
+            config["chat_template"] = BUILTIN_TEMPLATE
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     def encode(self, document: bytes | str) -> np.ndarray:
         data = document.encode("utf-8") if isinstance(document, str) else document
@@ -28,6 +65,12 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens of `text` and the index of the character each one starts in."""
+        tokens = self.encode(text)
+        widths = [len(char.encode("utf-8")) for char in text]
+        return tokens, np.repeat(np.arange(len(text), dtype=np.int64), widths)
 
 
 # The end-of-document token of the usual tokenizer families, tried in order when tokenizer_config.json
@@ -76,6 +119,12 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens of `text` (special tokens in it recognised) and the character each one starts at."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        starts = np.asarray([start for start, _ in encoding.offsets], dtype=np.int64)
+        return np.asarray(encoding.ids, dtype=np.int64), starts
 
 
 def build_tokenizer(spec: str) -> Tokenizer:

@@ -4,6 +4,18 @@ The MTP module, which transformers does not run, is stored as DeepSeek's release
 store it: as decoder layer `num_hidden_layers` (`enorm`, `hnorm`, `eh_proj`, the block's usual
 tensors, `shared_head.norm`), plus copies of the embedding (`embed_tokens`) and output
 (`shared_head.head`). `from_hf` builds the MTP module when those tensors are present.
+
+Kimi K2.x (`Kimi_K25ForConditionalGeneration`, model type `kimi_k25`: Kimi-K2.5/K2.6) is this text
+model inside an image-text checkpoint: the decoder under `language_model.model.layers.*` and the head
+as `language_model.lm_head.weight` (the release layout; transformers 5.20's `save_pretrained` writes
+`language_model.model.blocks.*`, reversing its vision `blocks -> layers` rename on every name: both load),
+the text settings in `text_config`, and the vision tower (`vision_tower.*`, `mm_projector.*`;
+transformers writes one norm as `model.mm_projector.*`) beside them, which from_hf leaves for the vision
+work and lists in a warning. The head is tied as transformers resolves it: by the top-level
+`tie_word_embeddings` (default True), whatever `text_config` says, except that a checkpoint storing
+its own head keeps it (transformers declines to tie an embedding and a head both present with
+different values; equal values give the same logits either way). `to_hf` writes the text-only
+`DeepseekV3ForCausalLM`.
 """
 from __future__ import annotations
 
@@ -19,6 +31,7 @@ from titan_models.hf.converter import Converter, dtype_name, require, rms_eps
 from titan_models.hf.names import DENSE_LAYER, MLA, MOE, NoHFName, hf_names, layer_names
 from titan_models.hf.rope_config import read_rope, write_rope
 from titan_models.models.deepseek_v3.model import DeepSeekV3Config
+from titan_models.registry import TinyHFCase
 
 _LAYER_MAP = {k: v for k, v in DENSE_LAYER.items() if not k.startswith("attention.")} | MLA | MOE | {
     "moe.expert_bias": "mlp.gate.e_score_correction_bias"}
@@ -27,11 +40,38 @@ _MTP_OWN = {"mtp.enorm.weight": "enorm.weight", "mtp.hnorm.weight": "hnorm.weigh
 _MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
+_KIMI_K25 = "Kimi_K25ForConditionalGeneration"
+# where a Kimi K2.x checkpoint keeps the causal-LM names, by the prefix its decoder is found under
+_KIMI_LAYOUTS = (("language_model.model.layers.", {"model.": "language_model.model.",
+                                                   "lm_head.": "language_model.lm_head."}),
+                 ("language_model.model.blocks.", {"model.layers.": "language_model.model.blocks.",
+                                                   "model.": "language_model.model.",
+                                                   "lm_head.": "language_model.lm_head."}))
+_KIMI_VISION = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
+
+
+def _is_kimi(hf: dict[str, Any]) -> bool:
+    return _KIMI_K25 in (hf.get("architectures") or []) or hf.get("model_type") == "kimi_k25"
+
+
 class DeepSeekV3Converter(Converter):
-    architectures = ("DeepseekV3ForCausalLM",)
+    architectures = ("DeepseekV3ForCausalLM", _KIMI_K25)
     config_type = DeepSeekV3Config
 
     def config_from_hf(self, hf: dict[str, Any], tensor_names: set[str]) -> DeepSeekV3Config:
+        if not _is_kimi(hf):
+            return self._text_config(hf, tensor_names, tie=hf.get("tie_word_embeddings", False))
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("config.json field text_config is missing: a kimi_k25 checkpoint keeps its text "
+                             "model's settings there")
+        require(text, "model_type", ("deepseek_v3", "kimi_k2"), "deepseek_v3")
+        # Kimi_K25Config.tie_word_embeddings (default True) decides, whatever text_config says, unless a head is stored
+        names = {n.removeprefix("language_model.").replace("model.blocks.", "model.layers.", 1) for n in tensor_names}
+        tie = hf.get("tie_word_embeddings", True) and "lm_head.weight" not in names
+        return self._text_config(text, names, tie=tie)
+
+    def _text_config(self, hf: dict[str, Any], tensor_names: set[str], *, tie: bool) -> DeepSeekV3Config:
         require(hf, "hidden_act", ("silu",), "silu")
         require(hf, "attention_bias", (False,), False)
         require(hf, "scoring_func", ("sigmoid",), "sigmoid")  # DeepSeek's own config spelling
@@ -54,7 +94,7 @@ class DeepSeekV3Converter(Converter):
             qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
             norm=RMSNormConfig(eps=hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             rope_interleave=hf.get("rope_interleave", True), max_seq_len=hf.get("max_position_embeddings", 4096),
-            mtp=has_mtp_tensors and mtp_layers >= 1, tie_embeddings=hf.get("tie_word_embeddings", False))
+            mtp=has_mtp_tensors and mtp_layers >= 1, tie_embeddings=tie)
 
     def config_to_hf(self, config: DeepSeekV3Config) -> dict[str, Any]:
         moe = config.moe
@@ -93,6 +133,15 @@ class DeepSeekV3Converter(Converter):
                 raise NoHFName(name) from None
         raise NoHFName(name)
 
+    def checkpoint_prefixes(self, tensor_names: set[str]) -> dict[str, str]:
+        for marker, prefixes in _KIMI_LAYOUTS:
+            if any(n.startswith(marker) for n in tensor_names):
+                return prefixes
+        return super().checkpoint_prefixes(tensor_names)
+
+    def reported(self, config: DeepSeekV3Config, hf_name: str) -> bool:
+        return hf_name.startswith(_KIMI_VISION)  # a Kimi K2.x vision tower
+
     def ignorable(self, config: DeepSeekV3Config, hf_name: str) -> bool:
         # The MTP layer's copies of the embedding and output duplicate the main model's.
         copies = "|".join(re.escape(c) for c in _MTP_COPIES)
@@ -121,4 +170,19 @@ TINY_HF_CONFIGS = {
                                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                        "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+    # Kimi K2.x: the text model inside an image-text checkpoint, beside a one-block vision tower; the
+    # text config's tie_word_embeddings=False is overridden by the composite's default (tied). q_lora_rank
+    # is set: transformers 5.20 saves a full-rank `self_attn.q_proj` as `self_wqkv` (its vision rename
+    # reversed), a name no checkpoint has. The image/video placeholder ids lie outside the vocabulary:
+    # transformers embeds placeholder tokens as token 0 when no image comes with them.
+    "kimi-k25-composite": TinyHFCase(
+        config={"model_type": "kimi_k25", "architectures": ["Kimi_K25ForConditionalGeneration"],
+                "text_config": _TINY | {"model_type": "deepseek_v3", "q_lora_rank": 24, "tie_word_embeddings": False,
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                "vision_config": {"patch_size": 4, "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2,
+                                  "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32,
+                                  "intermediate_size": 64},
+                "projection_hidden_size": 32, "image_token_id": 130, "video_token_id": 131,
+                "vision_start_token_id": 132, "vision_end_token_id": 133},
+        auto_class="AutoModelForImageTextToText", written_as="DeepseekV3ForCausalLM"),
 }

@@ -89,8 +89,9 @@ class DeepSeekV3Config(ModelConfigBase):
         return model
 
     def parallel_plan(self) -> ParallelPlan:
-        mla = {"wkv_a": "replicate", "kv_norm": "replicate", "wkv_b": "colwise", "wo": "rowwise"}
-        mla |= ({"wq_a": "replicate", "q_norm": "replicate", "wq_b": "colwise"} if self.q_lora_rank
+        # the latent projections and norms see the gathered sequence whole on every tp rank
+        mla = {"wkv_a": "replicate_whole", "kv_norm": "replicate_whole", "wkv_b": "colwise", "wo": "rowwise"}
+        mla |= ({"wq_a": "replicate_whole", "q_norm": "replicate_whole", "wq_b": "colwise"} if self.q_lora_rank
                 else {"wq": "colwise"})
         plan = decoder_plan(num_layers=self.num_layers, attention=mla, dense=self.first_k_dense > 0,
                             moe=self.first_k_dense < self.num_layers or self.mtp,

@@ -1,0 +1,59 @@
+"""activation_checkpoint.mode=remat applied: each block wrapped as its plan says, the plan reported."""
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..config import ActivationCheckpointConfig
+from .measure import op_name, profile_blocks
+from .plan import GIB, budget_plan, explicit_plan, plan_report, summary_line
+
+
+def _policy(save_ops: tuple[str, ...]):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        name = op_name(op)
+        if name in save_ops or ("flex_attention" in name and "flex_attention" in save_ops):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: int, seq_len: int,
+                activation_dtype: torch.dtype, static_bytes: int, folder: Path | None) -> dict:
+    """Plan (explicit lists or the budget), wrap the blocks, print the plan and write <folder>/remat_plan.json
+    (folder None: not this rank's job); returns the plan's report."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype)
+    budget = None
+    if config.memory_budget_gib:
+        budget = int(config.memory_budget_gib * GIB)
+        if budget <= static_bytes:
+            raise ValueError(f"activation_checkpoint.memory_budget_gib={config.memory_budget_gib} does not hold "
+                             f"the weights, gradients and AdamW moments ({static_bytes / GIB:.3f} GiB per rank)")
+        choices = budget_plan(profiles, budget - static_bytes)
+    else:
+        choices = explicit_plan(profiles, config.save_ops, config.save_blocks)
+    for choice in choices:
+        name = choice.path.removeprefix("layers.")
+        if choice.save_ops is None:
+            continue
+        block = model.layers[name]
+        if choice.save_ops:
+            context = partial(create_selective_checkpoint_contexts, _policy(choice.save_ops))
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
+        else:
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    report = plan_report(choices, static_bytes=static_bytes, budget_bytes=budget)
+    if folder is not None:
+        print(summary_line(report), flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "remat_plan.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report

@@ -1,0 +1,134 @@
+"""What each block's forward allocates and computes, op by op: the planner's inputs.
+
+The forward runs once on a meta copy of the model (no memory, no compute) under a dispatch mode that
+records, per block, each op's output bytes and FLOPs (torch.utils.flop_counter's formulas for matmuls and
+attention, one FLOP per output element for the rest). These are planned figures: the bytes autograd would
+keep if every op output were saved, which bounds what a block holds. MoE routing counts are data on meta:
+the planner assumes balanced experts (each gets its share of the rows).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+# The ops whose outputs are worth keeping: products and attention (recomputing them costs most).
+MATMUL_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm")
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "flex_attention")
+
+
+@dataclass
+class OpRecord:
+    name: str
+    """The aten op's name without namespace or overload (mm, silu, ...)."""
+    bytes: int
+    flops: int
+
+
+@dataclass
+class BlockProfile:
+    path: str
+    """layers.<i>"""
+    input_bytes: int
+    ops: list[OpRecord] = field(default_factory=list)
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+
+def op_name(func) -> str:
+    return func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else str(func)
+
+
+def _bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+def _is_view(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, balanced_rows: int):
+        super().__init__()
+        self.current: BlockProfile | None = None
+        self.balanced_rows = balanced_rows
+        self.in_attention = False
+
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:  # MoE counts.tolist() on meta: balanced
+            return self.balanced_rows
+        out = func(*args, **kwargs)
+        if self.current is not None and not self.in_attention and not _is_view(func):  # views: no bytes
+            packet = getattr(func, "_overloadpacket", None)
+            if packet in flop_registry:
+                shapes = tree_map(lambda t: t.shape if isinstance(t, torch.Tensor) else t, (args, kwargs, out))
+                flops = flop_registry[packet](*shapes[0], **shapes[1], out_val=shapes[2])
+            else:
+                flops = sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            self.current.ops.append(OpRecord(op_name(func), _bytes(out), int(flops)))
+        return out
+
+
+class _Attention(TorchFunctionMode):
+    """Records scaled_dot_product_attention as the one fused op it is on a GPU or CPU (on meta it would
+    decompose into the math path's products and softmax): output + log-sum-exp bytes, its FLOPs."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention or self.recorder.current is None:
+            return func(*args, **kwargs)
+        self.recorder.in_attention = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.recorder.in_attention = False
+        q, k, v = args[:3]
+        lse_bytes = out.numel() // out.shape[-1] * 4
+        flops = sdpa_flop_count(q.shape, k.shape, v.shape)
+        self.recorder.current.ops.append(OpRecord("attention", _bytes(out) + lse_bytes, int(flops)))
+        return out
+
+
+def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dtype) -> list[BlockProfile]:
+    """Per-block op records of one forward over a [rows, seq_len] microbatch in `dtype` activations."""
+    meta = model if next(model.parameters()).is_meta else copy.deepcopy(model)
+    meta = meta.to(device="meta", dtype=dtype) if not next(meta.parameters()).is_meta else meta.to(dtype=dtype)
+    moe = getattr(meta.config, "moe", None)
+    tokens_per_expert = rows * seq_len * moe.top_k // moe.num_experts if moe is not None else 0
+    recorder = _Recorder(tokens_per_expert)
+    profiles: list[BlockProfile] = []
+
+    def enter(name):
+        def hook(module, args):
+            profiles.append(BlockProfile(f"layers.{name}", _bytes(args[0])))
+            recorder.current = profiles[-1]
+        return hook
+
+    handles = [block.register_forward_pre_hook(enter(name)) for name, block in meta.layers.items()]
+    handles += [block.register_forward_hook(lambda *_: setattr(recorder, "current", None))
+                for block in meta.layers.values()]
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad(), _Attention(recorder), recorder:
+            meta.hidden_states(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return profiles

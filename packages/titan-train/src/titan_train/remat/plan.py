@@ -1,0 +1,110 @@
+"""Which block saves what: explicit lists, or the least recomputation whose saved bytes fit a budget.
+
+Each block has options (keep everything; keep products and attention; keep attention; keep only its
+input and recompute all), each with planned saved bytes and recomputed FLOPs (measure.py). Under a memory
+budget the choice is a multiple-choice knapsack solved exactly by dynamic programming over the blocks,
+with bytes rounded up to a grid of at most ~4000 steps (so the plan never exceeds the budget).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import asdict, dataclass
+
+from .measure import ATTENTION_OPS, MATMUL_OPS, BlockProfile
+
+GIB = 1 << 30
+# option name -> the op names it saves (None: everything, no checkpoint)
+OPTIONS: dict[str, tuple[str, ...] | None] = {
+    "keep": None,
+    "save_matmuls_attention": MATMUL_OPS + ATTENTION_OPS,
+    "save_attention": ATTENTION_OPS,
+    "recompute": (),
+}
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    path: str
+    option: str
+    """keep, save_matmuls_attention, save_attention, recompute, or explicit."""
+    save_ops: tuple[str, ...] | None
+    """The op names whose outputs are saved (None: the block is not checkpointed)."""
+    saved_bytes: int
+    recomputed_flops: int
+
+
+def cost(profile: BlockProfile, save_ops: tuple[str, ...] | None) -> tuple[int, int]:
+    """(saved bytes, recomputed FLOPs) of checkpointing `profile` keeping `save_ops` (None: no checkpoint)."""
+    if save_ops is None:
+        return sum(op.bytes for op in profile.ops), 0
+    kept = [op for op in profile.ops if _matches(op.name, save_ops)]
+    return profile.input_bytes + sum(op.bytes for op in kept), sum(op.flops for op in profile.ops
+                                                                      if not _matches(op.name, save_ops))
+
+
+def _matches(name: str, save_ops: tuple[str, ...]) -> bool:
+    if name == "attention":  # measure.py records the fused attention op under this name
+        return any(s in ATTENTION_OPS for s in save_ops)
+    return name in save_ops
+
+
+def normalize_op(name: str) -> str:
+    """'aten.mm.default', 'aten.mm' or 'mm' -> 'mm'."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+
+
+def explicit_plan(profiles: list[BlockProfile], save_ops: tuple[str, ...],
+                  save_blocks: tuple[str, ...]) -> list[BlockChoice]:
+    ops = tuple(normalize_op(o) for o in save_ops)
+    unmatched = [p for p in save_blocks if not any(fnmatch.fnmatchcase(b.path, p) for b in profiles)]
+    if unmatched:
+        raise ValueError(f"activation_checkpoint.save_blocks: no block matches {', '.join(unmatched)} "
+                         f"(blocks are {profiles[0].path} .. {profiles[-1].path})")
+    choices = []
+    for b in profiles:
+        keep = any(fnmatch.fnmatchcase(b.path, p) for p in save_blocks)
+        saved, flops = cost(b, None if keep else ops)
+        choices.append(BlockChoice(b.path, "keep" if keep else "explicit", None if keep else ops, saved, flops))
+    return choices
+
+
+def budget_plan(profiles: list[BlockProfile], budget_bytes: int) -> list[BlockChoice]:
+    """The choices with the least recomputed FLOPs whose saved bytes sum to at most `budget_bytes`."""
+    options = [[BlockChoice(b.path, name, ops, *cost(b, ops)) for name, ops in OPTIONS.items()] for b in profiles]
+    least = sum(min(c.saved_bytes for c in opts) for opts in options)
+    if least > budget_bytes:
+        raise ValueError(f"activation_checkpoint.memory_budget_gib leaves {budget_bytes / GIB:.3f} GiB for "
+                         f"activations; recomputing every block still saves {least / GIB:.3f} GiB: raise the "
+                         "budget, or shrink the microbatch (training.grad_accum_steps)")
+    unit = max(1, math.ceil(budget_bytes / 4000))
+    slots = budget_bytes // unit
+    best: dict[int, tuple[int, list[BlockChoice]]] = {0: (0, [])}  # used units -> (flops, choices)
+    for opts in options:
+        nxt: dict[int, tuple[int, list[BlockChoice]]] = {}
+        for used, (flops, chosen) in best.items():
+            for c in opts:
+                u = used + math.ceil(c.saved_bytes / unit)
+                if u <= slots and (u not in nxt or flops + c.recomputed_flops < nxt[u][0]):
+                    nxt[u] = (flops + c.recomputed_flops, chosen + [c])
+        best = nxt
+    return min(best.values(), key=lambda v: v[0])[1]
+
+
+def plan_report(choices: list[BlockChoice], *, static_bytes: int, budget_bytes: int | None) -> dict:
+    saved = sum(c.saved_bytes for c in choices)
+    return {"blocks": [asdict(c) for c in choices], "saved_activation_bytes": saved,
+            "recomputed_flops": sum(c.recomputed_flops for c in choices), "static_bytes": static_bytes,
+            "planned_total_bytes": saved + static_bytes, "budget_bytes": budget_bytes}
+
+
+def summary_line(report: dict) -> str:
+    counts: dict[str, int] = {}
+    for b in report["blocks"]:
+        counts[b["option"]] = counts.get(b["option"], 0) + 1
+    budget = "" if report["budget_bytes"] is None else f" of a {report['budget_bytes'] / GIB:.2f} GiB budget"
+    return (f"titan-train remat: {', '.join(f'{n} {k}' for k, n in counts.items())}; saves "
+            f"{report['saved_activation_bytes'] / GIB:.3f} GiB of activations + {report['static_bytes'] / GIB:.3f} "
+            f"GiB of weights/gradients/moments{budget}, recomputes {report['recomputed_flops'] / 1e9:.2f} GFLOP "
+            "per microbatch")

@@ -1,0 +1,202 @@
+"""Expert parallelism composed with pipeline and context parallelism (and MTP) on gloo ranks, each
+following the single-process loss curve of the same recipe (DeepSeek-V3 debug, 3 layers: a dense first
+layer and two MoE layers, so under pp=2 both stages hold MoE layers).
+
+Tolerance and argument as test_expert_parallel.py: relative 1e-4 per step over 10 steps (fp32) for the
+loss and the gradient norm; the expert biases after 10 aux-loss-free updates equal the single process's
+exactly, which needs the loads counted over every microbatch of the pipeline's schedule on every
+stage (a count missed or doubled flips a sign). The references run dist-moe's layer in one process
+with the same global batch in one piece. A kill-and-resume of the PP x EP run gives bitwise its curve.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from titan_train import TrainConfig, load_recipe, train
+from titan_train.cli_args import apply_override
+from torch_checkpointing import Checkpointer
+
+STEPS = 10
+TINY = {"job.device": "cpu", "training.batch_size": "4", "metrics.tensorboard": "false", "metrics.progress": "false",
+        "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false", "training.steps": str(STEPS)}
+RECIPE = "deepseek_v3_debug_ep"
+MOE_LAYERS = (1, 2)
+JOB = {"model.num_layers": "3", "model.moe_impl": "dist_moe", "training.seq_len": "32",
+       "checkpoint.interval": str(STEPS), "checkpoint.async_save": "false"}
+SINGLE = {"parallelism.ep": "1", "parallelism.dp_shard": "-1"}
+
+
+def job(folder: Path, **overrides: str) -> TrainConfig:
+    config = load_recipe(RECIPE)
+    for name, value in {**TINY, **JOB, "job.folder": str(folder), **overrides}.items():
+        apply_override(config, name, value)
+    return config
+
+
+def curve(folder: Path) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm) from metrics.jsonl (a later line for a step wins: a resumed run)."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
+
+
+def assert_follows(got: dict, want: dict, steps) -> None:
+    for step in steps:
+        assert got[step][0] == pytest.approx(want[step][0], rel=1e-4), ("loss", step, got, want)
+        assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), ("grad_norm", step, got, want)
+
+
+def biases(folder: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    state = {"model": {f"layers.{i}.moe.expert_bias": torch.zeros(8) for i in MOE_LAYERS}}
+    with Checkpointer(str(folder / "checkpoints")) as checkpoints:
+        checkpoints.load(state, step=step)
+    return state["model"]
+
+
+def assert_same_biases(folder: Path, reference: Path) -> None:
+    for (name, bias), want in zip(biases(folder).items(), biases(reference).values()):
+        assert bias.abs().sum() > 0, f"{name}: aux-loss-free balancing moved no bias"
+        assert torch.equal(bias, want), (name, bias, want)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("single")
+    train(job(folder, **SINGLE))
+    return folder
+
+
+PP2_EP2 = {"parallelism.pp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2",
+           "parallelism.pp_microbatches": "2"}
+
+
+def test_pp2_x_ep2_follows_one_process_and_resumes_bitwise_after_a_kill(reference, tmp_path, jobs):
+    folder = tmp_path / "pp2xep2"
+    jobs.on_ranks(job(folder, **PP2_EP2), 4)
+    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert_same_biases(folder, reference)
+
+    # Killed (SIGKILL on every rank) in step 7, after step 5's blocking checkpoint; resumed on 4 ranks.
+    killed = tmp_path / "killed"
+    config = job(killed, **PP2_EP2, **{"checkpoint.interval": "5", "checkpoint.resume": "true"})
+    with pytest.raises(mp.ProcessExitedException):
+        mp.start_processes(_rank_killed_in_step, args=(4, _free_port(), config, 7), nprocs=4, start_method="fork")
+    assert sorted(json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines())[-1] == 6
+    jobs.on_ranks(config, 4)
+    assert curve(killed) == curve(folder)  # bitwise: JSON floats round-trip exactly
+
+
+@pytest.mark.parametrize("nproc,layout", [
+    (4, {"parallelism.cp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2"}),
+], ids=["cp2xep2"])
+def test_ep_composed_follows_one_process(reference, tmp_path, jobs, nproc, layout):
+    folder = tmp_path / "run"
+    jobs.on_ranks(job(folder, **layout), nproc)
+    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert_same_biases(folder, reference)
+
+
+def test_tp2_x_ep2_follows_one_process(reference, tmp_path, jobs):
+    """Attention and dense layers tensor-parallel (MLA's latent projections whole on each tp rank, the shared
+    rope key's gradient summed over tp), the MoE
+    layers not TP-split: each tp rank routes its own sequence shard over the ep group, and their gradients
+    and loads are summed over tp. (No checkpoints: refused for ep x tp, so the biases are not compared.)"""
+    folder = tmp_path / "tp2xep2"
+    jobs.on_ranks(job(folder, **{"parallelism.tp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2",
+                                 "checkpoint.interval": "0"}), 4)
+    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"parallelism.tp": "2", "parallelism.ep": "2"}, "checkpoint.interval=10 with parallelism.ep=2 x tp=2"),
+    ({"parallelism.tp": "2", "parallelism.ep": "2", "checkpoint.interval": "0", "model.moe_aux_loss_weight": "0.1"},
+     "needs whole sequences"),
+    ({"parallelism.ep": "1", "model.moe_impl": "titan", "model.moe_routing": "forced_balance"},
+     "forced_balance needs model.moe_impl=dist_moe"),
+])
+def test_degrees_that_cannot_compose_are_errors(overrides, message):
+    from titan_train.expert_parallel import resolve_moe_impl
+
+    with pytest.raises(ValueError, match=message):
+        resolve_moe_impl(job(Path("unused"), **overrides))
+
+
+def test_forced_balance_routing_is_labelled_in_every_record(reference, tmp_path):
+    folder = tmp_path / "forced"
+    train(job(folder, **SINGLE, **{"model.moe_routing": "forced_balance", "training.steps": "2",
+                                   "checkpoint.interval": "0"}))
+    assert all(r["moe_routing"] == "forced_balance" for r in _records(folder).values())
+    assert not any("moe_routing" in r for r in _records(reference).values())  # learned routing: unlabelled
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_killed_in_step(rank: int, world: int, port: int, config: TrainConfig, kill_at: int) -> None:
+    """A rank of `config` that SIGKILLs itself when step `kill_at` begins (no cleanup, as a lost node)."""
+    import torch.distributed as dist
+
+    from titan_train.trainer import Trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    step = Trainer.train_step
+
+    def train_step(self, n: int):
+        if n == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(self, n)
+
+    Trainer.train_step = train_step
+    train(config)
+
+
+@pytest.mark.timeout(240)
+def test_pp2_x_dp2_x_ep2_with_mtp_follows_one_process(tmp_path, jobs):
+    """The MLPerf shape in miniature (8 ranks): pipeline 2, data parallel 2 with its experts split over ep 2,
+    one MTP module on the last stage, its input embeddings handed on by the first. Kept to 10 tiny steps:
+    about a minute on 2 cores."""
+    mtp = {"model.mtp_layers": "1", "training.mtp_loss_weight": "0.3", "model.num_layers": "2",
+           "training.seq_len": "16", "training.batch_size": "8", "checkpoint.interval": "0"}
+    reference = tmp_path / "single"
+    train(job(reference, **SINGLE, **mtp))
+    folder = tmp_path / "pp2xdp2xep2"
+    jobs.on_ranks(job(folder, **mtp, **{"parallelism.pp": "2", "parallelism.dp_shard": "4", "parallelism.ep": "2",
+                                         "parallelism.pp_microbatches": "2"}), 8)
+    got, want = _records(folder), _records(reference)
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm", "mtp_loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (key, step, got[step], want[step])
+
+
+def _records(folder: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.parametrize("gpus,dp_shard,rows", [(256, 128, 8), (512, 256, 4)])
+def test_mlperf_recipe_degrees_on_256_and_512_gpus(gpus, dp_shard, rows):
+    """The README's table: pp 2 x dp with ep 64 inside dp; 512 GPUs keep the global batch (1024 x 4096),
+    so each data-parallel rank takes half the rows (pp_microbatches 4 there)."""
+    from titan_train.mesh import resolve_degrees
+    from titan_train.pipeline import check_pipeline
+
+    config = load_recipe("deepseek_v3_mlperf")
+    if gpus == 512:
+        config.parallelism.pp_microbatches = 4
+    degrees = resolve_degrees(config.parallelism, gpus)
+    assert (degrees.pp, degrees.dp_shard, degrees.ep, degrees.tp) == (2, dp_shard, 64, 1)
+    assert config.training.batch_size // degrees.dp == rows
+    settings = check_pipeline(config.parallelism, pp=2, rows=rows, grad_accum_steps=1, compiled=False)
+    assert rows // settings.microbatches == 1  # one sequence of 4096 tokens per microbatch
