@@ -142,6 +142,10 @@ def test_parallel_plan_names_modules_of_the_debug_model(family, name):
     assert len(_matching(model, "layers.*")) == config.num_layers
     moe_layers = {str(i) for i in range(config.num_layers) if config.is_moe_layer(i)}
     assert {n.split(".")[1] for p in plan.moe for n in _matching(model, p)} == moe_layers
+    if not plan.tensor_parallel:  # a family without tensor parallelism must refuse every degree > 1
+        with pytest.raises(ValueError, match="tensor parallel degree 2"):
+            plan.check_tensor_parallel(2)
+        return
     # every parameter is split by the plan, or lies in routed experts (expert parallelism's business)
     covered = [n for p in (*plan.tensor_parallel, *plan.experts) for n in _matching(model, p)]
     for param in dict(model.named_parameters()):

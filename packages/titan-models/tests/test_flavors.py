@@ -24,6 +24,7 @@ def test_within_published_tolerance_rule():
     assert within_published(3.35e9, "3.3B") and not within_published(3.45e9, "3.3B")
     assert within_published(671.9e9, "671B") and not within_published(675e9, "671B")  # 0.5% of 671B is wider
     assert within_published(8.07e9, "8.03B") and not within_published(8.09e9, "8.03B")
+    assert within_published(1.57e12, "1.6T") and not within_published(1.49e12, "1.6T")
 
 
 PUBLISHED = [(f.name, flavor) for f in tm.families() for flavor in f.published_sizes]

@@ -9,7 +9,9 @@ v_head_dim) + the linear-attention layers' term below:
 - The second term is attention's score and value matmuls (q.k over seq_len keys and p.v), again
   * 2 * 3, not halved for causality (the convention of PaLM's MFU and torchtitan; it is 12 * L * H
   * head_dim * seq_len when qk and v head dims are equal). A sliding-window layer (gpt-oss) sees
-  min(seq_len, window) keys per query in place of seq_len; sinks add no matmul.
+  min(seq_len, window) keys per query in place of seq_len; sinks add no matmul. DeepSeek-V4's layers
+  count their window plus the compressed entries they read (seq_len / rate, at most index_topk for
+  sparse layers); the compressors' pooling and the indexer's scores are not counted.
 - Linear-attention layers (Gated DeltaNet) have no seq_len term: their chunked form costs, per
   token and value head, C * (3 * dk + 2 * dv) + 3 * dk * dv multiply-adds (chunk C: the k.k^T and
   q.k^T scores and the two triangular solves within the chunk, the score-weighted values, and three
@@ -85,6 +87,8 @@ def flops_per_token(model_or_config: Any, seq_len: int, *, include_mtp: bool = F
             heads, qk_dim, v_dim = dims
             window = getattr(module, "sliding_window", None)
             keys = seq_len if window is None else min(seq_len, window)
+            if hasattr(module, "keys_per_query"):  # DeepSeek-V4: the window plus the compressed entries read
+                keys = module.keys_per_query(seq_len)
             attention += 6 * keys * heads * (qk_dim + v_dim)
         linear = getattr(module, "delta_rule_dims", None)
         if linear is not None:

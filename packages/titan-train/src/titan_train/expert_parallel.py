@@ -98,16 +98,17 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
 
 def _check_dist_moe_supports(fqn: str, moe_config: object) -> None:
     """dist-moe's layer routes by softmax/sigmoid scores into plain SwiGLU experts without biases; gpt-oss's
-    and Muse Spark's options would be dropped silently, so they stop here."""
+    and Muse Spark's and DeepSeek-V4's options would be dropped silently, so they stop here."""
     plain_values = (("router_bias", False), ("expert_linear_bias", False), ("activation", None),
                     ("router_logit_scale", 1.0), ("expert_pool_dim", None), ("pre_expert_norm", None),
-                    ("post_expert_norm", None))
+                    ("post_expert_norm", None), ("hash_vocab_size", None))
     unsupported = [name for name, plain in plain_values if getattr(moe_config, name, plain) != plain]
-    if getattr(moe_config, "score_func", "softmax") == "topk_softmax":
-        unsupported.append("score_func='topk_softmax'")
+    score_func = getattr(moe_config, "score_func", "softmax")
+    if score_func in ("topk_softmax", "sqrtsoftplus"):
+        unsupported.append(f"score_func={score_func!r}")
     if unsupported:
         raise ValueError(f"{fqn}: dist-moe's MoE layer does not implement {', '.join(unsupported)} "
-                         "(gpt-oss, Muse Spark); "
+                         "(gpt-oss, Muse Spark, DeepSeek-V4); "
                          "use model.moe_impl=titan with parallelism.ep=1")
 
 

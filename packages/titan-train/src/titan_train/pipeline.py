@@ -34,8 +34,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import titan_models as tm
-
 from .config import ParallelismConfig
 from .grad_norm import clip_by_total_norm
 from .loss import CausalLMLoss
@@ -201,15 +199,7 @@ class PipelineStageModule(nn.Module):
     def __init__(self, model: nn.Module, layer_names: tuple[str, ...], *, first: bool, last: bool,
                  loss: CausalLMLoss, autocast_dtype: torch.dtype | None = None):
         super().__init__()
-        with torch.device("meta"):  # its own embedding and output (1 x 1) are replaced right away
-            stage = tm.Transformer(config=model.config, vocab_size=1, dim=1, blocks=[],
-                                   norm=model.norm if last else None, rope=model.rope, tie_embeddings=False,
-                                   parallel_plan=model.parallel_plan,
-                                   embedding_norm=model.embedding_norm if first else None,
-                                   logit_scale=model.logit_scale, logit_softcap=model.logit_softcap)
-        stage.tok_embeddings = model.tok_embeddings if first else None
-        stage.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
-        stage.output = model.output if last else None
+        stage = model.pipeline_stage(layer_names, first=first, last=last)
         # Multi-token prediction: the MTP module on the last stage; the embeddings of its input tokens
         # come from the first stage (which holds the shared table) and travel beside the hidden states.
         self.mtp = bool(getattr(model.config, "mtp", False))  # model.mtp is gone on the other stages' ranks

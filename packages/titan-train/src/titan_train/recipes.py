@@ -236,6 +236,14 @@ def muse_spark_debug() -> TrainConfig:
     config = llama3_debug()
     config.job.folder = "runs/muse_spark_debug"
     config.model = ModelConfig(family="muse_spark", flavor="debug", vocab_size=384)
+@register_recipe("deepseek_v4_debug")
+def deepseek_v4_debug() -> TrainConfig:
+    """The main job with the debug DeepSeek-V4: 2 hyper-connection streams, heavily compressed (16 positions
+    per entry) and compressed sparse (4, indexer top-8) attention beside a 16-token window, a hash-routed
+    then top-k MoE layers (titan-models' MoE: dist-moe implements neither, so ep stays 1)."""
+    config = llama3_debug()
+    config.job.folder = "runs/deepseek_v4_debug"
+    config.model = ModelConfig(family="deepseek_v4", flavor="debug", vocab_size=384, moe_impl="titan")
     return config
 
 

@@ -43,12 +43,13 @@ class FeedForwardConfig:
 class FeedForward(nn.Module):
     """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up and w2 the down projection."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, *, activation: ClampedSwiGLU | None = None):
         super().__init__()
+        self.activation = activation or swiglu  # DeepSeek-V4's shared expert: a clamped SwiGLU
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.w1, self.w3)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.activation(gate, up))

@@ -5,6 +5,8 @@ chosen by top-k of `scores + expert_bias` (optionally limited to the `topk_group
 expert groups), and weighted by the un-biased scores of the chosen experts (renormalised when
 `norm_topk_prob`, then times `route_scale`). The bias therefore steers only selection, which is
 the aux-loss-free balancing of DeepSeek-V3; a trainer updates it from `tokens_per_expert`.
+`score_func="sqrtsoftplus"` (DeepSeek-V4) scores sqrt(softplus(logits)); with `hash_vocab_size` the
+experts come from the frozen table `tid2eid[token_id]` instead of a top-k (DeepSeek-V4's hash layers).
 With `score_func="topk_softmax"` (gpt-oss, Mixtral) the experts are the top-k of
 `logits + expert_bias` and their weights the softmax over the chosen experts' logits alone.
 Shared experts (one SwiGLU FFN every token passes) are added to the routed output, optionally
@@ -32,7 +34,7 @@ from titan_models.components.norms import NormConfig
 
 ExpertImplementation = Literal["auto", "loop", "grouped_mm"]
 EXPERT_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "loop", "grouped_mm")
-SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "topk_softmax")
+SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "topk_softmax", "sqrtsoftplus")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -43,7 +45,7 @@ class MoEConfig:
     num_shared_experts: int = 0  # shared hidden width = num_shared_experts * expert_dim
     shared_expert_dim: int | None = None  # the shared experts' hidden width when set (Qwen2/3-Next/3.5: its own size)
     shared_expert_gate: bool = False  # scale the shared output by sigmoid(x . w_gate) per token (Qwen3-Next/3.5)
-    score_func: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    score_func: Literal["softmax", "sigmoid", "topk_softmax", "sqrtsoftplus"] = "softmax"
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
@@ -56,6 +58,9 @@ class MoEConfig:
     expert_pool_dim: int | None = None  # experts' input/output width, pooled by projections (Muse Spark)
     pre_expert_norm: NormConfig | None = None  # on the pooled tokens (needs expert_pool_dim)
     post_expert_norm: NormConfig | None = None  # on each expert's output, before its routing weight
+    # hash routing (DeepSeek-V4's first layers): a frozen table `tid2eid` [hash_vocab_size, top_k] names each
+    # token id's experts; the scores still weight them. The forward then needs `token_ids`.
+    hash_vocab_size: int | None = None
 
     def build(self, dim: int) -> "MoE":
         if not 0 < self.top_k <= self.num_experts:
@@ -75,6 +80,9 @@ class MoEConfig:
             raise ValueError(f"expert_pool_dim must be a positive width or None, got {self.expert_pool_dim}")
         if self.pre_expert_norm is not None and self.expert_pool_dim is None:
             raise ValueError("pre_expert_norm normalises the pooled tokens: it needs expert_pool_dim")
+        if self.hash_vocab_size is not None and (self.hash_vocab_size < 1 or self.score_func == "topk_softmax"):
+            raise ValueError(f"hash_vocab_size must be >= 1 and score_func a per-expert score (softmax, sigmoid, "
+                             f"sqrtsoftplus); got {self.hash_vocab_size}, {self.score_func!r}")
         if self.implementation not in EXPERT_IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, got {self.implementation!r}")
         return MoE(dim, self)
@@ -97,8 +105,10 @@ class Router(nn.Module):
         self.config = config
         self.gate = nn.Linear(dim, config.num_experts, bias=config.router_bias)
 
-    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [tokens, dim] -> (weights [tokens, top_k] float32, experts [tokens, top_k] int64)."""
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor, hashed: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (weights [tokens, top_k] float32, experts [tokens, top_k] int64); `hashed`
+        [tokens, top_k] are the experts of hash routing (then only their weights come from the scores)."""
         cfg = self.config
         bias = None if self.gate.bias is None else self.gate.bias.float()
         logits = F.linear(x.float(), self.gate.weight.float(), bias)  # [T, E]
@@ -107,7 +117,12 @@ class Router(nn.Module):
         if cfg.score_func == "topk_softmax":
             experts = (logits + expert_bias.float()).topk(cfg.top_k, dim=-1, sorted=False).indices  # [T, k]
             return logits.gather(1, experts).softmax(dim=-1) * cfg.route_scale, experts
-        scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
+        if cfg.score_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        else:
+            scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
+        if hashed is not None:
+            return self._weights(scores, hashed), hashed
         choice = scores + expert_bias.float()
         if cfg.n_group > 1:
             # Group score = sum of its two best experts; keep the topk_group best groups.
@@ -117,10 +132,13 @@ class Router(nn.Module):
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
             choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.n_group, dim=1), float("-inf"))
         experts = choice.topk(cfg.top_k, dim=-1, sorted=False).indices  # [T, k]
+        return self._weights(scores, experts), experts
+
+    def _weights(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         weights = scores.gather(1, experts)
-        if cfg.norm_topk_prob:
+        if self.config.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.route_scale, experts
+        return weights * self.config.route_scale
 
 
 class GroupedExperts(nn.Module):
@@ -200,20 +218,34 @@ class MoE(nn.Module):
         self.post_expert_norm = (config.post_expert_norm.build(pool or dim)
                                  if config.post_expert_norm is not None else None)
         self.post_expert_proj = nn.Linear(pool, dim, bias=False) if pool is not None else None
-        self.shared_experts = FeedForward(dim, config.shared_width) if config.shared_width else None
+        self.shared_experts = (FeedForward(dim, config.shared_width, activation=config.activation)
+                               if config.shared_width else None)
         self.shared_gate = nn.Linear(dim, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        if config.hash_vocab_size is not None:
+            self.register_buffer("tid2eid", torch.zeros(config.hash_vocab_size, config.top_k, dtype=torch.int64))
+        else:
+            self.tid2eid = None
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
+        if self.tid2eid is not None:  # a fixed table until a checkpoint's: token t -> experts t*k .. t*k+k-1 (mod E)
+            vocab, k = self.tid2eid.shape
+            table = torch.arange(vocab * k, device=self.tid2eid.device).view(vocab, k) % self.config.num_experts
+            self.tid2eid.copy_(table)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, dim = x.shape
         top_k = self.config.top_k
         tokens = x.reshape(-1, dim)  # [T, dim]
-        weights, experts = self.router(tokens, self.expert_bias)  # [T, k] each
+        hashed = None
+        if self.tid2eid is not None:
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids (token_ids=)")
+            hashed = self.tid2eid[token_ids.reshape(-1)]
+        weights, experts = self.router(tokens, self.expert_bias, hashed)  # [T, k] each
         flat_experts = experts.flatten()  # [T*k], slot t*k + j = token t's j-th choice
         # scatter_add into a fixed-size buffer: unlike bincount it needs no device -> host sync
         counts = torch.zeros(self.config.num_experts, dtype=torch.int64, device=x.device).scatter_add_(

@@ -1,6 +1,7 @@
 """The model families. Each subpackage registers its `Family` (see titan_models.registry) when imported;
 adding a family is its folder plus one import line here."""
 from titan_models.models import deepseek_v3  # noqa: F401
+from titan_models.models import deepseek_v4  # noqa: F401
 from titan_models.models import gpt_oss  # noqa: F401
 from titan_models.models import kimi_linear  # noqa: F401
 from titan_models.models import llama3  # noqa: F401

@@ -125,6 +125,22 @@ class Transformer(nn.Module):
             raw = torch.tanh(raw / self.logit_softcap) * self.logit_softcap
         return raw
 
+    def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "Transformer":
+        """A model of the same type over some of this one's modules (shared, not copied): `layer_names`,
+        the embedding when `first`, the final norm and output when `last` (the others None). Other modules
+        (DeepSeek-V3's MTP) are left out; a subclass whose forward needs more adds it."""
+        stage = type(self).__new__(type(self))  # a fresh module (own hooks and state), not a copy
+        nn.Module.__init__(stage)
+        stage.config, stage.parallel_plan, stage.tie_embeddings = self.config, self.parallel_plan, False
+        stage.tok_embeddings = self.tok_embeddings if first else None
+        stage.embedding_norm = self.embedding_norm if first else None
+        stage.logit_scale, stage.logit_softcap = self.logit_scale, self.logit_softcap
+        stage.rope = self.rope
+        stage.layers = nn.ModuleDict({name: self.layers[name] for name in layer_names})
+        stage.norm = self.norm if last else None
+        stage.output = self.output if last else None
+        return stage
+
     # --- initialisation and device moves ------------------------------------------------------
 
     def _apply(self, fn, recurse: bool = True):
