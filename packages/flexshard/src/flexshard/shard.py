@@ -55,27 +55,10 @@ def shard(
     groups = _bucket_groups(names, [p.numel() * p.element_size() for p in params], buckets)
     state_buckets: list[Bucket] = []
     for index, group in enumerate(groups):
-        placements_ = [resolve_placement(placements, names[i], params[i]) for i in group]
-        fixed = [p.rank if isinstance(p, Owned) else None for p in placements_]
-        owned = [j for j, p in enumerate(placements_) if isinstance(p, Owned)]
-        owners = dict(zip(owned, assign_owners([params[group[j]].numel() for j in owned], [fixed[j] for j in owned], world, mesh)))
-        slots = []
-        for j, i in enumerate(group):
-            param = params[i]
-            layout = make_layout(tuple(param.shape), placements_[j], world, owners.get(j))
-            floating = torch.is_floating_point(param)
-            gather_dtype = mp.param_dtype if (mp.param_dtype is not None and floating) else param.dtype
-            slot = ParamSlot(fqn=names[i], registrations=registrations[i], layout=layout, rank=rank, gather_dtype=gather_dtype)
-            sharded = nn.Parameter(_shard_param(param.detach(), slot, mesh, device), requires_grad=param.requires_grad)
-            for mod, attr in slot.registrations:
-                mod._parameters[attr] = sharded
-            slots.append(slot)
-        reduce_dtypes = {mp.reduce_dtype or s.gather_dtype for s in slots}
-        if len(reduce_dtypes) > 1:
-            raise ValueError(
-                f"bucket {index} mixes gradient dtypes {sorted(map(str, reduce_dtypes))}; set mp_policy.reduce_dtype "
-                "or put parameters of different dtypes in different buckets"
-            )
+        slots = _shard_group(
+            group, params, registrations, names, placements=placements, mp=mp, mesh=mesh, device=device, rank=rank, world=world
+        )
+        _check_one_reduce_dtype(index, slots, mp)
         trigger_name = _common_module([n for i in group for n in _module_paths(registrations[i], module)])
         state_buckets.append(
             Bucket(
@@ -94,6 +77,49 @@ def shard(
     module._flexshard_state = state
     register_hooks(state)
     return module
+
+
+def _shard_group(
+    group: list[int],
+    params: list[torch.Tensor],
+    registrations: list[list[tuple[nn.Module, str]]],
+    names: list[str],
+    *,
+    placements: PlacementRule,
+    mp: MixedPrecision,
+    mesh: DeviceMesh,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> list[ParamSlot]:
+    """Lay out one bucket's parameters, install their sharded DTensors on every module holding them,
+    and return their slots in bucket order."""
+    placements_ = [resolve_placement(placements, names[i], params[i]) for i in group]
+    fixed = [p.rank if isinstance(p, Owned) else None for p in placements_]
+    owned = [j for j, p in enumerate(placements_) if isinstance(p, Owned)]
+    owners = dict(zip(owned, assign_owners([params[group[j]].numel() for j in owned], [fixed[j] for j in owned], world, mesh)))
+    slots = []
+    for j, i in enumerate(group):
+        param = params[i]
+        layout = make_layout(tuple(param.shape), placements_[j], world, owners.get(j))
+        floating = torch.is_floating_point(param)
+        gather_dtype = mp.param_dtype if (mp.param_dtype is not None and floating) else param.dtype
+        slot = ParamSlot(fqn=names[i], registrations=registrations[i], layout=layout, rank=rank, gather_dtype=gather_dtype)
+        sharded = nn.Parameter(_shard_param(param.detach(), slot, mesh, device), requires_grad=param.requires_grad)
+        for mod, attr in slot.registrations:
+            mod._parameters[attr] = sharded
+        slots.append(slot)
+    return slots
+
+
+def _check_one_reduce_dtype(index: int, slots: list[ParamSlot], mp: MixedPrecision) -> None:
+    """A bucket reduce-scatters all its gradients in one collective, so they must share one dtype."""
+    reduce_dtypes = {mp.reduce_dtype or s.gather_dtype for s in slots}
+    if len(reduce_dtypes) > 1:
+        raise ValueError(
+            f"bucket {index} mixes gradient dtypes {sorted(map(str, reduce_dtypes))}; set mp_policy.reduce_dtype "
+            "or put parameters of different dtypes in different buckets"
+        )
 
 
 def _check_mesh(mesh: DeviceMesh | None) -> DeviceMesh:

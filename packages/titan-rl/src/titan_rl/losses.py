@@ -73,17 +73,9 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The clipped surrogate loss; `advantages` is [B] (one per sequence) or [B, T]."""
-    if logprobs.dim() != 2 or mask.shape != logprobs.shape:
-        raise ValueError(f"logprobs and mask must both be [B, T]; got {tuple(logprobs.shape)} and {tuple(mask.shape)}")
-    for name, t in (("old_logprobs", old_logprobs), ("behavior_logprobs", behavior_logprobs), ("ref_logprobs", ref_logprobs)):
-        if t is not None and t.shape != logprobs.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(logprobs.shape)} like logprobs")
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs")
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logprobs)
-    elif advantages.shape != logprobs.shape:
-        raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)}")
+    _check_shapes(config, logprobs=logprobs, mask=mask, old_logprobs=old_logprobs,
+                  behavior_logprobs=behavior_logprobs, ref_logprobs=ref_logprobs)
+    advantages = _per_token_advantages(advantages, logprobs)
 
     # Compute in float32 at least: bf16 ratios of nearly equal logprobs lose the clip boundary.
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -93,45 +85,106 @@ def policy_loss(
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(dtype)
     tokens_per_seq = mask.sum(-1).clamp_min(1)  # [B]
 
-    log_ratio = (logprobs - old) * mask
-    if config.ratio_level == "sequence":
-        seq_log_ratio = log_ratio.sum(-1) / tokens_per_seq  # [B]
-        ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logprobs)
-    else:
-        ratio = torch.exp(log_ratio)
+    ratio = _policy_ratio(config, logprobs, old, mask, tokens_per_seq)
     clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     surrogate = torch.minimum(ratio * advantages, clipped * advantages)
     per_token = -surrogate
 
     metrics: dict[str, float] = {}
     if behavior_logprobs is not None and config.tis_cap is not None:
-        behavior = behavior_logprobs.to(dtype)
-        log_w = ((old - behavior) * mask).detach()
-        if config.ratio_level == "sequence":
-            log_w = (log_w.sum(-1) / tokens_per_seq)[:, None].expand_as(logprobs)
-        weight = torch.exp(log_w).clamp(max=config.tis_cap)
+        weight, tis_metrics = _truncated_is_weight(config, old, behavior_logprobs.to(dtype), mask, tokens_per_seq)
         per_token = per_token * weight
-        metrics["tis_weight_mean"] = _masked_mean(weight, mask)
-        metrics["tis_truncated_frac"] = _masked_mean((torch.exp(log_w) > config.tis_cap).to(dtype), mask)
+        metrics.update(tis_metrics)
 
     if config.kl_coef > 0:
-        # k3 = exp(ref - logp) - (ref - logp) - 1: unbiased for KL(pi || ref), always >= 0.
-        delta = ref_logprobs.to(dtype) - logprobs
-        kl = torch.exp(delta) - delta - 1
+        kl = _k3_kl(ref_logprobs.to(dtype), logprobs)
         per_token = per_token + config.kl_coef * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
-    per_token = per_token * mask
-    if config.aggregation == "token_mean":
-        loss = per_token.sum() / mask.sum().clamp_min(1)
-    else:
-        loss = (per_token.sum(-1) / tokens_per_seq).mean()
+    loss = _aggregate(config, per_token * mask, mask, tokens_per_seq)
+    metrics.update(_clip_metrics(config, ratio, advantages, mask))
+    return PolicyLossOutput(loss=loss, metrics=metrics)
 
+
+def _check_shapes(
+    config: PolicyLossConfig,
+    *,
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    behavior_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+) -> None:
+    """Every per-token input must be [B, T] like `logprobs`; the KL term needs `ref_logprobs`."""
+    if logprobs.dim() != 2 or mask.shape != logprobs.shape:
+        raise ValueError(f"logprobs and mask must both be [B, T]; got {tuple(logprobs.shape)} and {tuple(mask.shape)}")
+    for name, t in (("old_logprobs", old_logprobs), ("behavior_logprobs", behavior_logprobs), ("ref_logprobs", ref_logprobs)):
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(logprobs.shape)} like logprobs")
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+
+
+def _per_token_advantages(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """[B] advantages broadcast over each sequence's tokens; [B, T] ones pass through."""
+    if advantages.dim() == 1:
+        return advantages[:, None].expand_as(logprobs)
+    if advantages.shape != logprobs.shape:
+        raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)}")
+    return advantages
+
+
+def _policy_ratio(
+    config: PolicyLossConfig, logprobs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, tokens_per_seq: torch.Tensor
+) -> torch.Tensor:
+    """pi / pi_old per token, or (GSPO) the geometric mean over each sequence repeated on its tokens."""
+    log_ratio = (logprobs - old) * mask
+    if config.ratio_level == "sequence":
+        seq_log_ratio = log_ratio.sum(-1) / tokens_per_seq  # [B]
+        return torch.exp(seq_log_ratio)[:, None].expand_as(logprobs)
+    return torch.exp(log_ratio)
+
+
+def _truncated_is_weight(
+    config: PolicyLossConfig, old: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, tokens_per_seq: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The detached weight min(old / behavior, tis_cap) (per sequence under GSPO) and its metrics."""
+    log_w = ((old - behavior) * mask).detach()
+    if config.ratio_level == "sequence":
+        log_w = (log_w.sum(-1) / tokens_per_seq)[:, None].expand_as(old)
+    weight = torch.exp(log_w).clamp(max=config.tis_cap)
+    metrics = {
+        "tis_weight_mean": _masked_mean(weight, mask),
+        "tis_truncated_frac": _masked_mean((torch.exp(log_w) > config.tis_cap).to(mask.dtype), mask),
+    }
+    return weight, metrics
+
+
+def _k3_kl(ref: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(ref - logp) - (ref - logp) - 1: unbiased for KL(pi || ref), always >= 0."""
+    delta = ref - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def _aggregate(
+    config: PolicyLossConfig, per_token: torch.Tensor, mask: torch.Tensor, tokens_per_seq: torch.Tensor
+) -> torch.Tensor:
+    """The scalar loss from masked per-token losses: a mean over all tokens, or of per-sequence means."""
+    if config.aggregation == "token_mean":
+        return per_token.sum() / mask.sum().clamp_min(1)
+    return (per_token.sum(-1) / tokens_per_seq).mean()
+
+
+def _clip_metrics(
+    config: PolicyLossConfig, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """The fraction of tokens whose gradient the clip removed, and the mean ratio."""
     with torch.no_grad():
         was_clipped = ((ratio < 1 - config.clip_low) & (advantages < 0)) | ((ratio > 1 + config.clip_high) & (advantages > 0))
-        metrics["clip_frac"] = _masked_mean(was_clipped.to(dtype), mask)
-        metrics["ratio_mean"] = _masked_mean(ratio.detach(), mask)
-    return PolicyLossOutput(loss=loss, metrics=metrics)
+        return {
+            "clip_frac": _masked_mean(was_clipped.to(mask.dtype), mask),
+            "ratio_mean": _masked_mean(ratio.detach(), mask),
+        }
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

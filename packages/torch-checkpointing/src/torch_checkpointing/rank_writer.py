@@ -49,8 +49,44 @@ def write_rank(
     entries += [(e.name, e.dtype, e.shape, e.data.nbytes) for e in extras]
     header, offsets = safetensors_header(entries, {"format": FORMAT, "rank": str(rank), "step": str(step)})
     base = len(header)
+    blocks = _write_data_file(
+        storage, directory, rank=rank, header=header, offsets=offsets, n_entries=len(entries), layout=layout,
+        plan=plan, staged=staged, extras=extras, block_bytes=block_bytes, io_pool=io_pool,
+    )
+    record = {
+        "format": FORMAT, "version": VERSION, "step": step, "rank": rank, "fingerprint": layout.fingerprint,
+        "file": data_file(rank), **record_fields(header, base + sum(e[3] for e in entries)),
+        "layout": layout.record, "stored": _stored_entries(entries, offsets, blocks, base), "values": values,
+    }
+    name = record_file(rank, layout.fingerprint)
+    try:
+        storage.write_file(f"{directory}/{name}", sealed_json(record))
+    except BaseException:
+        _report_failure(storage, directory, rank)
+        raise
+    return name
+
+
+def _write_data_file(
+    storage: Storage,
+    directory: str,
+    *,
+    rank: int,
+    header: bytes,
+    offsets: list[int],
+    n_entries: int,
+    layout: RankLayout,
+    plan: StagingPlan,
+    staged: Staged,
+    extras: list[ExtraPiece],
+    block_bytes: int,
+    io_pool: ThreadPoolExecutor,
+) -> list[list[list[int]]]:
+    """Write the header, the staged segments and the extras into this rank's data file; returns each
+    entry's block checksums (unsorted). On any failure the sink is aborted and the failure reported."""
+    base = len(header)
     path = f"{directory}/{data_file(rank)}"
-    blocks: list[list[list[int]]] = [[] for _ in entries]
+    blocks: list[list[list[int]]] = [[] for _ in range(n_entries)]
     sink = None
     try:
         sink = storage.open_sink(path)
@@ -84,23 +120,17 @@ def write_rank(
             sink.abort()
         _report_failure(storage, directory, rank)
         raise
+    return blocks
+
+
+def _stored_entries(entries: list[tuple], offsets: list[int], blocks: list[list[list[int]]], base: int) -> dict:
+    """The record's "stored" map: each tensor's dtype, shape, absolute byte range and sorted block checksums."""
     stored = {}
     for (name, dtype, shape, nbytes), offset, crcs in zip(entries, offsets, blocks):
         crcs.sort()
         stored[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [base + offset, base + offset + nbytes],
                         "blocks": crcs}
-    record = {
-        "format": FORMAT, "version": VERSION, "step": step, "rank": rank, "fingerprint": layout.fingerprint,
-        "file": data_file(rank), **record_fields(header, base + sum(e[3] for e in entries)),
-        "layout": layout.record, "stored": stored, "values": values,
-    }
-    name = record_file(rank, layout.fingerprint)
-    try:
-        storage.write_file(f"{directory}/{name}", sealed_json(record))
-    except BaseException:
-        _report_failure(storage, directory, rank)
-        raise
-    return name
+    return stored
 
 
 def _report_failure(storage: Storage, directory: str, rank: int) -> None:

@@ -100,6 +100,19 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     layouts = {name: layout for name in plan
                if (layout := converter.disk_layout(config, name, tuple(params[name].shape), present)) is not None}
 
+    _check_names(folder, config, converter, plan, layouts, present)
+    _check_planned_shapes(folder, config, plan, layouts, params, files)
+
+    model.to_empty(device=device or "cpu")
+    model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
+    _copy_weights(model.state_dict(keep_vars=True), converter, config, plan, layouts, files, present)
+    return model
+
+
+def _check_names(folder: Path, config: Any, converter: Converter, plan: dict[str, list],
+                 layouts: dict[str, dict[str, tuple[int, ...]]], present: set[str]) -> None:
+    """Raise for tensors the plan needs but the folder lacks, or that it holds but nothing reads
+    (unless the converter knows them as parts of a wider model: those only warn)."""
     expected = {source_name(source) for name, sources in plan.items() if name not in layouts for source in sources}
     expected |= {hf_name for layout in layouts.values() for hf_name in layout}
     missing = sorted(expected - present)
@@ -111,9 +124,15 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
     if unexpected:
         raise ValueError(f"{folder}: unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} "
                          f"({len(unexpected)} in all) for {type(config).__name__}")
-    if others:
+    if others:  # stacklevel 3: point at the caller of from_hf, as when this code was inline there
         warnings.warn(f"{folder}: from_hf loads the text model only; {len(others)} tensors are not loaded "
-                      f"({_by_prefix(others)}): {others[:10]}{' ...' if len(others) > 10 else ''}", stacklevel=2)
+                      f"({_by_prefix(others)}): {others[:10]}{' ...' if len(others) > 10 else ''}", stacklevel=3)
+
+
+def _check_planned_shapes(folder: Path, config: Any, plan: dict[str, list],
+                          layouts: dict[str, dict[str, tuple[int, ...]]], params: dict[str, torch.Tensor],
+                          files: SafetensorsFolder) -> None:
+    """Raise for any planned tensor whose shape on disk does not fit the model's (before reading any)."""
     for name, sources in plan.items():
         if name in layouts:
             for hf_name, want in layouts[name].items():
@@ -123,9 +142,10 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
         else:
             _check_shapes(folder, config, name, tuple(params[name].shape), sources, files)
 
-    model.to_empty(device=device or "cpu")
-    model.init_buffers()  # RoPE frequencies; expert bias zero unless the checkpoint holds it
-    state = model.state_dict(keep_vars=True)
+
+def _copy_weights(state: dict[str, torch.Tensor], converter: Converter, config: Any, plan: dict[str, list],
+                  layouts: dict[str, dict[str, tuple[int, ...]]], files: SafetensorsFolder, present: set[str]) -> None:
+    """Read each planned tensor from the folder into the (materialized) model state, in plan order."""
     fused: dict[str, torch.Tensor] = {}  # the fused HF tensor last read (its parts are planned together)
     with torch.no_grad():
         for name, sources in plan.items():
@@ -147,7 +167,6 @@ def from_hf(path: str | Path, *, dtype: torch.dtype | None = None, device: str |
             else:
                 source = torch.stack([files.get(n) for n in sources])
             state[name].copy_(source)
-    return model
 
 
 def _located(plan: dict[str, list], prefixes: dict[str, str]) -> dict[str, list]:
