@@ -179,6 +179,8 @@ def deepseek_v3_debug_ep() -> TrainConfig:
 def kimi_linear_debug_ep() -> TrainConfig:
     """The debug Kimi Linear (KDA + RoPE-free MLA; shared + 8 routed experts) with expert parallelism 2."""
     return _debug_moe_ep("kimi_linear", "debug", "runs/kimi_linear_debug_ep")
+
+
 @register_recipe("deepseek_v3_debug_mtp_pp_ep")
 def deepseek_v3_debug_mtp_pp_ep() -> TrainConfig:
     """The MLPerf shape in miniature on 8 ranks: debug DeepSeek-V3 + one MTP module, pp 2 x dp 4 with its
@@ -236,6 +238,9 @@ def muse_spark_debug() -> TrainConfig:
     config = llama3_debug()
     config.job.folder = "runs/muse_spark_debug"
     config.model = ModelConfig(family="muse_spark", flavor="debug", vocab_size=384)
+    return config
+
+
 @register_recipe("deepseek_v4_debug")
 def deepseek_v4_debug() -> TrainConfig:
     """The main job with the debug DeepSeek-V4: 2 hyper-connection streams, heavily compressed (16 positions
