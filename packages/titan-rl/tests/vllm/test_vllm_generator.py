@@ -146,7 +146,11 @@ def test_mismatch_with_vllms_own_attention_is_measured(invariant_engine, capsys)
                 print(f"\nvLLM CPU_ATTN (float32) vs {label}: |dlogprob| max {diffs.max():.3g}, "
                       f"mean {diffs.mean():.3g} over {diffs.numel()} tokens")
             assert diffs.max() < 1e-3  # same model, different kernels: rounding-level only
-            assert diffs.max() > 0, f"vLLM's own attention matched the {label} bitwise: nothing was measured"
+            # The control: vLLM's own kernels are not the batch-invariant ones, so against that trainer the
+            # mismatch this mode exists to remove must show. (Against the plain trainer vLLM's CPU attention
+            # can match bitwise at this size: it measured 0 here, so that comparison proves nothing.)
+            if label == "batch-invariant trainer":
+                assert diffs.max() > 0, "vLLM's own attention matched the batch-invariant trainer bitwise"
     finally:
         gen.close()
 
