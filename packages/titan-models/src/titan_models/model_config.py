@@ -59,6 +59,23 @@ class ModelConfigBase(Protocol):
         ...
 
 
+class SharedHeadDim:
+    """The contract's head widths for a config whose queries, keys and values all have the width of its
+    `head_dim` field (Qwen3, gpt-oss, Muse, DeepSeek-V4); `resolved_head_dim` as Llama3Config names it."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
+
 # member -> the types its value may have (checked on every registered flavor)
 _FIELDS: dict[str, tuple[type, ...]] = {
     "vocab_size": (int,), "dim": (int,), "num_layers": (int,), "num_heads": (int,), "num_kv_heads": (int,),

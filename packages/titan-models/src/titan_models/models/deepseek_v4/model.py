@@ -20,7 +20,7 @@ from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import RMSNorm
 from titan_models.components.rope import RopeConfig, RotaryEmbedding, YarnRopeScaling
 from titan_models.context import AttentionContext
-from titan_models.model_config import ModelConfigBase
+from titan_models.model_config import ModelConfigBase, SharedHeadDim
 from titan_models.models.transformer import Transformer, default_dtype
 from titan_models.parallel_plan import ParallelPlan, decoder_plan
 
@@ -33,7 +33,7 @@ def _default_compress_yarn() -> YarnRopeScaling:
 
 
 @dataclass(kw_only=True)
-class DeepSeekV4Config(ModelConfigBase):
+class DeepSeekV4Config(SharedHeadDim, ModelConfigBase):
     """`layer_types[i]` in ATTENTION_KINDS, `mlp_layer_types[i]` in MLP_KINDS (None: Hugging Face's
     defaults, three heavily compressed layers then alternating sparse / heavy; three hash layers)."""
 
@@ -71,14 +71,6 @@ class DeepSeekV4Config(ModelConfigBase):
     dtype: torch.dtype = torch.float32
 
     num_kv_heads: ClassVar[int] = 1  # one shared key=value head
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.head_dim
 
     @property
     def ffn_dim(self) -> int:

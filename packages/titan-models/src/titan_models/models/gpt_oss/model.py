@@ -14,7 +14,7 @@ from titan_models.components.ffn import ClampedSwiGLU
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig, YarnRopeScaling
-from titan_models.model_config import ModelConfigBase
+from titan_models.model_config import ModelConfigBase, SharedHeadDim
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, ParallelPlan, decoder_plan
 
@@ -35,7 +35,7 @@ def _default_yarn() -> YarnRopeScaling:
 
 
 @dataclass(kw_only=True)
-class GptOssConfig(ModelConfigBase):
+class GptOssConfig(SharedHeadDim, ModelConfigBase):
     """`layer_types[i]` is "sliding_attention" (the last `sliding_window` keys) or "full_attention";
     None means alternating, sliding first (Hugging Face's default)."""
 
@@ -57,18 +57,6 @@ class GptOssConfig(ModelConfigBase):
     tie_embeddings: bool = False
     attention: AttentionBackend = "flex"  # sinks run in flex_attention; "sdpa" runs them eagerly
     dtype: torch.dtype = torch.float32
-
-    @property
-    def resolved_head_dim(self) -> int:  # same accessor as Llama3Config
-        return self.head_dim
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.head_dim
 
     @property
     def ffn_dim(self) -> int:

@@ -18,7 +18,7 @@ from titan_models.components.norms import (
     NormConfig, RMSNormConfig, ScalelessRMSNormConfig, ZeroCenteredRMSNormConfig,
 )
 from titan_models.components.rope import RopeConfig
-from titan_models.model_config import ModelConfigBase
+from titan_models.model_config import ModelConfigBase, SharedHeadDim
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, ParallelPlan, decoder_plan
 
@@ -32,7 +32,7 @@ def default_layer_types(num_layers: int) -> tuple[str, ...]:
 
 
 @dataclass(kw_only=True)
-class MuseTextConfig(ModelConfigBase):
+class MuseTextConfig(SharedHeadDim, ModelConfigBase):
     """The Muse text decoder's shared fields. `nope_layers` lists the layers without RoPE (None: the
     layers HF's `layer_rope_theta` default leaves without RoPE, every 4th from the last; non-zero per-layer
     thetas mean the global one, as transformers reads them)."""
@@ -60,18 +60,6 @@ class MuseTextConfig(ModelConfigBase):
     # a composite checkpoint's fields besides text_config (vision/audio sub-configs, image token ids):
     # not built, kept so that to_hf writes the same composite config back
     hf_multimodal: dict[str, Any] | None = field(default=None, compare=False)
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.head_dim
 
     def layer_kinds(self) -> tuple[str, ...]:
         if self.layer_types is None:

@@ -11,13 +11,13 @@ from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig
-from titan_models.model_config import ModelConfigBase
+from titan_models.model_config import ModelConfigBase, SharedHeadDim
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, QK_NORM, ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class Qwen3Config(ModelConfigBase):
+class Qwen3Config(SharedHeadDim, ModelConfigBase):
     """Dense when `moe` is None. With `moe`, layer i is a MoE layer unless i is in `dense_layers`
     or (i + 1) is not a multiple of `moe_every` (HF's mlp_only_layers / decoder_sparse_step)."""
 
@@ -39,18 +39,6 @@ class Qwen3Config(ModelConfigBase):
     tie_embeddings: bool = False
     attention: AttentionBackend = "sdpa"
     dtype: torch.dtype = torch.float32
-
-    @property
-    def resolved_head_dim(self) -> int:  # same accessor as Llama3Config
-        return self.head_dim
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.head_dim
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i not in self.dense_layers and (i + 1) % self.moe_every == 0
