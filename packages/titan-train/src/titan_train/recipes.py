@@ -118,32 +118,32 @@ def llama3_1b() -> TrainConfig:
     )
 
 
+def _main_job_on(family: str, folder: str, **model: object) -> TrainConfig:
+    """The main job (llama3_debug's data, steps and schedule) on another family's debug flavor, its vocabulary
+    cut to 384 (the byte tokenizer's 260 ids with room)."""
+    config = llama3_debug()
+    config.job.folder = folder
+    config.model = ModelConfig(family=family, flavor="debug", vocab_size=384, **model)
+    return config
+
+
 @register_recipe("qwen3_5_debug")
 def qwen3_5_debug() -> TrainConfig:
     """The main job on the debug Qwen3.5 (Gated DeltaNet and gated-attention layers alternating), on a CPU."""
-    config = llama3_debug()
-    config.job.folder = "runs/qwen3_5_debug"
-    config.model = ModelConfig(family="qwen3_5", flavor="debug", vocab_size=384)
-    return config
+    return _main_job_on("qwen3_5", "runs/qwen3_5_debug")
 
 
 @register_recipe("kimi_linear_debug")
 def kimi_linear_debug() -> TrainConfig:
     """The main job on the debug Kimi Linear (Kimi Delta Attention and RoPE-free MLA alternating, a dense first
     layer then 8-expert MoE), on a CPU."""
-    config = llama3_debug()
-    config.job.folder = "runs/kimi_linear_debug"
-    config.model = ModelConfig(family="kimi_linear", flavor="debug", vocab_size=384)
-    return config
+    return _main_job_on("kimi_linear", "runs/kimi_linear_debug")
 
 
 @register_recipe("qwen3_next_debug")
 def qwen3_next_debug() -> TrainConfig:
     """The main job on the debug Qwen3-Next (Gated DeltaNet + gated attention, 8 experts + gated shared one)."""
-    config = llama3_debug()
-    config.job.folder = "runs/qwen3_next_debug"
-    config.model = ModelConfig(family="qwen3_next", flavor="debug", vocab_size=384)
-    return config
+    return _main_job_on("qwen3_next", "runs/qwen3_next_debug")
 
 
 def _debug_moe_ep(family: str, flavor: str, folder: str) -> TrainConfig:
@@ -225,20 +225,14 @@ def gpt_oss_debug() -> TrainConfig:
 def muse_glimmer_debug() -> TrainConfig:
     """The main job with the debug Muse Glimmer: four norms per layer, 3 sliding (64 keys) : 1 NoPE full
     layers, output gate, normed embeddings, soft-capped logits (the fused loss applies the cap)."""
-    config = llama3_debug()
-    config.job.folder = "runs/muse_glimmer_debug"
-    config.model = ModelConfig(family="muse_glimmer", flavor="debug", vocab_size=384)
-    return config
+    return _main_job_on("muse_glimmer", "runs/muse_glimmer_debug")
 
 
 @register_recipe("muse_spark_debug")
 def muse_spark_debug() -> TrainConfig:
     """The main job with the debug Muse Spark: Glimmer's decoder with residual gates, one dense layer and three
     pooled-MoE layers (8 experts, top-2, sigmoid router with a selection bias)."""
-    config = llama3_debug()
-    config.job.folder = "runs/muse_spark_debug"
-    config.model = ModelConfig(family="muse_spark", flavor="debug", vocab_size=384)
-    return config
+    return _main_job_on("muse_spark", "runs/muse_spark_debug")
 
 
 @register_recipe("deepseek_v4_debug")
@@ -246,10 +240,7 @@ def deepseek_v4_debug() -> TrainConfig:
     """The main job with the debug DeepSeek-V4: 2 hyper-connection streams, heavily compressed (16 positions
     per entry) and compressed sparse (4, indexer top-8) attention beside a 16-token window, a hash-routed
     then top-k MoE layers (titan-models' MoE: dist-moe implements neither, so ep stays 1)."""
-    config = llama3_debug()
-    config.job.folder = "runs/deepseek_v4_debug"
-    config.model = ModelConfig(family="deepseek_v4", flavor="debug", vocab_size=384, moe_impl="titan")
-    return config
+    return _main_job_on("deepseek_v4", "runs/deepseek_v4_debug", moe_impl="titan")
 
 
 @register_recipe("llama3_debug_muon")
