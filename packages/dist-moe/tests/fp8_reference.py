@@ -46,11 +46,19 @@ def block_scales(t: torch.Tensor, block_rows: int, block_cols: int, fmt: str) ->
     return (amax.clamp(min=1e-12) / FORMATS[fmt][3]).float().double()
 
 
+def quotient(t: torch.Tensor, wide_scale: torch.Tensor) -> torch.Tensor:
+    """t / scale as the float32 quantiser sees it: the float64 quotient of the two float32 values
+    rounded to float32 (equal to IEEE float32 division: 53 >= 2 * 24 + 2 bits, so the double
+    rounding is exact). It matters: a float32 quotient can land on an fp8 midpoint the exact one
+    misses, and then rounds to the even neighbour."""
+    return (t.float().double() / wide_scale).float().double()
+
+
 def fake_quant(t: torch.Tensor, block_rows: int, block_cols: int, fmt: str) -> torch.Tensor:
     """float64 quantise-dequantise of a 2-D tensor in blocks."""
     scale = block_scales(t, block_rows, block_cols, fmt)
     wide = scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
-    return round_to_format(t.double() / wide, fmt) * wide
+    return round_to_format(quotient(t, wide), fmt) * wide
 
 
 def fake_quant_token_chunks(t: torch.Tensor, per_expert: bool, fmt: str) -> torch.Tensor:

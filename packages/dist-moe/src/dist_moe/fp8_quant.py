@@ -4,8 +4,9 @@ A quantised operand is (q, scale): q in float8 (e4m3: max 448, 3 mantissa bits; 
 2 mantissa bits), scale float32 with `value ~= q * scale` over one scaling block. The scale of a
 block is amax(|block|) / format max (not rounded to a power of two), so the block's largest entry
 maps to the format's largest finite value; a block of zeros gets scale `_TINY / max` and stays 0.
-Values are divided by the scale in float32, clamped to +-max (the division may round one ulp
-past it) and cast round-to-nearest-even.
+Values are divided by the scale in float32 (IEEE division, so the quotient is the exact one
+rounded to float32), clamped to +-max (the division may round one ulp past it) and cast
+round-to-nearest-even; the tests' float64 reference defines the result the same way.
 
 Recipes (`Fp8Recipe.granularity`):
 - "rowwise": activations one scale per row (over the GEMM's reduction axis), weights one scale
