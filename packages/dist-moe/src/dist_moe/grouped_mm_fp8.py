@@ -114,9 +114,9 @@ class _GroupedMMFp8(torch.autograd.Function):
                     dx = grouped_mm(grad_out.to(w.dtype), w.transpose(1, 2), offsets, backend=backend)
             else:
                 gq, sg = _quantize_rows(grad_out, blockwise, grad_dtype)
-                if blockwise:  # w^T's blocks: the forward's, transposed; made K-major for the kernel
+                if blockwise:  # w^T's blocks: the forward's, transposed
                     wq, sw = saved_wq
-                    wtq, swt = wq.transpose(1, 2).contiguous(), sw.transpose(1, 2)
+                    wtq, swt = wq.transpose(1, 2), sw.transpose(1, 2)
                 else:  # one scale per row of w[e] (a column of w[e]^T), along N
                     wtq_rows, swt = quantize_blocks(w, 1, w.shape[2], E4M3)  # [E, K, N], scale [E, K, 1]
                     wtq, swt = wtq_rows.transpose(1, 2), swt.squeeze(2)
@@ -140,6 +140,10 @@ def _scaled_mm(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, offsets: Tensor, 
         return loop_mm(a, b, ends).to(out_dtype)
     from dist_moe.kernels.fp8_launch import scaled_row_gemm
 
+    # Hopper's fp8 wgmma reads both operands K-major: make the reduction axis contiguous (an fp8
+    # copy where it is not, e.g. w^T for the input gradient).
+    aq = aq if aq.stride(1) == 1 else aq.contiguous()
+    bq = bq if bq.stride(1) == 1 else bq.transpose(1, 2).contiguous().transpose(1, 2)
     out = torch.empty(aq.shape[0], bq.shape[2], device=aq.device, dtype=out_dtype)
     scaled_row_gemm(aq, sa, bq, sb, offsets, out, blockwise=blockwise)
     return out

@@ -101,18 +101,23 @@ def scaled_weight_gemm_kernel(
     n_ok = ns < NQ
     offs_r = tl.arange(0, BLOCK_R)
     start = tl.load(ends_ptr + tl.maximum(e - 1, 0))
-    start = tl.where(e > 0, start, 0)
+    # Padded ends are multiples of SCALE_BLOCK: saying so lets the row loads be aligned vectors
+    # (cp.async needs >= 4 aligned bytes; without it every fp8 load is a byte and nothing pipelines).
+    start = tl.multiple_of(tl.where(e > 0, start, 0), SCALE_BLOCK)
     end = tl.load(ends_ptr + e)
     p_cols = p_ptr + ks.to(tl.int64)[:, None] * stride_pk
-    q_cols = q_ptr + ns.to(tl.int64)[:, None] * stride_qn
+    q_cols = q_ptr + ns.to(tl.int64)[None, :] * stride_qn
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):  # padded rows: whole chunks, no row mask
-        r = (r0 + offs_r).to(tl.int64)[None, :]
-        p = tl.load(p_cols + r * stride_pr, mask=k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
-        q = tl.load(q_cols + r * stride_qr, mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_R]
+    for step in range(0, (end - start) // BLOCK_R):  # padded rows: whole chunks, no row mask
+        r0 = tl.multiple_of(start + step * BLOCK_R, BLOCK_R)
+        # int32 along the contiguous axis (an int64 cast there hides its contiguity from the
+        # compiler: no vector loads, no cp.async pipelining)
+        r = r0 + offs_r
+        p = tl.load(p_cols + r[None, :] * stride_pr, mask=k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+        q = tl.load(q_cols + r[:, None] * stride_qr, mask=n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
         c = r0 // SCALE_BLOCK
         sp = tl.load(sp_ptr + c * stride_spc + ks, mask=k_ok, other=0.0)
         sq = tl.load(sq_ptr + c * stride_sqc + ns, mask=n_ok, other=0.0)
-        acc += tl.dot(p, tl.trans(q)) * (sp[:, None] * sq[None, :])
+        acc += tl.dot(p, q) * (sp[:, None] * sq[None, :])
     out_ptrs = out_ptr + e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
