@@ -6,7 +6,8 @@ float8 tensors and multiplies them exactly (tl.dot of e4m3 x e5m2 included), so 
 kernels' indexing, masks, scale layouts and the chunk padding of the weight gradient; float32
 inputs make the fp8 values exactly the reference's. Tiles are 16x32x32 (row kernel) and 16x32x32
 (weight kernel): groups of 5, 0, 130, 1, 0 and 20 rows leave partial row tiles, partial 128-row
-chunks and empty experts; rowwise also runs with K and N that are not multiples of a tile.
+chunks and empty experts; rowwise also runs with K and N that are not multiples of a tile. The
+quantisation kernels (kernels/fp8_quantize.py) run too, and are compared bit for bit with torch's.
 """
 from __future__ import annotations
 
@@ -56,7 +57,28 @@ def case(name: str, granularity: str, grad_format: str, k: int, n: int) -> None:
     check(f"{name}_grad_w", stored.grad.transpose(1, 2), want_dw)
 
 
+def quantizer_checks() -> None:
+    """The Triton quantiser bit for bit against the torch ops (themselves checked against float64
+    rounding in test_grouped_mm_fp8.py), every block shape the GEMMs use, both output layouts."""
+    from dist_moe.fp8_quant import quantize_blocks
+
+    gen = torch.Generator().manual_seed(2)
+    t = torch.randn(2, 256, 192, generator=gen) * torch.logspace(-4, 3, 256).reshape(1, -1, 1)
+    t[0, 5] = 0
+    ok, worst = True, 0
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for blocks in ((1, 192), (1, 64), (128, 64), (256, 1), (128, 1), (256, 192)):
+            for rows_contiguous in (False, True):
+                q_t, s_t = quantize_blocks(t, *blocks, dtype, "torch")
+                q_k, s_k = quantize_blocks(t, *blocks, dtype, "triton", rows_contiguous)
+                same = torch.equal(q_t.view(torch.uint8), q_k.view(torch.uint8)) and torch.equal(s_t, s_k)
+                worst = max(worst, int((q_t.view(torch.uint8) != q_k.view(torch.uint8)).sum()))
+                ok &= same and (q_k.stride(-2) == 1) == rows_contiguous
+    results["quantize_bitwise_triton_vs_torch"] = {"ok": bool(ok), "err": worst, "scale": 0}
+
+
 def main() -> None:
+    quantizer_checks()
     case("rowwise_e4m3", "rowwise", "e4m3", k=256, n=128)
     case("rowwise_e5m2_tails", "rowwise", "e5m2", k=200, n=72)
     case("blockwise_e4m3", "blockwise", "e4m3", k=256, n=128)

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("triton")
 
 EXPECTED = [f"{case}_{what}" for case in ("rowwise_e4m3", "rowwise_e5m2_tails", "blockwise_e4m3", "blockwise_e5m2")
-            for what in ("forward", "grad_x", "grad_w")]
+            for what in ("forward", "grad_x", "grad_w")] + ["quantize_bitwise_triton_vs_torch"]
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,9 @@ quantised operands (anchor; guarded). Every variant is checked against float64 b
 'steady' = blocks of 20 steps back to back (clocks as in sustained training), 'rested' = blocks
 of 3 steps after the GPU idled ~25 ms (the H200 is power-limited); medians over rounds, the
 variants taking turns. Prints a table of ms and tok/s (tokens per second of the layer's experts)
-and writes $OUT/fp8_grouped_bench.json when OUT is set. --dry-run: TRITON_INTERPRET=1, tiny
-float32 shapes on CPU (a check of the script; the timings mean nothing).
+and writes $OUT/fp8_grouped_bench.json when OUT is set. --dry-run: tiny float32 shapes on CPU
+through the torch paths (seconds; a check of the script, the timings mean nothing); with
+--interpret the Triton kernels run there through TRITON_INTERPRET=1 (about ten minutes).
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes: checks the script")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny float32 shapes, torch paths: checks the script")
+    p.add_argument("--interpret", action="store_true",
+                   help="with --dry-run: the Triton kernels through TRITON_INTERPRET=1 (minutes, not seconds)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step (routed rows = tokens x top-k)")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds (medians over them)")
     p.add_argument("--routing", choices=("uniform", "zipf", "both"), default="both")
@@ -207,7 +210,7 @@ def print_table(routing: str, result: dict) -> None:
 
 def main() -> int:
     args = parse_args()
-    if args.dry_run:
+    if args.dry_run and args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("DIST_MOE_AUTOTUNE", "0")
     import torch

@@ -77,17 +77,40 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def quantize_blocks(t: Tensor, block_rows: int, block_cols: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """t [..., R, C] in blocks of block_rows x block_cols (each dividing its axis) -> (q like t in
-    `dtype`, scale [..., R / block_rows, C / block_cols] float32)."""
+def block_amax(t: Tensor, block_rows: int, block_cols: int, backend: str = "torch") -> Tensor:
+    """t [..., R, C] -> amax(|block|) [..., R / block_rows, C / block_cols] float32 (blocks divide
+    their axes). backend "triton": the GPU kernel (kernels/fp8_quantize.py), else torch ops."""
     *lead, rows, cols = t.shape
     assert rows % block_rows == 0 and cols % block_cols == 0, (t.shape, block_rows, block_cols)
-    tiles = t.float().reshape(*lead, rows // block_rows, block_rows, cols // block_cols, block_cols)
+    if backend == "triton":
+        from dist_moe.kernels.fp8_launch import block_amax_triton
+
+        return block_amax_triton(t, block_rows, block_cols)
+    tiles = t.reshape(*lead, rows // block_rows, block_rows, cols // block_cols, block_cols)
+    return tiles.abs().amax(dim=(-3, -1)).float()
+
+
+def quantize_with_scale(t: Tensor, scale: Tensor, block_rows: int, block_cols: int, dtype: torch.dtype,
+                        backend: str = "torch", rows_contiguous: bool = False) -> Tensor:
+    """q like t in `dtype`: fp8(clamp(t / scale of its block, +-max)); with `rows_contiguous` q's
+    rows axis is its contiguous one (q.transpose(-1, -2) is then a compact tensor)."""
+    if backend == "triton":
+        from dist_moe.kernels.fp8_launch import quantize_with_scale_triton
+
+        return quantize_with_scale_triton(t, scale, block_rows, block_cols, dtype, rows_contiguous)
+    *lead, rows, cols = t.shape
     top = fp8_max(dtype)
-    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(_TINY)
-    scale = amax / top
-    q = (tiles / scale).clamp(-top, top).to(dtype).reshape(t.shape)
-    return q, scale.squeeze(-1).squeeze(-2)
+    tiles = t.float().reshape(*lead, rows // block_rows, block_rows, cols // block_cols, block_cols)
+    q = (tiles / scale[..., :, None, :, None]).clamp(-top, top).to(dtype).reshape(t.shape)
+    return q.transpose(-1, -2).contiguous().transpose(-1, -2) if rows_contiguous else q
+
+
+def quantize_blocks(t: Tensor, block_rows: int, block_cols: int, dtype: torch.dtype, backend: str = "torch",
+                    rows_contiguous: bool = False) -> tuple[Tensor, Tensor]:
+    """t [..., R, C] in blocks of block_rows x block_cols (each dividing its axis) -> (q like t in
+    `dtype`, scale [..., R / block_rows, C / block_cols] float32). Both backends give the same bits."""
+    scale = block_amax(t, block_rows, block_cols, backend).clamp_min(_TINY) / fp8_max(dtype)
+    return quantize_with_scale(t, scale, block_rows, block_cols, dtype, backend, rows_contiguous), scale
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, block_rows: int, block_cols: int) -> Tensor:
@@ -131,19 +154,17 @@ def padded_chunks(offsets: Tensor, num_rows: int) -> PaddedChunks:
 
 
 def quantize_token_columns(padded: Tensor, chunks: PaddedChunks, granularity: Granularity,
-                           dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                           dtype: torch.dtype, backend: str = "torch") -> tuple[Tensor, Tensor]:
     """The weight gradient's operand: padded [P, C] rows -> (qT [C, P] in `dtype`, K-major for the
     GEMM, scale [P / BLOCK, C] float32): per chunk and column (blockwise) or per expert and column,
     repeated for each of the expert's chunks (rowwise)."""
-    num_chunks, cols = padded.shape[0] // BLOCK, padded.shape[1]
-    tiles = padded.float().view(num_chunks, BLOCK, cols)
-    amax = tiles.abs().amax(dim=1)  # [chunks, C]
+    cols = padded.shape[1]
+    amax = block_amax(padded, BLOCK, 1, backend)  # [chunks, C]
     if granularity == "rowwise":
         num_experts = chunks.ends.shape[0]
-        index = chunks.chunk_expert[:, None].expand(num_chunks, cols)
+        index = chunks.chunk_expert[:, None].expand(amax.shape[0], cols)
         per_expert = amax.new_zeros(num_experts, cols).scatter_reduce_(0, index, amax, "amax")
         amax = per_expert.index_select(0, chunks.chunk_expert)
-    top = fp8_max(dtype)
-    scale = amax.clamp_min(_TINY) / top
-    q = (tiles / scale[:, None, :]).clamp(-top, top).to(dtype).view(num_chunks * BLOCK, cols)
-    return q.t().contiguous(), scale
+    scale = amax.clamp_min(_TINY) / fp8_max(dtype)
+    q = quantize_with_scale(padded, scale, BLOCK, 1, dtype, backend, rows_contiguous=True)
+    return q.t(), scale

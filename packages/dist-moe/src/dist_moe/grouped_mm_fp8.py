@@ -18,6 +18,7 @@ input gradient (masked), and the weight gradient zero-pads each expert to whole 
 internally. On CUDA (sm_89+) the Triton kernels in kernels/scaled_gemm.py run; on CPU the torch
 path dequantises the same fp8 values to float32 and multiplies per expert (an emulation with the
 kernels' numerics up to float32 summation order). `TRITON_INTERPRET=1` runs the kernels on CPU.
+On the Triton path the quantisation is Triton too (kernels/fp8_quantize.py, the same bits).
 """
 from __future__ import annotations
 
@@ -72,20 +73,20 @@ def grouped_mm_fp8(x: Tensor, w: Tensor, offsets: Tensor, *, recipe: str | Fp8Re
     return _GroupedMMFp8.apply(x, w, offsets.to(torch.int32), recipe, resolved)
 
 
-def _quantize_weight_forward(w: Tensor, blockwise: bool) -> tuple[Tensor, Tensor]:
+def _quantize_weight_forward(w: Tensor, blockwise: bool, backend: str) -> tuple[Tensor, Tensor]:
     """w [E, K, N] -> (q [E, K, N] view of a K-contiguous [E, N, K] buffer, scale in math layout:
     [E, N] rowwise, [E, K / 128, N / 128] blockwise)."""
     wt = w.transpose(1, 2)  # [E, N, K], the reduction axis last
     if blockwise:
-        q, scale = quantize_blocks(wt, BLOCK, BLOCK, E4M3)
+        q, scale = quantize_blocks(wt, BLOCK, BLOCK, E4M3, backend)
         return q.transpose(1, 2), scale.transpose(1, 2)
-    q, scale = quantize_blocks(wt, 1, wt.shape[2], E4M3)
+    q, scale = quantize_blocks(wt, 1, wt.shape[2], E4M3, backend)
     return q.transpose(1, 2), scale.squeeze(2)
 
 
-def _quantize_rows(t: Tensor, blockwise: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _quantize_rows(t: Tensor, blockwise: bool, dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
     """t [M, K] -> (q, scale [M] rowwise / [M, K / 128] blockwise) along K."""
-    q, scale = quantize_blocks(t, 1, BLOCK if blockwise else t.shape[1], dtype)
+    q, scale = quantize_blocks(t, 1, BLOCK if blockwise else t.shape[1], dtype, backend)
     return q, scale if blockwise else scale.squeeze(1)
 
 
@@ -95,8 +96,8 @@ class _GroupedMMFp8(torch.autograd.Function):
         blockwise = recipe.granularity == "blockwise"
         ctx.recipe, ctx.backend = recipe, backend
         ctx.ends = _host_ends(offsets, x.shape[0]) if backend == "torch" else None
-        xq, sx = _quantize_rows(x, blockwise, E4M3)
-        wq, sw = _quantize_weight_forward(w, blockwise)
+        xq, sx = _quantize_rows(x, blockwise, E4M3, backend)
+        wq, sw = _quantize_weight_forward(w, blockwise, backend)
         # Blockwise dgrad reuses the forward's quantised weight (a 128x128 block is a block of w^T).
         ctx.save_for_backward(x, w, offsets, *((wq, sw) if blockwise else ()))
         return _scaled_mm(xq, sx, wq, sw, offsets, blockwise, x.dtype, backend, ctx.ends)
@@ -113,12 +114,12 @@ class _GroupedMMFp8(torch.autograd.Function):
                 with torch.no_grad():
                     dx = grouped_mm(grad_out.to(w.dtype), w.transpose(1, 2), offsets, backend=backend)
             else:
-                gq, sg = _quantize_rows(grad_out, blockwise, grad_dtype)
+                gq, sg = _quantize_rows(grad_out, blockwise, grad_dtype, backend)
                 if blockwise:  # w^T's blocks: the forward's, transposed
                     wq, sw = saved_wq
                     wtq, swt = wq.transpose(1, 2), sw.transpose(1, 2)
                 else:  # one scale per row of w[e] (a column of w[e]^T), along N
-                    wtq_rows, swt = quantize_blocks(w, 1, w.shape[2], E4M3)  # [E, K, N], scale [E, K, 1]
+                    wtq_rows, swt = quantize_blocks(w, 1, w.shape[2], E4M3, backend)  # [E, K, N], scale [E, K, 1]
                     wtq, swt = wtq_rows.transpose(1, 2), swt.squeeze(2)
                 dx = _scaled_mm(gq, sg, wtq, swt, offsets, blockwise, x.dtype, backend, ends)
         if ctx.needs_input_grad[1]:
@@ -153,9 +154,9 @@ def _fp8_weight_grad(x: Tensor, grad_out: Tensor, w: Tensor, offsets: Tensor, re
                      ends: list[int] | None) -> Tensor:
     """dw[e] = x_e^T dOut_e with both operands quantised along the tokens (see the module docstring)."""
     chunks = padded_chunks(offsets, x.shape[0])
-    xq_t, sx = quantize_token_columns(chunks.scatter(x), chunks, recipe.granularity, E4M3)  # [K, P], [C, K]
+    xq_t, sx = quantize_token_columns(chunks.scatter(x), chunks, recipe.granularity, E4M3, backend)  # [K, P], [C, K]
     gq_t, sg = quantize_token_columns(chunks.scatter(grad_out), chunks, recipe.granularity,
-                                      FP8_DTYPES[recipe.grad_format])  # [N, P], [C, N]
+                                      FP8_DTYPES[recipe.grad_format], backend)  # [N, P], [C, N]
     if backend == "torch":
         xp = dequantize_blocks(xq_t.t(), sx, BLOCK, 1)
         gp = dequantize_blocks(gq_t.t(), sg, BLOCK, 1)

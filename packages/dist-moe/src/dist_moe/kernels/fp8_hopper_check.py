@@ -5,7 +5,8 @@
 The launches of one grouped_mm_fp8 forward+backward per recipe (rowwise and blockwise, e4m3 and
 e5m2 gradients) at DeepSeek-V3-16B expert widths (hidden 2048, expert width 1408) are recorded,
 not run, then compiled ahead of time with the checks of hopper_check: wgmma (fp8 operands),
-a pipelined main loop, shared memory within 227 KiB, at most 64 bytes of register spills.
+a pipelined main loop, shared memory within 227 KiB, at most 64 bytes of register spills; and
+the quantisation kernels (memory-bound: compiled, shared memory and spills checked).
 """
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ def _hopper_configs_recorded(seen: list):
             return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
 
     saved = {(fp8_launch, n): getattr(fp8_launch, n) for n in
-             ("scaled_row_gemm_kernel", "scaled_weight_gemm_kernel", "_row_config", "_weight_config",
-              "fp8_supported")}
+             ("scaled_row_gemm_kernel", "scaled_weight_gemm_kernel", "tile_amax_kernel", "quantize_tiles_kernel",
+              "_row_config", "_weight_config", "fp8_supported")}
     saved[(launch, "tile_map_kernel")] = launch.tile_map_kernel
     fp8_launch.scaled_row_gemm_kernel = Recorder(saved[(fp8_launch, "scaled_row_gemm_kernel")])
     fp8_launch.scaled_weight_gemm_kernel = Recorder(saved[(fp8_launch, "scaled_weight_gemm_kernel")])
     launch.tile_map_kernel = Recorder(saved[(launch, "tile_map_kernel")])
+    for name in ("tile_amax_kernel", "quantize_tiles_kernel"):
+        setattr(fp8_launch, name, Recorder(saved[(fp8_launch, name)]))
     fp8_launch._row_config, fp8_launch._weight_config = fp8_launch.Fp8RowConfig, fp8_launch.Fp8WeightConfig
     fp8_launch.fp8_supported = lambda device: True
     try:

@@ -17,6 +17,7 @@ from dist_moe.fp8_quant import BLOCK
 from dist_moe.kernels.configs import interpreting
 from dist_moe.kernels.interpreter_backport import backport_scalar_index
 from dist_moe.kernels.launch import TileMaps
+from dist_moe.kernels.fp8_quantize import quantize_tiles_kernel, tile_amax_kernel
 from dist_moe.kernels.scaled_gemm import scaled_row_gemm_kernel, scaled_weight_gemm_kernel
 
 
@@ -115,3 +116,63 @@ def fp8_supported(device: torch.device) -> bool:
     if interpreting() or device.type != "cuda":
         return interpreting()
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# Memory-bound tiles of the quantiser (not tuned on the H200 yet): 64 x 64 where a block spans the
+# tile, 16 rows (or columns) per program where each row (column) is its own block.
+_QUANT_TILE, _QUANT_THIN = 64, 16
+# e4m3: 3 mantissa bits, smallest normal 2^-6; e5m2: 2 bits, 2^-14 (the interpreter's rounding fix)
+_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+_MIN_EXPONENT = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+
+
+def _as_3d(t: Tensor) -> Tensor:
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
+def block_amax_triton(t: Tensor, block_rows: int, block_cols: int) -> Tensor:
+    """fp8_quant.block_amax on the GPU: tile amax (one pass over t), then torch over the small partials."""
+    t3 = _as_3d(t)
+    batch, rows, cols = t3.shape
+    if t3.numel() == 0:
+        return torch.zeros(*t.shape[:-2], rows // block_rows, cols // block_cols, device=t.device)
+    reduce_r, reduce_c = block_rows > 1, block_cols > 1
+    tile_r = _QUANT_TILE if reduce_r else _QUANT_THIN
+    tile_c = _QUANT_TILE if reduce_c else _QUANT_THIN
+    parts_r, parts_c = triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c)
+    partial = torch.empty(batch, parts_r if reduce_r else rows, parts_c if reduce_c else cols,
+                          device=t.device, dtype=torch.float32)
+    if interpreting():
+        backport_scalar_index()
+    tile_amax_kernel[(parts_r, parts_c, batch)](
+            t3, partial, rows, cols, *t3.stride(), *partial.stride(),
+            TILE_R=tile_r, TILE_C=tile_c, REDUCE_R=reduce_r, REDUCE_C=reduce_c, num_warps=4)
+    # partial tiles -> whole blocks: a block is block / tile partials (or all of them for a full axis)
+    if reduce_r:
+        per = partial.shape[1] if block_rows == rows else block_rows // tile_r
+        partial = partial.reshape(batch, -1, per, partial.shape[2]).amax(dim=2)
+    if reduce_c:
+        per = partial.shape[2] if block_cols == cols else block_cols // tile_c
+        partial = partial.reshape(batch, partial.shape[1], -1, per).amax(dim=3)
+    return partial.reshape(*t.shape[:-2], rows // block_rows, cols // block_cols)
+
+
+def quantize_with_scale_triton(t: Tensor, scale: Tensor, block_rows: int, block_cols: int, dtype: torch.dtype,
+                               rows_contiguous: bool) -> Tensor:
+    """fp8_quant.quantize_with_scale on the GPU (one pass over t, bit-identical to the torch ops)."""
+    t3, s3 = _as_3d(t), _as_3d(scale)
+    batch, rows, cols = t3.shape
+    if rows_contiguous:
+        q3 = torch.empty(batch, cols, rows, device=t.device, dtype=dtype).transpose(1, 2)
+    else:
+        q3 = torch.empty(batch, rows, cols, device=t.device, dtype=dtype)
+    if t3.numel():
+        if interpreting():
+            backport_scalar_index()
+        grid = (triton.cdiv(rows, _QUANT_TILE), triton.cdiv(cols, _QUANT_TILE), batch)
+        quantize_tiles_kernel[grid](
+            t3, s3, q3, rows, cols, block_rows, block_cols, *t3.stride(), *s3.stride(), *q3.stride(),
+            FP8_MAX=float(torch.finfo(dtype).max), MANTISSA_BITS=_MANTISSA_BITS[dtype],
+            MIN_EXPONENT=_MIN_EXPONENT[dtype], ROUND_FIRST=interpreting(),
+            TILE_R=_QUANT_TILE, TILE_C=_QUANT_TILE, num_warps=4)
+    return q3.reshape(t.shape) if t.dim() == 3 else q3[0]
