@@ -12,7 +12,9 @@ Zipf-skewed over the experts. Variants, each forward+backward with bf16 master w
   fp8_blockwise   dist_moe.grouped_mm_fp8(recipe="blockwise")
   torch_grouped   torch._grouped_mm (bf16 anchor; guarded: skipped where absent or refused)
 and, forward GEMMs only, the fp8 rowwise kernels against torch._scaled_grouped_mm on the same
-quantised operands (anchor; guarded). Every variant is checked against float64 before it is timed
+quantised operands (anchor; guarded); then the experts as the MoE layer runs them (expert_mlp:
+token gather and weighted top-k sum included), the fused bf16 kernels against quantize=
+"fp8_rowwise" / "fp8_blockwise" (what MoEConfig(quantize=) selects). Every variant is checked against float64 before it is timed
 (relative Frobenius error of the layer output: bf16 1e-2, fp8 1e-1, two chained fp8 GEMMs). Times:
 'steady' = blocks of 20 steps back to back (clocks as in sustained training), 'rested' = blocks
 of 3 steps after the GPU idled ~25 ms (the H200 is power-limited); medians over rounds, the
@@ -190,7 +192,62 @@ def run_routing(setup, dims: dict, routing: str, rounds: int) -> dict:
     fns, notes = scaled_anchor(x, w13, offsets, counts)
     result["fwd_gemm_anchor"] = notes
     result["fwd_gemm_ms"] = setup.interleaved_ms(fns, rounds=rounds, per_block=10)
+    del x, w13, w2, dy, steps
+    result["layer"] = run_layer(setup, dims, counts, rounds)
     return result
+
+
+def run_layer(setup, dims: dict, counts: list[int], rounds: int) -> dict:
+    """The routed experts as MoE runs them (expert_mlp: token gather, SwiGLU experts, weighted top-k
+    sum): the fused bf16 kernels against quantize="fp8_rowwise" / "fp8_blockwise" (three
+    grouped_mm_fp8 around torch gather, SwiGLU and slot sum), forward+backward."""
+    import torch
+
+    import dist_moe
+
+    tokens, top_k, experts = dims["tokens"], dims["top_k"], dims["experts"]
+    hidden, inter = dims["hidden"], dims["inter"]
+    gen = torch.Generator().manual_seed(1)
+    flat = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))[torch.randperm(tokens * top_k,
+                                                                                             generator=gen)]
+    row_slot = flat.argsort(stable=True).to(setup.device)
+    offsets = setup.offsets(counts)
+    to = dict(device=setup.device, dtype=setup.dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(**to).requires_grad_()
+    w1 = (torch.randn(experts, inter, hidden, generator=gen) * hidden ** -0.5).to(**to).requires_grad_()
+    w3 = (torch.randn(experts, inter, hidden, generator=gen) * hidden ** -0.5).to(**to).requires_grad_()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(**to).requires_grad_()
+    weights = torch.rand(tokens, top_k, generator=gen).to(setup.device).requires_grad_()
+    dy = torch.randn(tokens, hidden, generator=gen).to(**to)
+    backend = "triton" if setup.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    with torch.no_grad():
+        want = dist_moe.expert_mlp(*(t.double() for t in (x, w1, w2, w3)), offsets, row_slot, top_k=top_k,
+                                   weights=weights.double(), backend="torch")
+
+    def step_for(quantize):
+        def step():
+            for t in (x, w1, w2, w3, weights):
+                t.grad = None
+            y = dist_moe.expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k=top_k, weights=weights,
+                                    backend=backend, quantize=quantize)
+            y.backward(dy)
+            return y
+        return step
+
+    steps, errors = {}, {}
+    for name, quantize in (("mlp_bf16_fused", "none"), ("mlp_fp8_rowwise", "fp8_rowwise"),
+                           ("mlp_fp8_blockwise", "fp8_blockwise")):
+        step = step_for(quantize)
+        errors[name] = ((step().double() - want).norm() / want.norm()).item()
+        limit = 1e-1 if quantize != "none" else (3e-2 if setup.dtype == torch.bfloat16 else 1e-5)
+        if not errors[name] < limit:
+            raise AssertionError(f"{name}: relative error {errors[name]:.3e} >= {limit}")
+        steps[name] = step
+    out = {"errors": errors, "steady_ms": setup.back_to_back_ms(steps, rounds=rounds, per_block=20),
+           "rested_ms": setup.interleaved_ms(steps, rounds=rounds, per_block=3)}
+    for key in ("steady", "rested"):
+        out[f"{key}_tok_s"] = {n: tokens / (ms / 1e3) for n, ms in out[f"{key}_ms"].items()}
+    return out
 
 
 def print_table(routing: str, result: dict) -> None:
@@ -206,6 +263,12 @@ def print_table(routing: str, result: dict) -> None:
     for name, why in result["skipped"].items():
         print(f"  {name:16s} skipped: {why}")
     print(f"  forward gate/up GEMM only (ms): {result['fwd_gemm_ms']}  {result['fwd_gemm_anchor']}")
+    layer = result["layer"]
+    base = layer["steady_ms"]["mlp_bf16_fused"]
+    print("  expert_mlp as MoE runs it (token gather + weighted top-k sum):")
+    for name, ms in layer["steady_ms"].items():
+        print(f"  {name:18s} {layer['errors'][name]:9.2e} {ms:10.3f} {layer['steady_tok_s'][name]:11.0f} "
+              f"{layer['rested_ms'][name]:10.3f} {layer['rested_tok_s'][name]:11.0f} {base / ms:16.2f}x")
 
 
 def main() -> int:
