@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from dist_moe.backend import BACKENDS, Backend, WeightGrad, check_weight_grad
 from dist_moe.dispatch import combine, dispatch, ep_size
-from dist_moe.expert_mlp import expert_mlp
+from dist_moe.expert_mlp import QUANTIZE, Quantize, expert_mlp
 from dist_moe.routing import ScoreFunc, check_routing_args, forced_balance, route, sequence_balance_loss
 
 _ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "shared_expert_dim",
@@ -51,6 +51,9 @@ class MoEConfig:
     ep_group: dist.ProcessGroup | None = None
     backend: Backend = "auto"
     weight_grad: WeightGrad = "triton"  # Triton path: who computes the expert weight gradients
+    # "fp8_rowwise" / "fp8_blockwise": the routed experts' GEMMs in fp8 (grouped_mm_fp8), forward and
+    # backward; "none": bf16 fused kernels. The router and shared experts are not touched.
+    quantize: Quantize = "none"
 
     def __post_init__(self) -> None:
         for name in ("dim", "num_experts", "expert_dim"):
@@ -69,6 +72,8 @@ class MoEConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         check_weight_grad(self.weight_grad)
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
 
     @property
     def shared_width(self) -> int:
@@ -163,7 +168,7 @@ class MoE(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
         y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
-                       backend=cfg.backend, weight_grad=cfg.weight_grad)
+                       backend=cfg.backend, weight_grad=cfg.weight_grad, quantize=cfg.quantize)
         out = combine(y, sent)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
