@@ -91,9 +91,9 @@ class RLLoop:
                  make_env: Callable[[], Environment], tokenizer: Tokenizer, config: RLConfig,
                  reference: nn.Module | None = None,
                  export_weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
-        """reference: the frozen policy for the KL term (default: a copy of `policy` as it starts, made
-        only when kl_coef > 0). export_weights: full (unsharded) tensors for the generator after each
-        step; default `policy.state_dict()` (a sharded trainer passes e.g. a full-state-dict gather)."""
+        """reference: the frozen policy for the KL term and metric (default: a copy of `policy` as it starts,
+        made when kl_coef > 0 or config.track_kl). export_weights: full (unsharded) tensors for the generator
+        after each step; default `policy.state_dict()` (a sharded trainer passes e.g. a full-state-dict gather)."""
         if config.max_policy_lag > 0 and getattr(generator, "model", None) is policy:
             raise ValueError("max_policy_lag > 0 generates while the policy trains: give the generator its own "
                              "weights (BuiltinGenerator(policy, copy_model=True) or a vLLM generator)")
