@@ -137,3 +137,20 @@ def test_moe_features_without_a_batch_invariant_form_are_refused_before_any_chan
         batch_invariant(model)
     assert [n for n, _ in model.named_modules()] == names and not any(
         isinstance(m, BatchInvariantMoE) for m in model.modules())
+
+
+@pytest.mark.parametrize("family, flavor", POLICIES)
+def test_batch_invariant_gradients_match_the_ordinary_model(family, flavor):
+    """The trainer's backward through the mode's MoE (group-limited routing included) is the ordinary model's."""
+    model, reference = batch_invariant(_policy(family, flavor)), _policy(family, flavor)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(2))
+    token_logprobs(model, tokens).sum().backward()
+    reference(tokens).log_softmax(-1)[:, :-1].gather(2, tokens[:, 1:, None]).sum().backward()
+    grads = dict(model.named_parameters())
+    checked = 0
+    for name, param in reference.named_parameters():
+        assert grads[name].grad is not None, name
+        if param.grad.norm() > 0:
+            assert ((grads[name].grad - param.grad).norm() / param.grad.norm()).item() < 1e-5, name
+            checked += ".moe." in name
+    assert checked >= 4  # router, experts (w1, w2, w3) and shared experts have gradients
