@@ -7,7 +7,7 @@ from dist_moe.expert_mlp import expert_mlp
 from dist_moe.grouped_mm import grouped_mm
 from dist_moe.host_sync import HostReads, count_host_syncs
 from dist_moe.moe import MoE, MoEConfig, apply_expert_parallel
-from dist_moe.routing import Routing, forced_balance, route, sequence_balance_loss, tokens_per_expert, update_expert_bias
+from dist_moe.routing import Routing, forced_balance, hash_experts, route, sequence_balance_loss, tokens_per_expert, update_expert_bias
 
 __all__ = [
     "Dispatched",
@@ -23,6 +23,7 @@ __all__ = [
     "expert_mlp",
     "forced_balance",
     "grouped_mm",
+    "hash_experts",
     "route",
     "sequence_balance_loss",
     "tokens_per_expert",

@@ -5,9 +5,12 @@
     experts.w2               [E, dim, expert_dim]   (down)
     shared_experts.w1/w2/w3  Linears, hidden width num_shared_experts * expert_dim (optional)
     expert_bias              buffer [E] float32 (aux-loss-free balancing; selection only)
+    tid2eid                  buffer [hash_vocab_size, top_k] int64, hash routing only (a frozen table)
     tokens_per_expert        non-persistent buffer [E] float32: this rank's counts of the last forward
 
-`moe(x [b, s, dim]) -> [b, s, dim]`. With an expert-parallel group the expert weights are DTensors
+`moe(x [b, s, dim], token_ids=None) -> [b, s, dim]` (a hash-routed layer needs `token_ids` [b, s]).
+`swiglu_limit` clamps every SwiGLU, routed and shared (DeepSeek-V4); the routed experts then run on the
+torch path (backend "auto" picks it; "triton" is refused). With an expert-parallel group the expert weights are DTensors
 sharded on dim 0 over that group (`apply_expert_parallel`), so names, global shapes and
 checkpoints are unchanged; each rank routes its own tokens and computes its own experts.
 """
@@ -25,10 +28,13 @@ from torch import Tensor, nn
 from dist_moe.backend import BACKENDS, Backend, WeightGrad, check_weight_grad
 from dist_moe.dispatch import combine, dispatch, ep_size
 from dist_moe.expert_mlp import expert_mlp
-from dist_moe.routing import ScoreFunc, check_routing_args, forced_balance, route, sequence_balance_loss
+from dist_moe.routing import (
+    ScoreFunc, check_routing_args, forced_balance, hash_experts, hash_table, route, sequence_balance_loss,
+)
 
 _ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "shared_expert_dim",
-                   "shared_expert_gate", "score_func", "n_group", "topk_group", "norm_topk_prob", "route_scale")
+                   "shared_expert_gate", "score_func", "n_group", "topk_group", "norm_topk_prob", "route_scale",
+                   "hash_vocab_size")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,6 +51,8 @@ class MoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     route_scale: float = 1.0
+    hash_vocab_size: int | None = None  # hash routing: experts from the frozen table tid2eid[token id]
+    swiglu_limit: float | None = None  # silu(min(g, L)) * clamp(u, -L, L) in every SwiGLU (DeepSeek-V4)
     aux_loss_alpha: float = 0.0  # > 0 adds DeepSeek-V3's sequence-wise balance loss in training
     # "forced_balance": tokens dealt evenly to the experts (routing.forced_balance), for measurement only
     routing: Literal["learned", "forced_balance"] = "learned"
@@ -68,6 +76,13 @@ class MoEConfig:
             raise ValueError(f"routing must be 'learned' or 'forced_balance', got {self.routing!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.hash_vocab_size is not None and self.hash_vocab_size < 1:
+            raise ValueError(f"hash_vocab_size must be >= 1 or None, got {self.hash_vocab_size}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be a positive bound or None, got {self.swiglu_limit}")
+        if self.swiglu_limit is not None and self.backend == "triton":
+            raise ValueError("swiglu_limit runs the experts on backend='torch' (or 'auto'); the Triton kernels "
+                             "do not clamp")
         check_weight_grad(self.weight_grad)
 
     @property
@@ -102,16 +117,20 @@ class GroupedExperts(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x), the shared experts."""
+    """w2(silu(w1 x) * w3 x), the shared experts; with `limit` L, silu(min(w1 x, L)) * clamp(w3 x, -L, L)."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, *, limit: float | None = None):
         super().__init__()
+        self.limit = limit
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.w2(F.silu(gate) * up)
 
 
 class MoE(nn.Module):
@@ -124,11 +143,16 @@ class MoE(nn.Module):
         self.ep_group = config.ep_group
         self.router = Router(config.dim, config.num_experts)
         self.experts = GroupedExperts(config.dim, config.num_experts, config.expert_dim)
-        self.shared_experts = SwiGLU(config.dim, config.shared_width) if config.shared_width else None
+        self.shared_experts = (SwiGLU(config.dim, config.shared_width, limit=config.swiglu_limit)
+                               if config.shared_width else None)
         self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32),
                              persistent=False)
+        if config.hash_vocab_size is not None:
+            self.register_buffer("tid2eid", torch.zeros(config.hash_vocab_size, config.top_k, dtype=torch.int64))
+        else:
+            self.tid2eid = None
         self.aux_loss: Tensor | None = None
         self.reset_parameters()
 
@@ -143,15 +167,24 @@ class MoE(nn.Module):
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
+        if self.tid2eid is not None and self.tid2eid.device.type != "meta":  # until a checkpoint's table
+            vocab, top_k = self.tid2eid.shape
+            self.tid2eid.copy_(hash_table(vocab, top_k, self.config.num_experts, device=self.tid2eid.device))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
         cfg = self.config
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)  # [T, dim]
+        hashed = None
+        if self.tid2eid is not None:
+            if token_ids is None or token_ids.numel() != batch * seq:
+                raise ValueError(f"a hash-routed MoE layer needs the token ids of its {batch}x{seq} tokens "
+                                 f"(token_ids=), got {None if token_ids is None else tuple(token_ids.shape)}")
+            hashed = hash_experts(self.tid2eid, token_ids)
         logits = F.linear(tokens.float(), self.router.gate.weight.float())  # [T, E] float32
         routing = route(logits, top_k=cfg.top_k, score_func=cfg.score_func, n_group=cfg.n_group,
                         topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale,
-                        bias=self.expert_bias)
+                        bias=self.expert_bias, hashed=hashed)
         if cfg.routing == "forced_balance":
             routing = forced_balance(routing, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale)
         sent = dispatch(tokens, routing.expert_ids, routing.weights, num_experts=cfg.num_experts, group=self.ep_group)
@@ -162,8 +195,10 @@ class MoE(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # expert_mlp is a kernel autocast cannot see: cast as it would
             dtype = torch.get_autocast_dtype(x.device.type)
             routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
+        # the clamped SwiGLU exists on the torch path only (MoEConfig refuses it with backend="triton")
+        backend = "torch" if cfg.swiglu_limit is not None else cfg.backend
         y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
-                       backend=cfg.backend, weight_grad=cfg.weight_grad)
+                       backend=backend, weight_grad=cfg.weight_grad, swiglu_limit=cfg.swiglu_limit)
         out = combine(y, sent)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)

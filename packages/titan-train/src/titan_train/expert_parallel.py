@@ -86,9 +86,9 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
             continue  # e.g. mtp.layer.moe on a model without multi-token prediction
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
-            _check_dist_moe_supports(fqn, old.config)
+            swiglu_limit = _dist_moe_swiglu_limit(fqn, old.config)
             config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha,
-                                             routing=routing)
+                                             routing=routing, swiglu_limit=swiglu_limit)
             with torch.device(old.router.gate.weight.device):
                 return config.build()
 
@@ -96,20 +96,23 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
     return replaced
 
 
-def _check_dist_moe_supports(fqn: str, moe_config: object) -> None:
-    """dist-moe's layer routes by softmax/sigmoid scores into plain SwiGLU experts without biases; gpt-oss's
-    and Muse Spark's and DeepSeek-V4's options would be dropped silently, so they stop here."""
-    plain_values = (("router_bias", False), ("expert_linear_bias", False), ("activation", None),
-                    ("router_logit_scale", 1.0), ("expert_pool_dim", None), ("pre_expert_norm", None),
-                    ("post_expert_norm", None), ("hash_vocab_size", None))
+def _dist_moe_swiglu_limit(fqn: str, moe_config: object) -> float | None:
+    """The clamp of a clamped plain SwiGLU (DeepSeek-V4), which dist-moe's layer takes as swiglu_limit; raises
+    for the options it does not implement (gpt-oss's router bias, expert biases and shifted activation, the
+    top-k-softmax router; Muse Spark's pooled experts and scaled router logits), which would be dropped silently."""
+    plain_values = (("router_bias", False), ("expert_linear_bias", False), ("router_logit_scale", 1.0),
+                    ("expert_pool_dim", None), ("pre_expert_norm", None), ("post_expert_norm", None))
     unsupported = [name for name, plain in plain_values if getattr(moe_config, name, plain) != plain]
+    activation = getattr(moe_config, "activation", None)
+    if activation is not None and (activation.alpha, activation.up_shift) != (1.0, 0.0):
+        unsupported.append(f"activation={activation}")
     score_func = getattr(moe_config, "score_func", "softmax")
-    if score_func in ("topk_softmax", "sqrtsoftplus"):
+    if score_func == "topk_softmax":
         unsupported.append(f"score_func={score_func!r}")
     if unsupported:
         raise ValueError(f"{fqn}: dist-moe's MoE layer does not implement {', '.join(unsupported)} "
-                         "(gpt-oss, Muse Spark, DeepSeek-V4); "
-                         "use model.moe_impl=titan with parallelism.ep=1")
+                         "(gpt-oss, Muse Spark); use model.moe_impl=titan with parallelism.ep=1")
+    return None if activation is None else activation.limit
 
 
 def split_dp_shard(mesh: DeviceMesh, ep: int) -> DeviceMesh:
