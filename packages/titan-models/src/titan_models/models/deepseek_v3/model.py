@@ -142,9 +142,16 @@ class DeepSeekV3Transformer(Transformer):
         causal, affects no other position. Keeping length s lets the same positions and attention
         context (document masks) serve both passes.
         """
+        next_embeddings = self.tok_embeddings(tokens.roll(-1, dims=1))
+        hidden, mtp_hidden = self.hidden_states_with_mtp(tokens, next_embeddings, positions=positions, context=context)
+        return self.output(hidden), self.output(mtp_hidden)
+
+    def hidden_states_with_mtp(self, tokens: torch.Tensor, next_embeddings: torch.Tensor, *,
+                               positions: torch.Tensor | None = None, context: AttentionContext | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final normed hidden states [b, s, dim], the MTP module's [b, s, dim]) without the output projection
+        (for chunked losses); next_embeddings [b, s, dim]: the embedding of token i + 1 at position i."""
         if self.mtp is None:
             raise ValueError("this model was built without an MTP module (DeepSeekV3Config.mtp=False)")
         hidden, rope = self._trunk(tokens, positions, context)
-        next_embeddings = self.tok_embeddings(tokens.roll(-1, dims=1))
-        mtp_hidden = self.mtp(hidden, next_embeddings, rope, context=context)
-        return self.output(hidden), self.output(mtp_hidden)
+        return hidden, self.mtp(hidden, next_embeddings.to(hidden.dtype), rope, context=context)
