@@ -186,6 +186,31 @@ def test_mtp_round_trips_in_both_layouts_and_transformers_ignores_it(tmp_path):
         assert _rel(model(tokens), reference(tokens).logits) < 1e-5
 
 
+def test_prefill_then_decode_equals_one_forward():
+    """The decode state (recurrent_states: each layer's inputs and keys=values by slot) gives, token by token,
+    the full forward's logits at every attention kind (heavy, then sparse with the indexer), past the 16-token
+    window and across window completions (rates 4 and 16). index_topk 64 >= the entries: no indexer ties."""
+    import dataclasses
+
+    model = dataclasses.replace(tm.flavor("deepseek_v4", "debug"), index_topk=64).build()
+    model.init_weights(seed=0)
+    model.eval()
+    assert set(model.config.resolved_layer_types) == {"heavily_compressed_attention", "compressed_sparse_attention"}
+    tokens = torch.randint(0, 2048, (2, 96), generator=torch.Generator().manual_seed(7))
+    prefill = 70  # decode completes heavy entries at 79 and 95, sparse ones every 4 tokens
+    states: dict = {}
+    with torch.no_grad():
+        full = model(tokens)
+        steps = [model(tokens[:, :prefill], positions=torch.arange(prefill).expand(2, prefill),
+                       context=AttentionContext(recurrent_states=states))]
+        for t in range(prefill, 96):
+            steps.append(model(tokens[:, t:t + 1], positions=torch.full((2, 1), t),
+                               context=AttentionContext(recurrent_states=states)))
+    assert _rel(torch.cat(steps, dim=1), full) < 1e-5
+    with pytest.raises(ValueError, match="packed documents"):
+        model(tokens, context=AttentionContext(recurrent_states={}, document_ids=torch.zeros_like(tokens)))
+
+
 def _debug_model():
     model = tm.flavor("deepseek_v4", "debug").build()
     model.init_weights(seed=0)
