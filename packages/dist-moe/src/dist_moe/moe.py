@@ -10,7 +10,13 @@
 
 `moe(x [b, s, dim], token_ids=None) -> [b, s, dim]` (a hash-routed layer needs `token_ids` [b, s]).
 `swiglu_limit` clamps every SwiGLU, routed and shared (DeepSeek-V4); the routed experts then run on the
-torch path (backend "auto" picks it; "triton" is refused). With an expert-parallel group the expert weights are DTensors
+torch path (backend "auto" picks it; "triton" is refused).
+
+Muse Spark: `router_logit_scale` multiplies the router logits before scoring; with `expert_pool_dim` P the
+experts work at width P between `pre_expert_proj` [P, dim] (then `pre_expert_norm`, zero-centred, when
+`pre_expert_norm_eps` is set) and `post_expert_proj` [dim, P], and with `post_expert_norm_eps` each expert's
+output passes `post_expert_norm` (input-scaled, dist_moe/norms.py) before its routing weight. The router
+still reads the un-pooled tokens. With an expert-parallel group the expert weights are DTensors
 sharded on dim 0 over that group (`apply_expert_parallel`), so names, global shapes and
 checkpoints are unchanged; each rank routes its own tokens and computes its own experts.
 """
@@ -28,13 +34,14 @@ from torch import Tensor, nn
 from dist_moe.backend import BACKENDS, Backend, WeightGrad, check_weight_grad
 from dist_moe.dispatch import combine, dispatch, ep_size
 from dist_moe.expert_mlp import expert_mlp
+from dist_moe.norms import InputScaledRMSNorm, ZeroCenteredRMSNorm
 from dist_moe.routing import (
     ScoreFunc, check_routing_args, forced_balance, hash_experts, hash_table, route, sequence_balance_loss,
 )
 
 _ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "shared_expert_dim",
                    "shared_expert_gate", "score_func", "n_group", "topk_group", "norm_topk_prob", "route_scale",
-                   "hash_vocab_size")
+                   "hash_vocab_size", "router_logit_scale", "expert_pool_dim")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,6 +60,10 @@ class MoEConfig:
     route_scale: float = 1.0
     hash_vocab_size: int | None = None  # hash routing: experts from the frozen table tid2eid[token id]
     swiglu_limit: float | None = None  # silu(min(g, L)) * clamp(u, -L, L) in every SwiGLU (DeepSeek-V4)
+    router_logit_scale: float = 1.0  # router logits times this before scoring (Muse Spark)
+    expert_pool_dim: int | None = None  # the experts' width between pre/post_expert_proj (Muse Spark)
+    pre_expert_norm_eps: float | None = None  # a zero-centred RMSNorm on the pooled tokens (needs expert_pool_dim)
+    post_expert_norm_eps: float | None = None  # an input-scaled RMSNorm on each expert's output
     aux_loss_alpha: float = 0.0  # > 0 adds DeepSeek-V3's sequence-wise balance loss in training
     # "forced_balance": tokens dealt evenly to the experts (routing.forced_balance), for measurement only
     routing: Literal["learned", "forced_balance"] = "learned"
@@ -80,6 +91,10 @@ class MoEConfig:
             raise ValueError(f"hash_vocab_size must be >= 1 or None, got {self.hash_vocab_size}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"swiglu_limit must be a positive bound or None, got {self.swiglu_limit}")
+        if self.expert_pool_dim is not None and self.expert_pool_dim < 1:
+            raise ValueError(f"expert_pool_dim must be a positive width or None, got {self.expert_pool_dim}")
+        if self.pre_expert_norm_eps is not None and self.expert_pool_dim is None:
+            raise ValueError("pre_expert_norm_eps normalises the pooled tokens: it needs expert_pool_dim")
         if self.swiglu_limit is not None and self.backend == "triton":
             raise ValueError("swiglu_limit runs the experts on backend='torch' (or 'auto'); the Triton kernels "
                              "do not clamp")
@@ -142,7 +157,14 @@ class MoE(nn.Module):
         self.config = config
         self.ep_group = config.ep_group
         self.router = Router(config.dim, config.num_experts)
-        self.experts = GroupedExperts(config.dim, config.num_experts, config.expert_dim)
+        pool = config.expert_pool_dim
+        self.pre_expert_proj = nn.Linear(config.dim, pool, bias=False) if pool is not None else None
+        self.pre_expert_norm = (ZeroCenteredRMSNorm(pool, eps=config.pre_expert_norm_eps)
+                                if config.pre_expert_norm_eps is not None else None)
+        self.experts = GroupedExperts(pool or config.dim, config.num_experts, config.expert_dim)
+        self.post_expert_norm = (InputScaledRMSNorm(pool or config.dim, eps=config.post_expert_norm_eps)
+                                 if config.post_expert_norm_eps is not None else None)
+        self.post_expert_proj = nn.Linear(pool, config.dim, bias=False) if pool is not None else None
         self.shared_experts = (SwiGLU(config.dim, config.shared_width, limit=config.swiglu_limit)
                                if config.shared_width else None)
         self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.shared_expert_gate else None
@@ -182,24 +204,21 @@ class MoE(nn.Module):
                                  f"(token_ids=), got {None if token_ids is None else tuple(token_ids.shape)}")
             hashed = hash_experts(self.tid2eid, token_ids)
         logits = F.linear(tokens.float(), self.router.gate.weight.float())  # [T, E] float32
+        if cfg.router_logit_scale != 1.0:
+            logits = logits * cfg.router_logit_scale
         routing = route(logits, top_k=cfg.top_k, score_func=cfg.score_func, n_group=cfg.n_group,
                         topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale,
                         bias=self.expert_bias, hashed=hashed)
         if cfg.routing == "forced_balance":
             routing = forced_balance(routing, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale)
-        sent = dispatch(tokens, routing.expert_ids, routing.weights, num_experts=cfg.num_experts, group=self.ep_group)
-        with torch.no_grad():
-            self.tokens_per_expert.copy_(sent.tokens_per_expert)
-        w1, w2, w3 = self._local_expert_weights()
-        routed = sent.x
-        if torch.is_autocast_enabled(x.device.type):  # expert_mlp is a kernel autocast cannot see: cast as it would
-            dtype = torch.get_autocast_dtype(x.device.type)
-            routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
-        # the clamped SwiGLU exists on the torch path only (MoEConfig refuses it with backend="triton")
-        backend = "torch" if cfg.swiglu_limit is not None else cfg.backend
-        y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
-                       backend=backend, weight_grad=cfg.weight_grad, swiglu_limit=cfg.swiglu_limit)
-        out = combine(y, sent)
+        expert_in = tokens
+        if self.pre_expert_proj is not None:
+            expert_in = self.pre_expert_proj(tokens)  # [T, pool]
+            if self.pre_expert_norm is not None:
+                expert_in = self.pre_expert_norm(expert_in)
+        out = self._routed_experts(expert_in, routing.expert_ids, routing.weights)
+        if self.post_expert_proj is not None:
+            out = self.post_expert_proj(out)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_gate is not None:
@@ -211,6 +230,37 @@ class MoE(nn.Module):
             self.aux_loss = aux.detach()
             out = _AttachAuxLoss.apply(out, aux)
         return out.view(batch, seq, dim)
+
+    def _routed_experts(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        """x [T, width] -> [T, width]: each token's experts, weighted and summed (with the post-expert norm
+        between an expert's output and its weight, if any)."""
+        cfg = self.config
+        sent = dispatch(x, expert_ids, weights, num_experts=cfg.num_experts, group=self.ep_group)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(sent.tokens_per_expert)
+        w1, w2, w3 = self._local_expert_weights()
+        routed = sent.x
+        if torch.is_autocast_enabled(x.device.type):  # expert_mlp is a kernel autocast cannot see: cast as it would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
+        # the clamped SwiGLU exists on the torch path only (MoEConfig refuses it with backend="triton")
+        mlp = dict(backend="torch" if cfg.swiglu_limit is not None else cfg.backend, weight_grad=cfg.weight_grad,
+                   swiglu_limit=cfg.swiglu_limit)
+        if self.post_expert_norm is None:
+            y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
+                           **mlp)
+            return combine(y, sent)
+        if sent.weights is None:  # expert parallel: one output row per received row, weighted by combine
+            y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=1, **mlp)
+            return combine(self.post_expert_norm(y), sent)
+        # one process: each (token, expert) slot's own output row, normed, then weighted and summed by token
+        slots = sent.row_slot.long()  # [T * k] slots in expert order
+        rows = routed.index_select(0, slots // sent.top_k)
+        y = expert_mlp(rows, w1, w2, w3, sent.offsets, torch.arange(slots.numel(), device=slots.device), **mlp)
+        by_slot = torch.zeros_like(y).index_copy(0, slots, self.post_expert_norm(y))
+        wide = torch.promote_types(y.dtype, torch.float32)
+        summed = (by_slot.view(*weights.shape, -1).to(wide) * weights.unsqueeze(-1).to(wide)).sum(dim=1)
+        return summed.to(y.dtype)
 
     def _local_expert_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         ranks = ep_size(self.ep_group)
