@@ -24,6 +24,7 @@ REQUIRED_METRICS = ("step", "reward_mean", "kl", "staleness", "dropped_samples_t
 def small_job(folder: Path, **changes) -> RLConfig:
     config = RLConfig()
     config.job.folder = str(folder)
+    config.job.device = "cpu"  # gloo ranks of a CPU test; "auto" put both ranks on one GPU of the H200 host
     config.metrics.progress = False
     for dotted, value in changes.items():
         section, name = dotted.split("__")

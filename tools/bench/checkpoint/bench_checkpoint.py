@@ -230,8 +230,10 @@ def worker(rank: int, world: int, args, root: Path, store_path: str | None) -> N
         except Exception as e:  # a DCP mode that does not run here: say so, time the others
             results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         dist.barrier()
+        row: list = [None] * world  # each path's figures as soon as it ends: a run cut short keeps them
+        dist.all_gather_object(row, {"paths": {name: results["paths"][name]}})
         if rank == 0:
-            print(f"  {name}: done in {time.perf_counter() - began:.1f} s", flush=True)
+            print(f"  {name}: done in {time.perf_counter() - began:.1f} s: {summarize(row, name)}", flush=True)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

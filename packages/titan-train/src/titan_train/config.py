@@ -203,6 +203,16 @@ class DataConfig:
     chat_template: str = "auto"
     """chat: auto (the chat_template of tokenizer_config.json beside data.tokenizer, or the built-in one for
     the byte tokenizer), builtin, or the path of a Jinja template file."""
+    image_field: str = ""
+    """Image-text data for a vision-language model: the column (jsonl/hf_disk) holding each record's images
+    (paths relative to data.source's folder, or a saved dataset's Image column); one record per row, loss on
+    the text. Empty: text only."""
+    image_placeholder: str = "<image>"
+    """image_field: where each image's tokens go in the text (none in a text: its images come first)."""
+    image_min_pixels: int = 65536
+    """image_field: images with fewer pixels are scaled up to about this many (the processor's shortest_edge)."""
+    image_max_pixels: int = 16777216
+    """image_field: images with more pixels are scaled down to at most this many (longest_edge)."""
 
     @property
     def random(self) -> bool:
@@ -220,6 +230,8 @@ class DataConfig:
 
         if self.source == "shapes":
             return ShapesLoader(model_config, tokenizer, seq_len=seq_len, seed=seed)
+        if self.image_field:
+            return self.image_text_loader(tokenizer, model_config, seq_len=seq_len, seed=seed)
         if self.random:
             return RandomTokenLoader(vocab_size, seq_len=seq_len, seed=seed)
         if self.sources:
@@ -227,6 +239,23 @@ class DataConfig:
                                           format="auto") for i, (source, _) in enumerate(self.sources)]
             return MixedLoader(loaders, [weight for _, weight in self.sources], seed=seed)
         return self.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=self.shuffle)
+
+    def image_text_loader(self, tokenizer: Any, model_config: Any, *, seq_len: int, seed: int) -> Any:
+        from pathlib import Path
+
+        from .data import ImageTextLoader, open_documents
+
+        if self.sources or self.chat or self.source in ("stdlib", "random", "arithmetic_chat"):
+            raise ValueError("data.image_field reads one jsonl/hf_disk data.source (not data.sources, data.chat, "
+                             f"or data.source={self.source!r})")
+        read = dict(format=self.format, split=self.split)
+        texts = open_documents(self.source, text_field=self.text_field, **read)
+        images = open_documents(self.source, text_field=self.image_field, strings=False, **read)
+        root = Path(self.source) if Path(self.source).is_dir() else Path(self.source).parent
+        return ImageTextLoader(model_config, tokenizer, texts, images, seq_len=seq_len, seed=seed,
+                               shuffle=self.shuffle, root=root, origin=self.source,
+                               placeholder=self.image_placeholder,
+                               pixels=(self.image_min_pixels, self.image_max_pixels))
 
     def packed_loader(self, source: str, tokenizer: Any, *, seq_len: int, seed: int, shuffle: bool,
                       format: str | None = None) -> Any:
