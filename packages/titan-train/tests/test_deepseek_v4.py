@@ -65,15 +65,32 @@ def test_dist_moe_takes_deepseek_v4_moe_with_its_table_and_clamp():
 @pytest.mark.parametrize("nproc", [2, 4], ids=["ep2", "ep4"])
 def test_expert_parallel_follows_titan_moe_in_one_process(reference_folder, tmp_path, jobs, nproc):
     """dist-moe's layer with the experts over ep ranks (2 or 4 of the 8; hash layer 0 routes by the table,
-    layer 1 by sqrt-softplus top-2) against titan-models' MoE in one process. Tolerance as in
-    test_expert_parallel.py: the gradient norm catches a wrong expert-gradient scale, which the loss hides."""
+    layer 1 by sqrt-softplus top-2) against titan-models' MoE in one process. The gradient norm catches a wrong
+    expert-gradient scale, which the loss hides (test_expert_parallel.py)."""
     job = {**DSV4, **STEPS, "parallelism.ep": str(nproc), "model.moe_impl": "dist_moe"}
     jobs.on_ranks(jobs.tiny(tmp_path, **job), nproc)
     got, want = curve(tmp_path), curve(reference_folder)
     assert sorted(got) == sorted(want)
-    for step in want:
-        assert got[step][0] == pytest.approx(want[step][0], rel=1e-4), ("loss", step, got, want)
-        assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), ("grad_norm", step, got, want)
+    for step in want:  # conftest's assert_follows bound (1e-4 to step 3, then doubling), on the gradient norm too
+        rel = min(1e-4 * 2 ** max(0, step - 3), 5e-3)
+        assert got[step][0] == pytest.approx(want[step][0], rel=rel), ("loss", step, got, want)
+        assert got[step][1] == pytest.approx(want[step][1], rel=rel), ("grad_norm", step, got, want)
+
+
+def test_mtp_in_a_two_stage_pipeline_follows_one_process(tmp_path, jobs):
+    """The MTP module on the last stage reads the streams the first stage hands on (with the embeddings of
+    tokens i + 1); main and MTP losses follow one process."""
+    job = {**DSV4, "training.steps": "3", "training.seq_len": "32", "model.mtp_layers": "1",
+           "training.mtp_loss_weight": "0.3"}
+    train(jobs.tiny(tmp_path / "single", **job))
+    jobs.on_ranks(jobs.tiny(tmp_path / "pp2", **job, **{"parallelism.pp": "2", "parallelism.pp_microbatches": "2"}), 2)
+    mtp = {}
+    for name in ("single", "pp2"):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        mtp[name] = {r["step"]: (r["loss"], r["mtp_loss"]) for r in records}
+    assert sorted(mtp["pp2"]) == [1, 2, 3]
+    for step, (loss, mtp_loss) in mtp["single"].items():
+        assert mtp["pp2"][step] == pytest.approx((loss, mtp_loss), rel=1e-4), (step, mtp)
 
 
 def test_activation_checkpointing_follows_the_reference(reference, tmp_path, jobs):
