@@ -12,7 +12,7 @@ from torch import nn
 from titan_models.components.ffn import FeedForward
 from titan_models.components.gated_deltanet import GatedDeltaNet
 from titan_models.components.moe import MoE
-from titan_models.components.norms import RMSNorm, ZeroCenteredRMSNorm
+from titan_models.components.norms import InputScaledRMSNorm, RMSNorm, ScalelessRMSNorm, ZeroCenteredRMSNorm
 
 from titan_rl.batch_invariant.moe import BatchInvariantMoE, unsupported_features
 from titan_rl.batch_invariant.modules import (
@@ -39,10 +39,18 @@ def batch_invariant(model: nn.Module) -> nn.Module:
     unsupported = sorted(n for n, m in names.items() if isinstance(m, nn.LayerNorm))
     if unsupported:
         raise ValueError(f"batch_invariant() supports RMSNorm models; found LayerNorm modules {unsupported[:4]}")
-    linear = sorted(n for n, m in names.items() if isinstance(m, (GatedDeltaNet, ZeroCenteredRMSNorm)))
+    linear = sorted(n for n, m in names.items() if isinstance(m, GatedDeltaNet))
     if linear:
         raise ValueError("batch_invariant() does not support linear-attention models (Gated DeltaNet, zero-centred "
                          f"norms: no fixed-order kernels yet); found {linear[:4]}")
+    norms = sorted(n for n, m in names.items()
+                   if isinstance(m, (ZeroCenteredRMSNorm, ScalelessRMSNorm, InputScaledRMSNorm)))
+    if norms:
+        # Muse Glimmer / Spark: besides these norms, the attention's sigmoid output gate and the tanh soft-cap are
+        # inline torch calls this mode cannot swap (elementwise kernels may round vector tails by batch shape)
+        raise ValueError("batch_invariant() has no fixed-order kernels for zero-centred, scaleless or input-scaled "
+                         "norms, nor for the inline sigmoid output gate and tanh soft-cap beside them (Muse "
+                         f"Glimmer / Spark); found {norms[:4]}")
     moe = {n: unsupported_features(m.config) for n, m in names.items() if isinstance(m, MoE)}
     moe = {n: features for n, features in moe.items() if features}
     if moe:
