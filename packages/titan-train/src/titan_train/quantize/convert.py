@@ -17,6 +17,9 @@ from .recipes import RECIPES, blockable
 # Modules the default selection leaves out: the output head (its logits feed the loss, and titan-train's fused
 # loss reads its weight directly) and MoE routers and gates (small GEMMs whose scores decide the routing).
 DEFAULT_EXCLUDED = ("output", "*.output", "*.router.*", "*.shared_gate")
+# The trainer's fused chunked loss multiplies the head's weight itself (never calling the module), so a
+# converted head would silently stay in high precision: never converted.
+HEAD = "output"
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -65,6 +68,12 @@ class LinearConversion:
         converted, skipped = [], []
         for name in self.select(model):
             linear = model.get_submodule(name)
+            if name == HEAD:
+                if name in self.modules:
+                    raise ValueError("quantize.modules names the output head, whose weight the fused loss multiplies "
+                                     "itself (the module is never called): drop it from quantize.modules")
+                skipped.append(f"{name}: the output head (the fused loss multiplies its weight itself)")
+                continue
             if not blockable(self.recipe, linear.in_features, linear.out_features):
                 reason = (f"{name} [{linear.out_features} x {linear.in_features}]: {self.recipe.name} needs "
                           f"in_features and out_features divisible by {self.recipe.weight_multiple}")
@@ -77,6 +86,6 @@ class LinearConversion:
             setattr(parent, child, QuantizedLinear(linear, recipe=self.recipe, backend=self.backend))
             converted.append(name)
         if skipped:
-            warnings.warn("quantize.linear: left in high precision (shape not blockable): " + "; ".join(skipped),
+            warnings.warn("quantize.linear: left in high precision: " + "; ".join(skipped),
                           stacklevel=2)
         return converted
