@@ -90,6 +90,13 @@ def test_padding_and_unpadded_reduction():
     assert torch.equal(got.dequantize(torch.float64), deq[:, :200])
 
 
+def test_quantized_data_is_row_major_for_transposed_inputs():
+    """The backward quantises transposes (dy^T, x^T, W^T): the fp8 data must still be row-major."""
+    for blocking in (Blocking(rows=0, cols=0, pad_cols=16), Blocking(rows=1, cols=0, pad_cols=16)):
+        got = quantize(torch.randn(64, 48).t(), blocking)
+        assert got.data.is_contiguous() and got.data.shape == (48, 64)
+
+
 def _reference_gemm(a: torch.Tensor, b: torch.Tensor, blocking_a: Blocking, blocking_b: Blocking):
     """(float64 a_q . b_q^T on reference-quantised operands, |a| |b|^T, the exact unquantised product)."""
     def ref(t, blk):
