@@ -38,19 +38,33 @@ def blockwise_gemm_kernel(a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr, M, N,
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
+# CUDA: tile shapes tried once per (M, N, K); BLOCK_K stays 128, the scales' granularity.
+_CUDA_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                 for bm, bn, w, s in ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (128, 256, 8, 3),
+                                      (64, 256, 8, 3))]
+blockwise_gemm_kernel_tuned = triton.autotune(configs=_CUDA_CONFIGS, key=["M", "N", "K"])(blockwise_gemm_kernel)
+
+
 def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *, b_scale_rows: int,
-           out_dtype: torch.dtype, kernel=blockwise_gemm_kernel) -> torch.Tensor:
-    """Run the kernel (`kernel`: itself, or wrapped by torch.library.wrap_triton for torch.compile)."""
+           out_dtype: torch.dtype, wrap=lambda kernel: kernel) -> torch.Tensor:
+    """Run the kernel: autotuned tiles on CUDA, fixed 32 x 64 tiles elsewhere (the interpreter); `wrap`:
+    torch.library.wrap_triton for torch.compile."""
     (m, k), n = a.shape, b.shape[0]
     assert k % BLOCK_K == 0 and b.shape[1] == k and scale_a.shape == (m, k // BLOCK_K), (a.shape, b.shape)
     assert scale_b.shape == (-(-n // b_scale_rows), k // BLOCK_K), (scale_b.shape, n, b_scale_rows)
     a, b, scale_a, scale_b = (t.contiguous() for t in (a, b, scale_a, scale_b))
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    block_m, block_n = (64, 128) if a.is_cuda else (32, 64)  # CPU: the interpreter, fewer programs
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    kernel[grid](a, b, out, scale_a, scale_b, m, n, k, a.stride(0), b.stride(0), out.stride(0),
-                 scale_a.stride(0), scale_b.stride(0), B_SCALE_ROWS=b_scale_rows, BLOCK_M=block_m,
-                 BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4 if a.is_cuda else 1)
+    args = (a, b, out, scale_a, scale_b, m, n, k, a.stride(0), b.stride(0), out.stride(0), scale_a.stride(0),
+            scale_b.stride(0))
+    if a.is_cuda:
+        def grid(meta):
+            return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
+
+        wrap(blockwise_gemm_kernel_tuned)[grid](*args, B_SCALE_ROWS=b_scale_rows, BLOCK_K=BLOCK_K)
+    else:
+        grid = (triton.cdiv(m, 32), triton.cdiv(n, 64))
+        wrap(blockwise_gemm_kernel)[grid](*args, B_SCALE_ROWS=b_scale_rows, BLOCK_M=32, BLOCK_N=64, BLOCK_K=BLOCK_K,
+                                          num_warps=1)
     return out
 
 
@@ -60,7 +74,7 @@ def _blockwise_gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
     # A custom op: torch.compile sees one node (with its shape function traced from this body) instead of
     # a graph break at the kernel launch.
     return launch(a, b, scale_a, scale_b, b_scale_rows=b_scale_rows, out_dtype=out_dtype,
-                  kernel=torch.library.wrap_triton(blockwise_gemm_kernel))
+                  wrap=torch.library.wrap_triton)
 
 
 def blockwise_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
