@@ -154,6 +154,33 @@ def test_bf16_inputs_give_bf16_outputs_and_gradients():
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
 
 
+def _cpu_scaled_mm_available() -> bool:
+    a = torch.zeros(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(1, 1), scale_b=torch.ones(1, 1), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm_available(), reason="this torch has no CPU torch._scaled_mm")
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise"])
+def test_scaled_mm_layouts_on_cpu(recipe):
+    """The torch._scaled_mm call (operand majorness, scale shapes, e5m2 x e4m3) through torch's CPU kernel, against
+    float64 of the same fp8 values: fp32 accumulation, plus bf16 output rounding (<= 2^-8 relative) for rowwise."""
+    from titan_train.quantize.gemm import _scaled_mm
+
+    r = RECIPES[recipe]
+    g = torch.Generator().manual_seed(6)
+    x, w, dy = torch.randn(40, 200, generator=g), torch.randn(48, 200, generator=g), torch.randn(40, 48, generator=g)
+    operands = ((x, w, r.x, r.weight), (dy, w.t(), r.grad_output, r.weight_t), (dy.t(), x.t(), r.grad_output_t, r.x_t))
+    for a, b, ba, bb in operands:
+        got = _scaled_mm(quantize(a, ba), quantize(b, bb), out_dtype=torch.float32)
+        want, magnitude, _ = _reference_gemm(a, b, ba, bb)
+        rounding = 2.0 ** -8 * want.abs() if recipe == "fp8_rowwise" else 0
+        assert ((got.double() - want).abs() <= rounding + 2 * a.shape[1] * 2.0 ** -24 * magnitude).all(), recipe
+
+
 def test_blockwise_triton_kernel_in_the_interpreter():
     """The Triton blockwise GEMM under TRITON_INTERPRET=1 (fp32 tensors holding e4m3 values) against float64."""
     script = Path(__file__).with_name("fp8_kernel_checks.py")

@@ -14,6 +14,7 @@ from .scaling import QuantizedMatrix
 MX_BLOCK = 32
 
 
+@torch.compiler.assume_constant_result  # a property of the machine: no graph break, no guard per call
 def mx_native_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
 
