@@ -71,6 +71,21 @@ def test_patterns_select_by_name_and_bad_patterns_are_refused():
         LinearConversion("fp4")
 
 
+def test_dist_moe_layers_keep_their_converted_shared_experts(tmp_path, jobs):
+    """model.moe_impl=dist_moe rebuilds each MoE layer: the pass runs after that swap, so the shared experts of
+    dist-moe's layer are the converted ones (and its router is not)."""
+    from titan_train.trainer import Trainer
+
+    config = jobs.tiny(tmp_path, **{"model.family": "deepseek_v3", "model.flavor": "debug", "training.steps": "1",
+                                    "model.moe_impl": "dist_moe", "quantize.linear": "fp8_rowwise"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Trainer(config, torch.device("cpu")).model
+    moe = model.layers["1"].moe
+    assert type(moe).__module__.startswith("dist_moe")
+    assert isinstance(moe.shared_experts.w1, QuantizedLinear) and type(moe.router.gate) is torch.nn.Linear
+
+
 @pytest.fixture(scope="module")
 def fp32_losses(tmp_path_factory, jobs):
     return train(jobs.tiny(tmp_path_factory.mktemp("fp32"), **STEPS)).losses

@@ -134,10 +134,10 @@ class Parallelizer:
         model = build_on_meta(model_cfg)
         if self.adapters is not None:  # on the whole model, so every pattern finds its Linears
             self.adapters.apply(model)
-        if self.quantize is not None:  # on the whole model too, before every wrapper (quantize/convert.py)
-            self.quantize.apply(model)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
+        if self.quantize is not None:  # after the MoE swap (it rebuilds those layers), before every wrapper
+            self.quantize.apply(model, partial=layout is not None)  # a pipeline rank holds some stages only
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu

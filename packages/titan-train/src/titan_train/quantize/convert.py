@@ -1,6 +1,7 @@
 """The conversion pass: which nn.Linear modules of a model (by name) become QuantizedLinears.
 
-Applied from outside the model, on meta, before parallelism, activation checkpointing, compile and FSDP wrap
+Applied from outside the model, on meta, after the MoE layers are swapped in and before parallelism, activation
+checkpointing, compile and FSDP wrap
 it (parallelizer.py). The swap keeps each module's Parameters, so weights, checkpoints and initialisation
 are those of the unconverted model.
 """
@@ -44,8 +45,9 @@ class LinearConversion:
             raise ValueError(f"quantize.linear={recipe!r}: allowed none, {', '.join(RECIPES)}")
         self.recipe, self.modules, self.backend = RECIPES[recipe], modules, backend
 
-    def select(self, model: nn.Module) -> list[str]:
-        """The names of the plain nn.Linear modules the patterns select (each pattern must select one)."""
+    def select(self, model: nn.Module, *, partial: bool = False) -> list[str]:
+        """The names of the plain nn.Linear modules the patterns select (each pattern must select one, unless
+        `model` is part of the model: a pipeline rank's stages)."""
         linears = [name for name, m in model.named_modules() if name and type(m) is nn.Linear]
         if not self.modules:
             return [name for name in linears if _default_selected(name)]
@@ -56,17 +58,18 @@ class LinearConversion:
                 raise ValueError(f"quantize.modules: {pattern} is a {type(modules[pattern]).__name__}, not an "
                                  "nn.Linear (LoRA-adapted and already converted Linears are left as they are)")
             hits = [name for name in linears if matches(pattern, name)]
-            if not hits:
+            if not hits and not partial:
                 raise ValueError(f"quantize.modules: {pattern!r} matches no nn.Linear (names look like "
                                  f"{linears[:4]})")
             selected += [name for name in hits if name not in selected]
         return selected
 
-    def apply(self, model: nn.Module) -> list[str]:
+    def apply(self, model: nn.Module, *, partial: bool = False) -> list[str]:
         """Swap the selected Linears in place; returns the converted names. A selected Linear whose shape the
-        recipe cannot block stays as it is, with a warning, unless the user named it exactly (ValueError)."""
+        recipe cannot block stays as it is, with a warning, unless the user named it exactly (ValueError).
+        partial: `model` holds some of the model's modules only (a pattern may match none of them)."""
         converted, skipped = [], []
-        for name in self.select(model):
+        for name in self.select(model, partial=partial):
             linear = model.get_submodule(name)
             if name == HEAD:
                 if name in self.modules:
