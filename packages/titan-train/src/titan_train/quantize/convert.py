@@ -1,9 +1,8 @@
 """The conversion pass: which nn.Linear modules of a model (by name) become QuantizedLinears.
 
 Applied from outside the model, on meta, after the MoE layers are swapped in and before parallelism, activation
-checkpointing, compile and FSDP wrap
-it (parallelizer.py). The swap keeps each module's Parameters, so weights, checkpoints and initialisation
-are those of the unconverted model.
+checkpointing, compile and FSDP wrap it (parallelizer.py). The swap keeps each module's Parameters, so
+weights, checkpoints and initialisation are those of the unconverted model.
 """
 from __future__ import annotations
 
