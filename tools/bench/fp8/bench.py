@@ -15,7 +15,8 @@ random tokens (--data.source random: the same batches for every variant). Varian
                        Linears, applied to the built Trainer's model before its first step (the blocks are
                        compiled lazily, so the compiled code is torchao's): the anchor.
 Flavors: "1.5B" is the train_throughput bench's model (Llama 3.2 1B's shape, untied embeddings); "8B" is
-Llama 3.1 8B cut to --layers-8b layers (default 16: its 32 layers with AdamW state do not fit one GPU; the
+Llama 3.1 8B cut to --layers-8b layers at --batch-8b sequences (default 16 layers, 1 sequence: all 32 with
+AdamW state fit one GPU only with full recomputation, --titan-args '--activation_checkpoint.mode full'; the
 per-layer GEMM shapes, which decide the fp8 speed-up, are the 8B's); "tiny" is the debug model (CPU check).
 Timing: the median step time over the steps after --warmup, and over --repeats runs of every variant
 (interleaved); peak memory from torch.cuda.max_memory_allocated. --loss-steps N: each variant then trains N steps
@@ -54,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing (compile)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of every variant (interleaved)")
     p.add_argument("--layers-8b", type=int, default=16, help="layers of the 8B flavor (32: all)")
+    p.add_argument("--batch-8b", type=int, default=1, help="sequences per step of the 8B flavor (memory)")
     p.add_argument("--compile", default="true", choices=("true", "false"))
     p.add_argument("--loss-steps", type=int, default=0, help="also train this many steps on stdlib text")
     p.add_argument("--tokenizer-vocab", type=int, default=32000, help="BPE vocabulary of the text runs (0: bytes)")
@@ -83,7 +85,7 @@ def titan_flags(args, flavor: str, variant: str, job: Path, *, steps: int, text:
     flags = [
         "--model.family", "llama3", "--model.flavor", FLAVORS[flavor], "--model.num_layers", layers, *data,
         "--job.device", args.device, "--job.folder", str(job), "--training.steps", str(steps),
-        "--training.batch_size", str(args.batch), "--training.seq_len", str(args.seq),
+        "--training.batch_size", str(batch_of(args, flavor)), "--training.seq_len", str(args.seq),
         "--training.mixed_precision", precision, "--optimizer.lr", "3e-4", "--lr_schedule.kind", "constant",
         "--lr_schedule.warmup_steps", "10", "--checkpoint.interval", "0", "--checkpoint.resume", "false",
         "--metrics.tensorboard", "false", "--metrics.progress", "false", "--metrics.plot", "false",
@@ -91,6 +93,10 @@ def titan_flags(args, flavor: str, variant: str, job: Path, *, steps: int, text:
     if variant in RECIPES:
         flags += ["--quantize.linear", variant]
     return flags
+
+
+def batch_of(args, flavor: str) -> int:
+    return args.batch_8b if flavor == "8B" and args.device == "cuda" else args.batch
 
 
 def torchao_convert(model: torch.nn.Module, variant: str) -> None:
@@ -162,7 +168,7 @@ def timed(args, flavor: str, variants: list[str]) -> dict[str, dict]:
                 print(f"== {flavor} {variant} FAILED: {type(e).__name__}: {e}", flush=True)
                 torch._dynamo.reset()
     results = {}
-    tokens = args.batch * args.seq
+    tokens = batch_of(args, flavor) * args.seq
     for variant, outs in runs.items():
         if outs:
             step_s = statistics.median(statistics.median(o["seconds"][args.warmup:]) for o in outs)
@@ -183,12 +189,14 @@ def with_text_losses(args, flavor: str, results: dict[str, dict], text: dict) ->
         results[variant]["text_losses"] = out["losses"]
 
 
-def table(flavor: str, results: dict[str, dict]) -> str:
+def table(args, flavor: str, results: dict[str, dict]) -> str:
     base = results.get("bf16")
     anchors = [results[v] for v in TORCHAO if v in results]
     anchor = max(anchors, key=lambda r: r["tokens_per_s"]) if anchors else None
-    lines = [f"\n### Llama 3 {flavor}\n", "| variant | tok/s | step ms | vs bf16 | vs torchao best | peak GiB | "
-             "final loss | vs bf16 loss |", "|---|---|---|---|---|---|---|---|"]
+    layers = f"{args.layers_8b} layers, " if flavor == "8B" else ""
+    lines = [f"\n### Llama 3 {flavor} ({layers}batch {batch_of(args, flavor)} x {args.seq})\n",
+             "| variant | tok/s | step ms | vs bf16 | vs torchao best | peak GiB | final loss | vs bf16 loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
         vs_ao = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x" if anchor else "n/a"
@@ -207,7 +215,7 @@ def main() -> int:
         return 2
     register_flavors()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, {name}; batch {args.batch} x {args.seq}", flush=True)
+    print(f"torch {torch.__version__}, {name}", flush=True)
     variants = args.variants.split(",")
     unknown = set(variants) - {"bf16", *RECIPES, *TORCHAO}
     if unknown:
@@ -219,7 +227,7 @@ def main() -> int:
         if text is not None:
             with_text_losses(args, flavor, results, text)
         summary[flavor] = results
-        tables.append(table(flavor, results))
+        tables.append(table(args, flavor, results))
     print("\n".join(tables))
     out = os.environ.get("OUT")
     if out:
