@@ -149,7 +149,9 @@ def stdlib_tokenizer(vocab: int) -> dict:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(iter(open_documents("stdlib")), trainer)
+    documents = open_documents("stdlib")  # bytes per file
+    tokenizer.train_from_iterator((documents[i].decode("utf-8", errors="replace") for i in range(len(documents))),
+                                  trainer, length=len(documents))
     path = Path(tempfile.mkdtemp(prefix="fp8_bench_tok_")) / "tokenizer.json"
     tokenizer.save(str(path))
     size = tokenizer.get_vocab_size()
