@@ -170,16 +170,24 @@ FSDP_JOB = {"training.steps": "4", "quantize.linear": "fp8_rowwise"}
 
 @pytest.fixture(scope="module")
 def rowwise_4_steps(tmp_path_factory, jobs):
-    return train(jobs.tiny(tmp_path_factory.mktemp("rowwise4"), **FSDP_JOB)).losses
+    losses = train(jobs.tiny(tmp_path_factory.mktemp("rowwise4"), **FSDP_JOB)).losses
+    unquantised = train(jobs.tiny(tmp_path_factory.mktemp("fp32_4"), **{**FSDP_JOB, "quantize.linear": "none"})).losses
+    # control: the tolerance below tells a quantised run from an unconverted one
+    assert max(abs(losses[s] - unquantised[s]) / unquantised[s] for s in losses) > 3e-4, (losses, unquantised)
+    return losses
 
 
-@pytest.mark.parametrize("fsdp_impl", ["fully_shard", "flexshard"])
-def test_fsdp_on_two_ranks_follows_the_single_process_run(fsdp_impl, rowwise_4_steps, tmp_path, jobs):
-    """Rank-sharded weights are gathered whole before each quantised GEMM, so the two-rank run is the one-process
-    run up to the order of gradient sums (fp32, ~1e-7), which a quantisation step can turn into an e4m3 rounding
-    flip of a few elements: 1e-4 relative over 4 steps still separates that from a wrong gradient (the loss
-    falls by ~2 over them). Two spawned ranks on a shared 2-core machine: ~70 s each, mostly start-up."""
-    config = jobs.tiny(tmp_path, **FSDP_JOB, **{"parallelism.dp_shard": "2", "parallelism.fsdp_impl": fsdp_impl})
+@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "fully_shard"},
+                                    {"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "flexshard"},
+                                    {"parallelism.pp": "2"}], ids=["fully_shard", "flexshard", "pp2"])
+def test_parallel_runs_on_two_ranks_follow_the_single_process_run(layout, rowwise_4_steps, tmp_path, jobs):
+    """FSDP: rank-sharded weights are gathered whole before each quantised GEMM, so the two-rank run is the
+    one-process run up to the order of gradient sums (fp32, ~1e-7), which a quantisation step can turn into an
+    e4m3 rounding flip of a few elements: 1e-4 relative over 4 steps still separates that from a wrong gradient
+    or an unconverted model (the fixture checks the quantised run departs from fp32 by more; the loss falls by ~2).
+    PP2: each rank converts the Linears of its own stages (the pass runs on the rank's part of the model).
+    Two spawned ranks on a shared 2-core machine: ~70 s each, mostly start-up."""
+    config = jobs.tiny(tmp_path, **FSDP_JOB, **layout)
     curve = jobs.on_ranks(config, 2)
     assert sorted(curve) == sorted(rowwise_4_steps)
     for step, ref in rowwise_4_steps.items():
