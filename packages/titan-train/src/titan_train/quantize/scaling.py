@@ -101,8 +101,9 @@ def quantize(matrix: torch.Tensor, blocking: Blocking) -> QuantizedMatrix:
         block_cols = padded_cols = _round_up(cols, blocking.pad_cols)
     block_rows = blocking.rows or rows
     padded_rows = _round_up(rows, block_rows)
-    # zeros change no block's amax; row-major, as torch._scaled_mm wants its first operand (x may be a transpose)
-    x = F.pad(x, (0, padded_cols - cols, 0, padded_rows - rows)).contiguous()
+    if (padded_rows, padded_cols) != (rows, cols):  # zeros change no block's amax
+        x = F.pad(x, (0, padded_cols - cols, 0, padded_rows - rows))
+    x = x.contiguous()  # row-major data, as torch._scaled_mm wants its first operand (x may be a transpose)
     # x [Rp, Cp] -> blocks [Rp / br, br, Cp / bc, bc]
     blocks = x.reshape(padded_rows // block_rows, block_rows, padded_cols // block_cols, block_cols)
     amax = blocks.abs().amax(dim=(1, 3))  # [Rp / br, Cp / bc]
