@@ -1,7 +1,7 @@
 """Low-precision Linear training (quantize.linear) against bf16 and torchao's float8 training: tokens/s on one GPU.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/fp8/bench.py
-    ... bench.py --loss-steps 300 --tokenizer-vocab 32000     (final loss on real text against bf16)
+    ... bench.py --steps 0 --loss-steps 300 --tokenizer-vocab 32000   (final loss on real text against bf16 only)
     ... bench.py --device cpu --flavors tiny                   (CPU check of the script)
 
 Every variant is titan-train's Trainer on the same model, batch and data: Llama 3 with every block compiled,
@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma list of bf16, {', '.join(RECIPES)}, {', '.join(TORCHAO)}")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=20, help="steps per timed run, warm-up included")
+    p.add_argument("--steps", type=int, default=20, help="steps per timed run, warm-up included (0: no timing)")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing (compile)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of every variant (interleaved)")
     p.add_argument("--layers-8b", type=int, default=16, help="layers of the 8B flavor (32: all)")
@@ -161,7 +161,7 @@ def stdlib_tokenizer(vocab: int) -> dict:
 
 def timed(args, flavor: str, variants: list[str]) -> dict[str, dict]:
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    for repeat in range(args.repeats):
+    for repeat in range(args.repeats if args.steps else 0):
         for variant in variants:
             print(f"== {flavor} {variant} (run {repeat + 1}/{args.repeats})", flush=True)
             try:
@@ -179,34 +179,37 @@ def timed(args, flavor: str, variants: list[str]) -> dict[str, dict]:
     return results
 
 
-def with_text_losses(args, flavor: str, results: dict[str, dict], text: dict) -> None:
-    for variant in results:
+def with_text_losses(args, flavor: str, results: dict[str, dict], text: dict, variants: list[str]) -> None:
+    for variant in variants:
         print(f"== {flavor} {variant}: {args.loss_steps} steps on stdlib text", flush=True)
         try:
             out = run_variant(args, flavor, variant, steps=args.loss_steps, text=text)
         except Exception as e:
             print(f"== {flavor} {variant} text run FAILED: {type(e).__name__}: {e}", flush=True)
             continue
-        results[variant]["final_loss"] = statistics.fmean(out["losses"][-10:])
-        results[variant]["text_losses"] = out["losses"]
+        entry = results.setdefault(variant, {})
+        entry["final_loss"] = statistics.fmean(out["losses"][-10:])
+        entry["text_losses"] = out["losses"]
 
 
 def table(args, flavor: str, results: dict[str, dict]) -> str:
-    base = results.get("bf16")
-    anchors = [results[v] for v in TORCHAO if v in results]
+    base = results.get("bf16", {})
+    anchors = [results[v] for v in TORCHAO if "tokens_per_s" in results.get(v, {})]
     anchor = max(anchors, key=lambda r: r["tokens_per_s"]) if anchors else None
     layers = f"{args.layers_8b} layers, " if flavor == "8B" else ""
     lines = [f"\n### Llama 3 {flavor} ({layers}batch {batch_of(args, flavor)} x {args.seq})\n",
              "| variant | tok/s | step ms | vs bf16 | vs torchao best | peak GiB | final loss | vs bf16 loss |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
-        vs_ao = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x" if anchor else "n/a"
+        speed = ["", "", "", "", ""]
+        if "tokens_per_s" in r:
+            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "tokens_per_s" in base else "n/a"
+            vs_ao = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x" if anchor else "n/a"
+            speed = [f"{r['tokens_per_s']:.0f}", f"{r['step_s'] * 1e3:.1f}", ratio, vs_ao, f"{r['peak_gib']:.1f}"]
         loss = f"{r['final_loss']:.4f}" if "final_loss" in r else ""
         gap = (f"{(r['final_loss'] - base['final_loss']) / base['final_loss']:+.2%}"
-               if base and "final_loss" in r and "final_loss" in base else "")
-        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['step_s'] * 1e3:.1f} | {ratio} | {vs_ao} | "
-                     f"{r['peak_gib']:.1f} | {loss} | {gap} |")
+               if "final_loss" in r and "final_loss" in base else "")
+        lines.append("| " + " | ".join([name, *speed, loss, gap]) + " |")
     return "\n".join(lines)
 
 
@@ -227,7 +230,7 @@ def main() -> int:
     for flavor in args.flavors.split(","):
         results = timed(args, flavor, variants)
         if text is not None:
-            with_text_losses(args, flavor, results, text)
+            with_text_losses(args, flavor, results, text, variants)
         summary[flavor] = results
         tables.append(table(args, flavor, results))
     print("\n".join(tables))
