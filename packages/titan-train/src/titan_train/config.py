@@ -573,6 +573,9 @@ class QuantizeConfig:
     backend: Literal["auto", "emulated"] = "auto"
     """auto: fp8 kernels on CUDA (torch._scaled_mm, Triton), quantise-dequantise-fp32 matmul on CPU. emulated:
     the CPU path everywhere (a numerics reference)."""
+    experts: Literal["none", "fp8_rowwise", "fp8_blockwise"] = "none"
+    """The routed experts' grouped GEMMs (forward and backward) in fp8 by dist-moe's grouped_mm_fp8
+    (model.moe_impl=dist_moe): rowwise, or blockwise (expert and model widths multiples of 128)."""
 
     def build(self) -> Any:
         """The conversion pass over the model's Linears (quantize/convert.py), None for linear=none."""

@@ -77,7 +77,8 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [model.get_submodule(n) for n in sorted(set(names), key=names.index)]
 
 
-def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "learned") -> list[str]:
+def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "learned",
+                 quantize: str = "none") -> list[str]:
     """Replace every MoE layer of the (meta) model by dist-moe's, with the same parameter names and
     shapes (tm.override checks them), so weights, init and checkpoints carry over. Returns their names."""
     replaced: list[str] = []
@@ -87,7 +88,7 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
             config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha,
-                                             routing=routing, **_dist_moe_options(fqn, old.config))
+                                             routing=routing, quantize=quantize, **_dist_moe_options(fqn, old.config))
             with torch.device(old.router.gate.weight.device):
                 return config.build()
 
@@ -289,8 +290,12 @@ def _count_tokens(moe: nn.Module, args, output) -> None:
 
 def prepare_moe_layers(model: nn.Module, config: TrainConfig) -> list[nn.Module]:
     """Swap in the configured MoE implementation (on the meta model) and return the MoE layers."""
+    experts = config.quantize.experts
     if resolve_moe_impl(config) == "dist_moe":
         # The trainer sums the microbatches' gradients, so each carries 1 / grad_accum_steps of the weight.
         use_dist_moe(model, aux_loss_alpha=config.model.moe_aux_loss_weight / config.training.grad_accum_steps,
-                     routing=config.model.moe_routing)
+                     routing=config.model.moe_routing, quantize=experts)
+    elif experts != "none":
+        raise ValueError(f"quantize.experts={experts} runs in dist-moe's experts; it needs model.moe_impl=dist_moe "
+                         f"(a MoE model), not {resolve_moe_impl(config)}")
     return moe_layers(model)
