@@ -25,7 +25,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 import dist_moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fp8_reference import reference  # noqa: E402
+from dist_moe_fp8_reference import reference  # noqa: E402
 
 interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
                                                               sanitize_overflow=False)

@@ -1,11 +1,11 @@
-"""grouped_mm_fp8 against float64 references (tests/fp8_reference.py, written from the formats).
+"""grouped_mm_fp8 against float64 references (tests/dist_moe_fp8_reference.py, written from the formats).
 
 - The quantiser bit for bit against a float64 round-to-nearest-even onto the e4m3 / e5m2 grids.
 - Forward, input and weight gradients with float32 inputs (so the fp8 values are exactly the
   reference's) against float64 quantise-dequantise-matmul per expert: 1e-5 relative to the
   largest entry (float32 accumulation and dequantisation over <= 384 terms).
 - With bfloat16 inputs against the unquantised float64 product, elementwise within the rounding
-  bound of fp8 (fp8_reference.rounding_bound) plus the bf16 output rounding (2^-8 relative): a
+  bound of fp8 (dist_moe_fp8_reference.rounding_bound) plus the bf16 output rounding (2^-8 relative): a
   bound derived from the formats, not measured.
 The Triton kernels run the same checks interpreted on CPU (test_triton_interpret_fp8.py) and on CUDA.
 """
@@ -21,7 +21,7 @@ import dist_moe
 from dist_moe.fp8_quant import Fp8Recipe, quantize_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test directory
-from fp8_reference import block_scales, exact, quotient, reference, round_to_format, rounding_bound  # noqa: E402
+from dist_moe_fp8_reference import block_scales, exact, quotient, reference, round_to_format, rounding_bound  # noqa: E402
 
 COUNTS = [5, 0, 130, 1, 0, 20]  # ragged, two empty, one past a 128-row chunk
 

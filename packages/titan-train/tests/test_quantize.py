@@ -1,5 +1,5 @@
 """titan_train.quantize's numerics against float64 references written from the formats' definitions
-(fp8_reference.py): quantisation bit-exact for every blocking (MX included), each recipe's three GEMMs
+(titan_train_fp8_reference.py): quantisation bit-exact for every blocking (MX included), each recipe's three GEMMs
 (forward, input and weight gradient) against float64 on the reference-quantised operands, and against the
 unquantised float64 product within e4m3/e5m2's rounding bound. GPU kernels: same checks on CUDA (skipped on CPU).
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_reference import FORMATS, quantize_reference, round_fp8
+from titan_train_fp8_reference import FORMATS, quantize_reference, round_fp8
 
 from titan_train.quantize import RECIPES, Blocking, quantize, quantized_linear
 from titan_train.quantize.scaling import E4M3, E5M2
