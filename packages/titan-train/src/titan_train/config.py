@@ -128,6 +128,10 @@ class OptimizerConfig:
     """Decoupled weight decay, applied to matrices only (not to norms)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernels. auto: fused on cuda, foreach on cpu."""
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's two moments under training.mixed_precision=bf16_params: bfloat16 keeps them as torch's AdamW
+    does for a bf16 model (updated in fp32, stored rounded), 4 bytes a parameter less; the master weights
+    stay fp32."""
     muon_lr: float = 0.02
     """muon: peak learning rate of the Muon matrices (follows the same schedule)."""
     muon_momentum: float = 0.95
