@@ -75,6 +75,34 @@ def test_fused_cross_entropy_bf16_inputs_close_to_float64():
     assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 products with fp32 output)")
+def test_fused_loss_accumulates_the_weight_gradient_in_place_on_gpu():
+    """bf16 on CUDA over 4 chunks (the in-place fp32 addmm of each chunk's weight gradient): loss and both
+    gradients within bf16 rounding of float64, and the loss peak holds one fp32 weight gradient, not two."""
+    g = torch.Generator().manual_seed(3)
+    tokens, dim, vocab, chunk = 2048, 256, 32000, 512
+    hidden, weight = torch.randn(tokens, dim, generator=g), torch.randn(vocab, dim, generator=g) * 0.05
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[:100] = IGNORE_INDEX
+    h = hidden.cuda().bfloat16().requires_grad_()
+    w = weight.cuda().bfloat16().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = fused_linear_cross_entropy(h, w, labels.cuda(), chunk=chunk, triton=True)
+    peak = torch.cuda.max_memory_allocated() - base
+    loss.backward()
+    h64, w64 = h.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    ref = F.cross_entropy(h64 @ w64.T, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-3)
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        err = (got.double().cpu() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, err
+    fp32_grad, logits = vocab * dim * 4, chunk * vocab * 2
+    assert peak < fp32_grad + logits + fp32_grad // 2, (peak, fp32_grad, logits)  # not two fp32 gradients
+
+
 def test_schedules():
     steps = 100
     wsd = LRScheduleConfig(kind="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1)

@@ -91,8 +91,8 @@ def _accumulate_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tens
     if a.dtype == dtype:
         return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
     if a.is_cuda and _out_dtype_products:
-        try:
-            return torch.mm(a, b, out_dtype=dtype) if acc is None else torch.addmm(acc, a, b, out_dtype=dtype)
+        try:  # in place (out=acc): a second [V, d] fp32 buffer per chunk would add 1 GiB at a 128k vocabulary
+            return torch.mm(a, b, out_dtype=dtype) if acc is None else torch.addmm(acc, a, b, out_dtype=dtype, out=acc)
         except (RuntimeError, TypeError):
             _out_dtype_products = False
     if acc is None:
