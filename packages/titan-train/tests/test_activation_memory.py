@@ -9,22 +9,26 @@ aot_eager_decomp_partition runs inductor's min-cut partitioner with eager kernel
 inductor on a GPU without generating code (on a GPU, tools/bench/train_throughput measures the peak)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from titan_models.models.llama3.model import Llama3Config
 from titan_train.compile_regions import apply_compile_regions
 from titan_train.config import ActivationCheckpointConfig, CompileConfig
+from titan_train.kernels.swiglu import use_fused_swiglu
 from titan_train.parallelize import apply_activation_checkpointing
 
 DIM, FFN, SEQ = 256, 1024, 256  # the 1.5B bench Llama's proportions: ffn 4 d, 4:1 query:key heads, head dim 64
 
 
-def _block_run(selective: bool) -> tuple[int, torch.Tensor, list[torch.Tensor], int]:
+def _block_run(selective: bool, fused: bool) -> tuple[int, torch.Tensor, list[torch.Tensor], int]:
     """(bytes a token the block saves for backward, output, gradients, matmuls run in backward)."""
     torch.manual_seed(0)
     config = Llama3Config(vocab_size=512, dim=DIM, num_layers=1, num_heads=4, num_kv_heads=1, ffn_dim=FFN,
                           head_dim=64, max_seq_len=1024)
     model = config.build().to(torch.bfloat16)
+    if fused:  # the GPU path's SwiGLU autograd function (its backward in torch ops on CPU)
+        use_fused_swiglu(model)
     if selective:
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="selective", selective="ops"))
     apply_compile_regions(model, CompileConfig(enabled=True, backend="aot_eager_decomp_partition"))
@@ -47,9 +51,10 @@ def _block_run(selective: bool) -> tuple[int, torch.Tensor, list[torch.Tensor], 
     return saved // (2 * SEQ), out.detach(), grads, matmuls
 
 
-def test_compiled_selective_checkpointing_keeps_the_planned_tensors_and_recomputes_no_matmul():
-    saved_sac, out_sac, grads_sac, mm_sac = _block_run(selective=True)
-    saved_plain, out_plain, grads_plain, mm_plain = _block_run(selective=False)
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-swiglu", "fused-swiglu"])
+def test_compiled_selective_checkpointing_keeps_the_planned_tensors_and_recomputes_no_matmul(fused):
+    saved_sac, out_sac, grads_sac, mm_sac = _block_run(selective=True, fused=fused)
+    saved_plain, out_plain, grads_plain, mm_plain = _block_run(selective=False, fused=fused)
     planned = (DIM + 3 * DIM // 2 + DIM + DIM + 2 * FFN) * 2  # x, qkv, attention out, wo out, gate|up (bf16)
     small = 2 * 4 + 4 * 4  # per token: two RMSNorm rstd and the attention log-sum-exp of 4 heads (fp32)
     assert planned <= saved_sac <= planned + small, (saved_sac, planned)

@@ -26,8 +26,9 @@ decay 0.1 on matrices, clip 1.0, 10 warm-up steps then constant); transformers k
                                attention and output projections and gate|up; norms, RoPE and SwiGLU recompute);
   titan_compile_sac_bf16_moments  the same with AdamW's moments in bf16 (--optimizer.moment_dtype bfloat16;
                                the master weights stay fp32);
-  titan_compile_lean           the same with 2048-token loss chunks (--training.loss_chunk_size 2048): the
-                               best memory setting.
+  titan_compile_lean           the same with 2048-token loss chunks summing the output weight's gradient in
+                               bf16 (--training.loss_chunk_size 2048 --training.loss_weight_grad_dtype param):
+                               the best memory setting.
 A titan variant's name with the suffix _cudnn runs it with SDPA's cuDNN attention tried first.
 --size 8B runs the Llama 3 8B shapes (hidden 4096, 32 layers, FFN 14,336) instead of the 1.5B ones.
 memory_model.py counts where each variant's peak goes; the table prints that count ('exp GiB') beside the
@@ -272,7 +273,8 @@ TITAN_VARIANTS["titan_compile_sac"] = (True, TITAN_VARIANTS["titan_compile"][1] 
 TITAN_VARIANTS["titan_compile_sac_bf16_moments"] = (
     True, TITAN_VARIANTS["titan_compile_sac"][1] + ("--optimizer.moment_dtype", "bfloat16"))
 TITAN_VARIANTS["titan_compile_lean"] = (
-    True, TITAN_VARIANTS["titan_compile_sac_bf16_moments"][1] + ("--training.loss_chunk_size", "2048"))
+    True, TITAN_VARIANTS["titan_compile_sac_bf16_moments"][1] + ("--training.loss_chunk_size", "2048",
+                                                                 "--training.loss_weight_grad_dtype", "param"))
 
 
 def run_variant(variant: str, folder: Path, args, device: torch.device) -> dict:

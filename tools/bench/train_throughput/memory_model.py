@@ -11,8 +11,9 @@ are alive and the gradients are not yet (zero_grad sets them to None):
                hooks on the compiled block; transformers + liger: its kernels' saved tensors);
   weight cats  titan-train's fused q/k/v and gate/up projections concatenate their weights every forward,
                and the compiled block without checkpointing keeps the concatenation for backward;
-  loss         the fused loss's chunk of logits (bf16) and its fp32 output-weight gradient (the Triton
-               chunk kernel writes the logits' gradient over them);
+  loss         the fused loss's chunk of logits (bf16) and its output-weight gradient sum (fp32, or bf16
+               with training.loss_weight_grad_dtype=param; the Triton chunk kernel writes the logits'
+               gradient over them);
   other        embedding output, final norm input in fp32 (it runs outside the compiled blocks), token rows.
 The allocator's own slack (~1 GiB measured) is not counted.
 """
@@ -39,6 +40,8 @@ class Setting:
     """titan_compile, titan_compile_sac (op-level selective checkpointing compiled with the block), liger."""
     loss_chunk: int = 0
     """Tokens per chunk of titan-train's fused loss (0: liger's, whose chunks are a few hundred tokens)."""
+    weight_grad_bytes: int = 4
+    """Bytes a value of the fused loss's output-weight gradient sum (training.loss_weight_grad_dtype)."""
 
 
 def parameters(size: str) -> int:
@@ -70,7 +73,7 @@ def breakdown(size: str, batch: int, seq: int, setting: Setting) -> dict[str, fl
     if setting.activations == "titan_compile":
         parts["weight cats"] = 2 * layers * d * (2 * ffn + d + 2 * kv)
     if setting.loss_chunk:
-        parts["loss"] = 2 * min(setting.loss_chunk, tokens) * vocab + 4 * vocab * d
+        parts["loss"] = 2 * min(setting.loss_chunk, tokens) * vocab + setting.weight_grad_bytes * vocab * d
     else:  # liger: a chunk of ~512 tokens in bf16 and a bf16 weight gradient
         parts["loss"] = 2 * 512 * vocab + 2 * vocab * d
     parts["other"] = tokens * d * (2 + 4 + 2) + 3 * tokens * 8
@@ -83,7 +86,8 @@ VARIANTS = {  # bench.py's variants whose layout this counts
     "titan_compile_sac": Setting(state_bytes=2 + 4 + 2 * 4, activations="titan_compile_sac", loss_chunk=8192),
     "titan_compile_sac_bf16_moments": Setting(state_bytes=2 + 4 + 2 * 2, activations="titan_compile_sac",
                                               loss_chunk=8192),
-    "titan_compile_lean": Setting(state_bytes=2 + 4 + 2 * 2, activations="titan_compile_sac", loss_chunk=2048),
+    "titan_compile_lean": Setting(state_bytes=2 + 4 + 2 * 2, activations="titan_compile_sac", loss_chunk=2048,
+                                  weight_grad_bytes=2),
 }
 
 

@@ -85,6 +85,11 @@ class StepConfig:
     autocast's per-step weight and gradient casts. auto: bf16 on cuda, fp32 on cpu."""
     loss_chunk_size: int = 8192
     """Tokens per chunk of the fused output-projection + cross-entropy (full logits never exist)."""
+    loss_weight_grad_dtype: Literal["float32", "param"] = "float32"
+    """The dtype the fused loss sums the output weight's gradient in over its chunks: float32, or the
+    weight's own (param: bf16 under mixed_precision=bf16_params, as liger-kernel does; half the bytes of
+    the [vocab, dim] buffer held through the loss and of each chunk's pass over it, one bf16 rounding a
+    chunk where float32 has one at the end)."""
     gc_interval: int = 50
     """Run Python's garbage collector (young generations) every this many steps instead of automatically,
     so a collection never stalls the GPU queue mid-step (0: leave it automatic)."""

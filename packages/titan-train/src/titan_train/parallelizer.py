@@ -139,6 +139,7 @@ class Parallelizer:
             use_fused_swiglu(model)
         loss = CausalLMLoss(
             model, chunk=t.loss_chunk_size, compiled=run.compile.uses_torch_compile, triton=fused,
+            weight_grad_in_param_dtype=t.loss_weight_grad_dtype == "param",
             context_factory=(lambda ids: tm.AttentionContext(document_ids=ids)) if document_masking else None,
             tp_group=self.mesh["tp"].get_group() if self.degrees.tp > 1 else None)
         # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
