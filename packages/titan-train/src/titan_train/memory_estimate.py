@@ -59,10 +59,16 @@ def estimate(config: TrainConfig, model_cfg, degrees: Degrees, *, device: torch.
     chunk = min(t.loss_chunk_size, tokens)
     loss = chunk * model_cfg.vocab_size * 4 * 2
     world = degrees.dp * degrees.cp * degrees.tp * degrees.pp
-    state_bytes = 12 if precision == "bf16_params" and config.optimizer.moment_dtype == "bfloat16" else 16
-    states = state_bytes * n_params // world
+    states = state_bytes_per_param(config, device) * n_params // world
     data = 3 * t.batch_size * (t.seq_len + 1) * 8
     return MemoryEstimate(activations=activations, loss=loss, states=states, data=data)
+
+
+def state_bytes_per_param(config: TrainConfig, device: torch.device) -> int:
+    """Weights, gradients and AdamW's moments a parameter holds: 16 bytes (fp32 everything, or bf16 weight and
+    gradient with fp32 master and moments), 12 with optimizer.moment_dtype=bfloat16 under bf16_params."""
+    bf16_moments = config.training.precision(device) == "bf16_params" and config.optimizer.moment_dtype == "bfloat16"
+    return 12 if bf16_moments else 16
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -199,12 +199,14 @@ class Parallelizer:
 
     def _apply_remat(self, model: nn.Module) -> None:
         """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank; the weights,
-        fp32 gradients and AdamW moments (16 bytes a parameter, sharded over FSDP) count against the budget."""
+        gradients and AdamW moments (16 bytes a parameter, 12 with bf16 moments; sharded over FSDP) count
+        against the budget."""
+        from .memory_estimate import state_bytes_per_param
         from .remat import apply_remat
 
         t, d = self.run.training, self.degrees
         shards = d.dp * d.cp if self.fsdp else 1
-        static = 16 * sum(p.numel() for p in model.parameters()) // shards
+        static = state_bytes_per_param(self.run, self.device) * sum(p.numel() for p in model.parameters()) // shards
         is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.remat_plan = apply_remat(model, self.run.activation_checkpoint,
                                       rows=t.batch_size // d.dp // t.grad_accum_steps, seq_len=t.seq_len // d.cp,
