@@ -83,7 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variants", default="hf,hf_compile,hf_liger,titan_compile")
     p.add_argument("--data", default="stdlib", choices=("stdlib", "random"),
                    help="stdlib: real text (byte tokens) for both; random: uniform random tokens")
-    p.add_argument("--titan-args", default="", help="extra titan-train CLI overrides for the titan variants")
+    p.add_argument("--titan-args", default="",
+                   help="extra titan-train CLI overrides for the titan variants (after, so over, the variant's own)")
     p.add_argument("--profile", default="", help="a titan variant to profile for two more steps after its run")
     p.add_argument("--loss-rtol", type=float, default=0.02, help="allowed relative loss gap to transformers")
     return p.parse_args()
@@ -245,7 +246,7 @@ def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool,
         "--optimizer.eps", str(EPS), "--lr_schedule.kind", "constant", "--lr_schedule.warmup_steps", str(WARMUP),
         "--checkpoint.interval", "0", "--checkpoint.resume", "false", "--metrics.tensorboard", "false",
         "--metrics.progress", "false", "--compile.enabled", "true" if compile_blocks else "false",
-        *args.titan_args.split(), *extra,
+        *extra, *args.titan_args.split(),  # --titan-args last: they override a variant's own flags
     ]
     config, _ = parse_train_args(cli)
     trainer = Trainer(config, device)

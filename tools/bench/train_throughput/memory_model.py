@@ -15,7 +15,9 @@ are alive and the gradients are not yet (zero_grad sets them to None):
                with training.loss_weight_grad_dtype=param; the Triton chunk kernel writes the logits'
                gradient over them);
   other        embedding output, final norm input in fp32 (it runs outside the compiled blocks), token rows.
-The allocator's own slack (~1 GiB measured) is not counted.
+The allocator's own slack (~1 GiB measured) is not counted, nor the first block's backward transient (its
+recomputed values and the gate|up gradient, about 1 GiB at 16k tokens on the 1.5B model), which can put the
+peak of a setting with small loss buffers at the start of the backward instead.
 """
 from __future__ import annotations
 
