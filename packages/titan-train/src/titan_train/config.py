@@ -85,6 +85,11 @@ class StepConfig:
     autocast's per-step weight and gradient casts. auto: bf16 on cuda, fp32 on cpu."""
     loss_chunk_size: int = 8192
     """Tokens per chunk of the fused output-projection + cross-entropy (full logits never exist)."""
+    loss_weight_grad_dtype: Literal["float32", "param"] = "float32"
+    """The dtype the fused loss sums the output weight's gradient in over its chunks: float32, or the
+    weight's own (param: bf16 under mixed_precision=bf16_params, as liger-kernel does; half the bytes of
+    the [vocab, dim] buffer held through the loss and of each chunk's pass over it, one bf16 rounding a
+    chunk where float32 has one at the end)."""
     gc_interval: int = 50
     """Run Python's garbage collector (young generations) every this many steps instead of automatically,
     so a collection never stalls the GPU queue mid-step (0: leave it automatic)."""
@@ -128,6 +133,10 @@ class OptimizerConfig:
     """Decoupled weight decay, applied to matrices only (not to norms)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernels. auto: fused on cuda, foreach on cpu."""
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's two moments under training.mixed_precision=bf16_params: bfloat16 keeps them as torch's AdamW
+    does for a bf16 model (updated in fp32, stored rounded), 4 bytes a parameter less; the master weights
+    stay fp32."""
     muon_lr: float = 0.02
     """muon: peak learning rate of the Muon matrices (follows the same schedule)."""
     muon_momentum: float = 0.95

@@ -145,6 +145,7 @@ class Parallelizer:
             use_fused_swiglu(model)
         loss = CausalLMLoss(
             model, chunk=t.loss_chunk_size, compiled=run.compile.uses_torch_compile, triton=fused,
+            weight_grad_in_param_dtype=t.loss_weight_grad_dtype == "param",
             context_factory=(lambda ids: tm.AttentionContext(document_ids=ids)) if document_masking else None,
             tp_group=self.mesh["tp"].get_group() if self.degrees.tp > 1 else None)
         # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
@@ -204,12 +205,14 @@ class Parallelizer:
 
     def _apply_remat(self, model: nn.Module) -> None:
         """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank; the weights,
-        fp32 gradients and AdamW moments (16 bytes a parameter, sharded over FSDP) count against the budget."""
+        gradients and AdamW moments (16 bytes a parameter, 12 with bf16 moments; sharded over FSDP) count
+        against the budget."""
+        from .memory_estimate import state_bytes_per_param
         from .remat import apply_remat
 
         t, d = self.run.training, self.degrees
         shards = d.dp * d.cp if self.fsdp else 1
-        static = 16 * sum(p.numel() for p in model.parameters()) // shards
+        static = state_bytes_per_param(self.run, self.device) * sum(p.numel() for p in model.parameters()) // shards
         is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.remat_plan = apply_remat(model, self.run.activation_checkpoint,
                                       rows=t.batch_size // d.dp // t.grad_accum_steps, seq_len=t.seq_len // d.cp,
