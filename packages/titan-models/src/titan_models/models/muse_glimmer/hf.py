@@ -181,3 +181,27 @@ TINY_HF_CONFIGS = {
                 **TINY_MULTIMODAL},
         auto_class="AutoModelForImageTextToText", prepare=scale_lm_head(30.0)),
 }
+
+
+_VISION_TOP = {"patch_embed.weight": "model.vision_tower.patch_embedder.patch_embedding.weight",
+               "pos_embed.weight": "model.vision_tower.patch_embedder.position_embedding_table.weight",
+               "pre_norm.weight": "model.vision_tower.ln_pre.weight", "pre_norm.bias": "model.vision_tower.ln_pre.bias",
+               "post_norm.weight": "model.vision_tower.ln_post.weight",
+               "post_norm.bias": "model.vision_tower.ln_post.bias",
+               "adapter_w1.weight": "model.vision_adapter.fc1.weight",
+               "adapter_w2.weight": "model.vision_adapter.fc2.weight",
+               "projection.weight": "model.vision_projection.weight"}
+_VISION_BLOCK = {"attention_norm": "norm1", "attention.wq": "attn.q_proj", "attention.wk": "attn.k_proj",
+                 "attention.wv": "attn.v_proj", "attention.wo": "attn.proj", "ffn_norm": "norm2", "w1": "mlp.fc1",
+                 "w2": "mlp.fc2"}
+_VISION_BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def vision_hf_name(name: str) -> str:
+    """The HF name of a MuseVisionTower tensor (the tower is not wired into MuseGlimmerConfig yet)."""
+    if name in _VISION_TOP:
+        return _VISION_TOP[name]
+    match = _VISION_BLOCK_NAME.fullmatch(name)
+    if match is None or match[2] not in _VISION_BLOCK:
+        raise NoHFName(name)
+    return f"model.vision_tower.layers.{match[1]}.{_VISION_BLOCK[match[2]]}.{match[3]}"

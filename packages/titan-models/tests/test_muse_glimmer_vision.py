@@ -1,0 +1,56 @@
+"""Muse Glimmer's vision tower (with adapter, projection and norm) against transformers'
+MuseGlimmerModel.get_image_features in fp32: windowed and full-attention blocks, several images of
+different sizes (larger and smaller than the window and the position table)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tm_reference import rel_err
+
+from titan_models.models.muse_glimmer.hf import TINY_TEXT, vision_hf_name
+from titan_models.models.muse_glimmer.vision import MuseVisionConfig
+
+VISION = {"patch_size": 2, "pos_emb_height": 4, "pos_emb_width": 4, "num_attention_heads": 2,
+          "num_hidden_layers": 5, "hidden_size": 32, "intermediate_size": 64, "merge_size": 2}
+GRIDS = {"one": [(6, 10)], "several-sizes": [(4, 4), (10, 6), (2, 8), (8, 12)]}
+
+
+def _reference():
+    config = transformers.AutoConfig.for_model(
+        "muse_glimmer", text_config=TINY_TEXT, vision_config=VISION, out_hidden_size=128, projector_hidden_size=48,
+        image_token_id=0, video_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager",
+                                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in name or "ln_" in name else param.normal_(0.0, 0.2)
+    return model
+
+
+def _tower(reference):
+    config = MuseVisionConfig(depth=5, dim=32, ffn_dim=64, num_heads=2, adapter_dim=48, out_dim=64, patch_size=2,
+                              pos_emb_size=4, merge_size=2, text_norm_eps=reference.config.text_config.rms_norm_eps)
+    tower = config.build()
+    state = reference.state_dict()
+    tower.load_state_dict({name: state[vision_hf_name(name)] for name in tower.state_dict()})
+    return tower.eval()
+
+
+@pytest.mark.parametrize("case", GRIDS)
+def test_tower_matches_transformers_image_features(case):
+    reference = _reference()
+    tower = _tower(reference)
+    assert tower.config.resolved_full_attention_layers() == (3, 4)
+    grid = torch.tensor([(1, h, w) for h, w in GRIDS[case]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), tower.config.patch_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = torch.cat(reference.model.get_image_features(pixels, grid).pooler_output)
+        got = tower(pixels, grid)
+        assert got.shape == want.shape and rel_err(got, want) < 1e-5
+        # control: attention over whole images in every block (no windows) is far off
+        full = MuseVisionConfig(**{**tower.config.__dict__, "full_attention_layers": tuple(range(5))}).build()
+        full.load_state_dict(tower.state_dict())
+        if any(h > 4 or w > 4 for h, w in GRIDS[case]):
+            assert rel_err(full(pixels, grid), want) > 1e-4
