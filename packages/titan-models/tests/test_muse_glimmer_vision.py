@@ -1,12 +1,15 @@
 """Muse Glimmer's vision tower (with adapter, projection and norm) against transformers'
 MuseGlimmerModel.get_image_features in fp32: windowed and full-attention blocks, several images of
-different sizes (larger and smaller than the window and the position table)."""
+different sizes (larger and smaller than the window and the position table); and the whole model with
+images against MuseGlimmerForConditionalGeneration, both ways."""
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-from tm_reference import rel_err
+from tm_reference import build, load_hf, rel_err, save_hf
+
+import titan_models as tm
 
 from titan_models.models.muse_glimmer.hf import TINY_TEXT, vision_hf_name
 from titan_models.models.muse_glimmer.vision import MuseVisionConfig
@@ -54,3 +57,64 @@ def test_tower_matches_transformers_image_features(case):
         full.load_state_dict(tower.state_dict())
         if any(h > 4 or w > 4 for h, w in GRIDS[case]):
             assert rel_err(full(pixels, grid), want) > 1e-4
+
+
+IMAGE, MERGE = 120, 2
+COMPOSITE = {"model_type": "muse_glimmer", "architectures": ["MuseGlimmerForConditionalGeneration"],
+             "text_config": TINY_TEXT, "vision_config": VISION, "out_hidden_size": 128, "projector_hidden_size": 48,
+             "image_token_id": IMAGE, "video_token_id": 121}
+SAMPLES = {"one-image-each": [[(6, 10)], [(4, 4)]], "several-sizes": [[(4, 4), (10, 6), (2, 8)], [(8, 6)]]}
+
+
+def _batch(images_per_sample, *, seq: int = 96, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    rows, grids = [], []
+    for images in images_per_sample:
+        row: list[int] = []
+        for h, w in images:
+            row += torch.randint(1, 110, (5,), generator=gen).tolist() + [IMAGE] * (h * w // MERGE**2)
+            grids.append((1, h, w))
+        rows.append(row + torch.randint(1, 110, (seq - len(row),), generator=gen).tolist())
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 2 * 3 * 2 * 2, generator=gen)
+    return torch.tensor(rows), pixels, grid
+
+
+@pytest.mark.parametrize("case", SAMPLES)
+def test_from_hf_with_images_matches_transformers(tmp_path, case):
+    fields = dict(COMPOSITE)
+    reference = save_hf(transformers.AutoConfig.for_model(fields.pop("model_type"), **fields), tmp_path,
+                        auto_class="AutoModelForImageTextToText")
+    model = tm.from_hf(tmp_path)
+    assert model.config.vision is not None
+    tokens, pixels, grid = _batch(SAMPLES[case])
+    with torch.no_grad():
+        want = reference(input_ids=tokens, pixel_values=pixels, image_grid_thw=grid).logits
+        assert rel_err(model(tokens, pixel_values=pixels, image_grid_thw=grid), want) < 1e-5
+        assert rel_err(model(tokens.masked_fill(tokens == IMAGE, 0)), want) > 1e-3  # control: images matter
+
+
+def test_to_hf_with_images_loads_in_transformers_with_the_same_logits(tmp_path):
+    config = tm.family("muse_glimmer").hf.config_from_hf(dict(COMPOSITE), set())
+    model = build(config, seed=3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.05)
+    tm.to_hf(model, tmp_path)
+    reference = load_hf(tmp_path, auto_class="AutoModelForImageTextToText")
+    tokens, pixels, grid = _batch(SAMPLES["several-sizes"], seed=1)
+    with torch.no_grad():
+        got = model(tokens, pixel_values=pixels, image_grid_thw=grid)
+        assert rel_err(reference(input_ids=tokens, pixel_values=pixels, image_grid_thw=grid).logits, got) < 1e-5
+        assert torch.equal(tm.from_hf(tmp_path)(tokens, pixel_values=pixels, image_grid_thw=grid), got)
+
+
+def test_image_tokens_that_do_not_match_the_images_name_the_sample():
+    model = build(tm.family("muse_glimmer").hf.config_from_hf(dict(COMPOSITE), set()))
+    tokens, pixels, grid = _batch(SAMPLES["one-image-each"])
+    tokens[1, -1] = IMAGE
+    with pytest.raises(ValueError, match="sample 1 has more image tokens than images"):
+        model(tokens, pixel_values=pixels, image_grid_thw=grid)

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from titan_models.components.attention import prepare_masks
+from titan_models.components.image_tokens import check_image_tokens
 from titan_models.context import AttentionContext
 from titan_models.models.deepseek_v3.model import DeepSeekV3Config, DeepSeekV3Transformer
 from titan_models.models.kimi_k25.vision import KimiVisionConfig, KimiVisionTower
@@ -89,21 +90,7 @@ class KimiK25Transformer(DeepSeekV3Transformer):
             h = block(h, rope, context=context)
         return self.norm(h) if self.norm is not None else h
 
-
-def check_image_tokens(is_image: torch.Tensor, image_grid_thw: torch.Tensor, merge: int) -> None:
-    """ValueError naming the sample unless the images, taken in order, fill each sample's image tokens whole."""
-    need = [int(t * h * w) // merge**2 for t, h, w in image_grid_thw.tolist()]
-    image = 0
-    for sample, have in enumerate(is_image.sum(-1).tolist()):
-        start = image
-        while have > 0 and image < len(need):
-            have -= need[image]
-            image += 1
-        if have > 0:
-            raise ValueError(f"sample {sample} has more image tokens than images: images {start}..{len(need) - 1} "
-                             f"make {sum(need[start:])} tokens, it holds {int(is_image[sample].sum())}")
-        if have < 0:
-            raise ValueError(f"sample {sample} holds {int(is_image[sample].sum())} image tokens, which do not end "
-                             f"at an image boundary: images {start}..{image - 1} need {sum(need[start:image])}")
-    if image != len(need):
-        raise ValueError(f"image_grid_thw lists {len(need)} images but the samples' image tokens hold {image}")
+    def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "KimiK25Transformer":
+        stage = super().pipeline_stage(layer_names, first=first, last=last)
+        stage.visual = self.visual if first else None  # images enter with the embeddings
+        return stage
