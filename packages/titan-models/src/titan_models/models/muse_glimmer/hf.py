@@ -3,7 +3,9 @@ maps Muse to) <-> MuseGlimmerConfig. `MuseConverter` is what Muse Spark's conver
 
 The text model sits under `model.language_model.*` beside `model.vision_tower.*`, `model.vision_adapter.*`
 and `model.vision_projection.*` (Spark: also `model.audio_tower.*`), with `lm_head.weight` at the top and
-the text settings in `text_config`. from_hf loads the text model and lists the towers' tensors in a
+the text settings in `text_config`. Muse Glimmer: from_hf loads the vision tower, adapter and projection
+when the folder holds them (`MuseGlimmerConfig.vision`; names as transformers keeps them, written whole);
+otherwise, and for Spark's towers, it loads the text model and lists the towers' tensors in a
 warning; the composite's other fields (tower sub-configs, image token ids) are kept in the config's
 `hf_multimodal` so that to_hf writes the same composite config (with the text weights only: transformers
 then initialises the towers). Per-layer `layer_rope_theta`: 0 marks a NoPE layer, other values are
@@ -268,7 +270,7 @@ _VISION_BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)")
 
 
 def vision_hf_name(name: str) -> str:
-    """The HF name of a MuseVisionTower tensor (the tower is not wired into MuseGlimmerConfig yet)."""
+    """The HF name of a MuseVisionTower tensor (the model's `visual.` prefix removed)."""
     if name in _VISION_TOP:
         return _VISION_TOP[name]
     match = _VISION_BLOCK_NAME.fullmatch(name)

@@ -7,7 +7,7 @@ to the text width and a scaleless RMSNorm.
 
 Input is what transformers' Muse Glimmer image processor makes: `pixel_values` [patches, patch_temporal * 3
 * patch * patch], each image's patches in raster order, and `grid_thw` [images, 3] in patches (t = 1).
-Not wired into MuseGlimmerConfig yet: the tower is called on its own (`tower(pixel_values, grid_thw)`).
+`MuseGlimmerConfig.vision` builds it as the model's `visual` (`tower(pixel_values, grid_thw) -> image tokens`).
 """
 from __future__ import annotations
 
