@@ -8,7 +8,7 @@ from titan_rl.generation import BuiltinGenerator, Completion, Generator, Samplin
 from titan_rl.loop import RLConfig, RLLoop, TrainBatch
 from titan_rl.rollout import AsyncRollouts, RolloutBatch, Sample, collect_rollouts
 from titan_rl.tokenizer import ByteTokenizer, CharTokenizer, Tokenizer
-from titan_rl.logprobs import logprobs_from_logits, token_logprobs
+from titan_rl.logprobs import logprobs_from_logits, token_logprobs, token_logprobs_and_entropy
 from titan_rl.losses import PolicyLossConfig, PolicyLossOutput, group_advantages, informative_groups, policy_loss
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "AsyncRollouts", "ByteTokenizer", "CharTokenizer", "RLConfig", "RLLoop", "RolloutBatch", "Sample", "Tokenizer",
     "TrainBatch", "collect_rollouts",
     "SamplingConfig", "batch_invariant", "is_batch_invariant", "logprobs_from_logits", "token_logprobs",
+    "token_logprobs_and_entropy",
     "dapo", "grpo", "gspo", "group_advantages", "informative_groups", "policy_loss",
 ]

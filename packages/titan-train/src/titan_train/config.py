@@ -559,6 +559,34 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class QuantizeConfig:
+    linear: Literal["none", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8"] = "none"
+    """Low-precision matmuls of the selected Linears (forward and both backward GEMMs; master weights and
+    gradients keep their dtype). fp8_tensorwise: e4m3 x/W, e5m2 gradients, one scale per tensor. fp8_rowwise:
+    e4m3, a scale per row/column. fp8_blockwise: e4m3, DeepSeek-V3's 1x128 activation and 128x128 weight
+    blocks. mxfp8: OCP MX, e4m3 in 1x32 blocks with e8m0 scales (bf16 GEMM on dequantised operands before
+    sm_100). See quantize/recipes.py."""
+    modules: tuple[str, ...] = ()
+    """Linears to convert, by name pattern ('*' within one name component, '**' across), e.g.
+    'layers.*.feed_forward.*'. Empty: every nn.Linear except the output head and MoE routers. A selected
+    Linear whose shape the recipe cannot block stays in high precision with a warning (an error if named exactly)."""
+    backend: Literal["auto", "emulated"] = "auto"
+    """auto: fp8 kernels on CUDA (torch._scaled_mm, Triton), quantise-dequantise-fp32 matmul on CPU. emulated:
+    the CPU path everywhere (a numerics reference)."""
+    experts: Literal["none", "fp8_rowwise", "fp8_blockwise"] = "none"
+    """The routed experts' grouped GEMMs (forward and backward) in fp8 by dist-moe's grouped_mm_fp8
+    (model.moe_impl=dist_moe): rowwise, or blockwise (expert and model widths multiples of 128)."""
+
+    def build(self) -> Any:
+        """The conversion pass over the model's Linears (quantize/convert.py), None for linear=none."""
+        if self.linear == "none":
+            return None
+        from .quantize import LinearConversion
+
+        return LinearConversion(self.linear, self.modules, backend=self.backend)
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """The whole configuration of a `titan-train` run (what a recipe returns), one section per field."""
 
@@ -576,6 +604,7 @@ class TrainConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
 
     def check(self) -> None:
         """The checks of each section that need nothing but the section (the layout's come with

@@ -248,15 +248,15 @@ class CausalLMLoss(nn.Module):
         # Explicit positions: under sequence parallelism the embedding output holds only s / tp positions.
         if positions is None and not images:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(*tokens.shape[:2])
-        hidden = self.model.hidden_states(tokens, positions=positions, context=context, **images)  # [b, s, d]
-        main = self._output_loss(hidden, labels)
         if mtp_labels is None:
-            return main
+            hidden = self.model.hidden_states(tokens, positions=positions, context=context, **images)  # [b, s, d]
+            return self._output_loss(hidden, labels)
         if mtp_embeddings is None:
             mtp_embeddings = self.model.tok_embeddings(mtp_tokens)
-        rope = tuple(t.to(hidden.dtype) for t in self.model.rope(positions))
-        mtp_hidden = self.model.mtp(hidden, mtp_embeddings.to(hidden.dtype), rope, context=context)
-        return torch.stack([main, self._output_loss(mtp_hidden, mtp_labels)])
+        # the model runs its MTP module on what it reads (DeepSeek-V3: the final hidden state; V4: the streams)
+        hidden, mtp_hidden = self.model.hidden_states_with_mtp(tokens, mtp_embeddings, positions=positions,
+                                                               context=context)
+        return torch.stack([self._output_loss(hidden, labels), self._output_loss(mtp_hidden, mtp_labels)])
 
     def _output_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = self.model.output.weight

@@ -100,6 +100,10 @@ class Parallelizer:
             raise ValueError("lora.targets: LoRA adapters compose with fully_shard FSDP and pipeline parallelism; "
                              "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
         self.remat_plan: dict | None = None  # activation_checkpoint.mode=remat: the plan's report
+        self.quantize = run.quantize.build()  # quantize.linear's conversion pass, or None
+        if self.quantize is not None and degrees.tp > 1:
+            raise ValueError(f"quantize.linear={run.quantize.linear} with parallelism.tp={degrees.tp} is not supported "
+                             "yet (the quantised GEMMs take whole weights, not DTensor shards); use parallelism.tp 1")
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -132,6 +136,8 @@ class Parallelizer:
             self.adapters.apply(model)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
+        if self.quantize is not None:  # after the MoE swap (it rebuilds those layers), before every wrapper
+            self.quantize.apply(model, partial=layout is not None)  # a pipeline rank holds some stages only
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu
