@@ -118,3 +118,12 @@ def test_image_tokens_that_do_not_match_the_images_name_the_sample():
     tokens[1, -1] = IMAGE
     with pytest.raises(ValueError, match="sample 1 has more image tokens than images"):
         model(tokens, pixel_values=pixels, image_grid_thw=grid)
+
+
+def test_text_only_calls_equal_the_text_model_bitwise():
+    model = build(tm.flavor("muse_glimmer", "debug_vision"), seed=2)
+    text = build(tm.flavor("muse_glimmer", "debug"), seed=2)
+    text.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("visual.")})
+    tokens = torch.randint(0, 2000, (2, 70), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), text(tokens))
