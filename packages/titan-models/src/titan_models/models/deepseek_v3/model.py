@@ -69,13 +69,17 @@ class DeepSeekV3Config(LatentAttentionHeads, ModelConfigBase):
                           interleaved=self.rope_interleave)
         with default_dtype(self.dtype):
             blocks = [self._block(i) for i in range(self.num_layers)]
-            model = DeepSeekV3Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
-                                          norm=self.norm.build(self.dim), rope=rope.build(),
-                                          tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
+            model = self._transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
+                                      norm=self.norm.build(self.dim), rope=rope.build(),
+                                      tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
             if self.mtp:
                 model.mtp = MultiTokenPrediction(dim=self.dim, norm=self.norm,
                                                  block=self._block(max(self.num_layers, self.first_k_dense)))
         return model
+
+    def _transformer(self, **kwargs) -> "DeepSeekV3Transformer":
+        """The model class around the blocks (Kimi K2.x adds its vision tower here)."""
+        return DeepSeekV3Transformer(**kwargs)
 
     def parallel_plan(self) -> ParallelPlan:
         # the latent projections and norms see the gathered sequence whole on every tp rank
