@@ -102,3 +102,18 @@ def test_foreach_on_cuda_is_refused_without_a_gpu():
     with pytest.raises(ValueError, match="fused AdamW only"):
         check_graph_optimizer(optimizer, torch.device("cuda"))
     check_graph_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True), torch.device("cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's fused CUDA AdamW needs a GPU")
+def test_fused_cuda_adamw_bitwise(tmp_path, jobs):
+    """On the GPU (bf16 autocast, fused AdamW, the CUDA defaults): the graph step with the eager update
+    against the graph step with the captured one."""
+    run = {"job.device": "cuda", "training.fused_kernels": "false", "training.steps": "20", "compile.mode": "graph"}
+    results = []
+    for name, extra in (("eager_update", {}), ("graph_update", {"compile.graph_optimizer": "true"})):
+        trainer = Trainer(jobs.tiny(tmp_path / name, **run, **extra), torch.device("cuda"))
+        losses = trainer.run().losses
+        results.append((losses, {n: p.detach().cpu() for n, p in trainer.model.named_parameters()}))
+    assert_bitwise(*results)
+    counts = op_counts(next(iter(trainer.graph_optimizer.graphs.values())))
+    assert counts["aten._fused_adamw_.tensor_lr"] == len(trainer.optimizer.param_groups)  # one call per group
