@@ -144,8 +144,10 @@ def _fsdp_hooks_off(root: nn.Module):
 
 
 def op_counts(gm: fx.GraphModule) -> dict[str, int]:
-    """call_function nodes per op (aten overloads by name), most frequent first."""
-    counts = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    """call_function nodes per op (aten overloads by name) and call_module nodes per module type (as
+    "module TYPE"), most frequent first."""
+    counts = Counter(str(n.target) if n.op == "call_function" else f"module {type(gm.get_submodule(n.target)).__name__}"
+                     for n in gm.graph.nodes if n.op in ("call_function", "call_module"))
     return dict(counts.most_common())
 
 
@@ -155,4 +157,7 @@ def write_graph(gm: fx.GraphModule, folder: Path, *, tag: str) -> None:
     (folder / f"{tag}.py").write_text(gm.print_readable(print_output=False, include_stride=True))
     counts = op_counts(gm)
     lines = [f"{count:6d}  {op}" for op, count in counts.items()]
+    for name, module in gm.named_children():  # fused submodules (fuse_pointwise's chains): their ops
+        if hasattr(module, "ops"):
+            lines.append(f"{name}: {len(module.ops)} ops: {', '.join(module.ops)}")
     (folder / f"{tag}_ops.txt").write_text(f"{sum(counts.values())} op nodes\n" + "\n".join(lines) + "\n")
