@@ -3,12 +3,14 @@ step stays eager's bit for bit while they run as captured, on CPU), and compiled
 from the unfused graph by a measured amount (why the pass is registered bitwise=False)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from test_graph_mode import assert_bitwise, run_job
 from titan_train.graph import graph_passes, op_counts
 from titan_train.graph.fuse_pointwise import fuse_chains, pointwise_chains
+from titan_train.trainer import Trainer
 
 
 def gelu_tanh_plus_exp(x, y):
@@ -67,3 +69,21 @@ def test_step_with_chains_grouped_is_bitwise_on_cpu(tmp_path, jobs):
     assert len(chains) >= 4 and all(len(m.ops) >= 2 for m in chains)
     table = (tmp_path / "fused" / "graph" / "step0_ops.txt").read_text()
     assert f"{len(chains):6d}  module PointwiseChain" in table and "pointwise_chain_0: " in table
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the chains are compiled by Inductor on CUDA only")
+def test_compiled_chains_on_cuda_follow_the_unfused_step(tmp_path, jobs):
+    """bf16 on the GPU, 20 steps: the step with Inductor-compiled chains against the unfused graph step;
+    prints the largest relative loss difference (the figure the pass's bitwise=False stands for)."""
+    run = {"job.device": "cuda", "training.fused_kernels": "false", "training.steps": "20", "compile.mode": "graph"}
+    losses = []
+    for name, passes in (("unfused", "remove_detach,eliminate_dead_code"),
+                         ("fused", "remove_detach,eliminate_dead_code,fuse_pointwise")):
+        trainer = Trainer(jobs.tiny(tmp_path / name, **run, **{"compile.graph_passes": passes}), torch.device("cuda"))
+        losses.append(trainer.run().losses)
+    gm = next(iter(trainer.graph_step.graphs.values()))
+    chains = [m for m in gm.children() if hasattr(m, "ops")]
+    assert chains and all(m.run is not m.graph_module for m in chains)  # each one compiled
+    worst = max(abs(losses[1][s] - losses[0][s]) / abs(losses[0][s]) for s in losses[0])
+    print(f"fuse_pointwise on CUDA: {len(chains)} chains, largest relative loss difference {worst:.3g}")
+    assert worst < 2e-2
