@@ -117,3 +117,16 @@ def test_fused_cuda_adamw_bitwise(tmp_path, jobs):
     assert_bitwise(*results)
     counts = op_counts(next(iter(trainer.graph_optimizer.graphs.values())))
     assert counts["aten._fused_adamw_.tensor_lr"] == len(trainer.optimizer.param_groups)  # one call per group
+
+
+def test_resume_continues_the_captured_update(tmp_path, jobs):
+    """The state stays in the torch optimizer: a run checkpointed at step 3 and resumed (a new graph traced
+    on the loaded state) ends on the uninterrupted eager run's weights."""
+    constant = {"lr_schedule.kind": "constant"}  # the schedule does not depend on training.steps
+    saved = {**constant, **GRAPH_OPTIMIZER, "checkpoint.interval": "3", "checkpoint.async_save": "false"}
+    whole_losses, whole_weights, _ = run_job(jobs, tmp_path / "whole", **constant, **{"training.steps": "6"})
+    run_job(jobs, tmp_path / "resumed", **saved, **{"training.steps": "3"})
+    losses, weights, trainer = run_job(jobs, tmp_path / "resumed", **saved,
+                                       **{"training.steps": "6", "checkpoint.resume": "true"})
+    assert sorted(losses) == [4, 5, 6] and len(trainer.graph_optimizer.graphs) == 1
+    assert_bitwise(({s: whole_losses[s] for s in losses}, whole_weights), (losses, weights))

@@ -12,7 +12,8 @@ Under FSDP (fully_shard) the collectives stay eager around the graph: its hooks 
 graph sees unsharded parameters (all-gathered before the first microbatch, DTensor.full_tensor) and
 returns unsharded gradients, which are all-reduced and averaged over the shard group (what FSDP's
 reduce-scatter computes; with 2 ranks the same bits, since a / 2 + b / 2 = (a + b) / 2 exactly) and
-each rank keeps its dim-0 shard as the DTensor gradient. The optimizer update stays eager.
+each rank keeps its dim-0 shard as the DTensor gradient. The optimizer update stays eager unless
+compile.graph_optimizer captures it (optimizer_graph.py).
 """
 from __future__ import annotations
 
