@@ -84,13 +84,10 @@ class GraphAdamW:
             inputs["lr"] = torch.tensor(float(lr), dtype=torch.float64)
             return inputs
         beta1, beta2 = group["betas"]
-        scalars = [1 - lr * group["weight_decay"]]  # torch's expressions, in the same Python double
-        for s in states:
-            t = float(s["step"] + 1)  # the float32 count the graph's increment makes
-            scalars.append((1 - beta2 ** t) ** 0.5)
-        for s in states:
-            t = float(s["step"] + 1)
-            scalars.append((lr / (1 - beta1 ** t)) * -1)
+        counts = [float(s["step"] + 1) for s in states]  # the float32 counts the graph's increment makes
+        # torch's expressions, in the same Python double
+        scalars = [1 - lr * group["weight_decay"], *((1 - beta2 ** t) ** 0.5 for t in counts),
+                   *((lr / (1 - beta1 ** t)) * -1 for t in counts)]
         inputs["scalars"] = torch.tensor(scalars, dtype=torch.float64)
         return inputs
 
