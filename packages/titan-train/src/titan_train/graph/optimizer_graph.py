@@ -96,13 +96,13 @@ class GraphAdamW:
         groups = self.optimizer.param_groups
         inputs = [self._group_inputs(group) for group in groups]
         found_inf = getattr(self.optimizer, "found_inf", None) if self.fused else None
-        key = (tuple(len(i["params"]) for i in inputs), found_inf is None)
+        settings = tuple((*g["betas"], g["eps"], g["weight_decay"]) for g in groups)  # constants of the graph
+        key = (tuple(len(i["params"]) for i in inputs), found_inf is None, settings)
         # what the lr scheduler's wrapper of optimizer.step() records (it warns of a schedule stepped first)
         self.optimizer._opt_called = True
         if key in self.graphs:
             self.graphs[key](inputs, found_inf)
             return
-        settings = [(*g["betas"], g["eps"], g["weight_decay"]) for g in groups]
 
         def update(inputs, found_inf):
             for group_inputs, (beta1, beta2, eps, weight_decay) in zip(inputs, settings):
