@@ -74,7 +74,8 @@ def test_dump_writes_the_optimizer_graph(tmp_path, jobs):
 @pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
 def test_fsdp_two_ranks_bitwise_equal_to_eager_fsdp(tmp_path, jobs, model, monkeypatch):
     """The sharded update is elementwise on each rank's shards: captured on the local tensors (MoE: the
-    stacked experts' dim-0 shards and the routers' group too). 10 steps, ~35 s each on 2 shared cores."""
+    stacked experts' dim-0 shards and the routers' group too). 10 steps (eager + graph runs): 35-50 s each on
+    the 2 shared cores, the price of two trainings on spawned ranks."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     steps = {"training.steps": "10", **model}
     eager, graph = _on_two_ranks(jobs.tiny(tmp_path / "eager", **steps),
