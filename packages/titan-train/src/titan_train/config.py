@@ -514,6 +514,10 @@ class CompileConfig:
     graph_passes: tuple[str, ...] = ("remove_detach", "eliminate_dead_code")
     """mode=graph: graph passes applied in order after capture, each a registered name (see
     titan_train.graph.graph_passes()) or package.module:function taking and returning a GraphModule."""
+    graph_optimizer: bool = False
+    """mode=graph: capture the AdamW update too, as a second graph run right after the step's (lr and step
+    counts are its tensor inputs, so one graph serves every step); bitwise equal to eager. Fused AdamW, or
+    foreach/for-loop on CPU; Muon and training.mixed_precision=bf16_params are refused."""
 
     @property
     def effective_mode(self) -> str:
@@ -533,6 +537,8 @@ class CompileConfig:
             raise ValueError("compile.mode=regions needs compile.regions, e.g. 'layers.*.attention=default'")
         if self.regions and self.effective_mode != "regions":
             raise ValueError(f"compile.regions is set but compile.mode={self.effective_mode}; use compile.mode=regions")
+        if self.graph_optimizer and self.effective_mode != "graph":
+            raise ValueError(f"compile.graph_optimizer=true needs compile.mode=graph, got compile.mode={self.effective_mode}")
 
 
 @dataclass(kw_only=True)
