@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_graph_mode import assert_bitwise, run_job
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from test_graph_mode import assert_bitwise, run_job
 from titan_train.graph import graph_passes, op_counts
 from titan_train.graph.fuse_pointwise import fuse_chains, pointwise_chains
 from titan_train.trainer import Trainer

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_graph_mode import MOE, _on_two_ranks, assert_bitwise, run_job
+
 from titan_train.graph import op_counts
 from titan_train.trainer import Trainer
 

@@ -538,7 +538,8 @@ class CompileConfig:
         if self.regions and self.effective_mode != "regions":
             raise ValueError(f"compile.regions is set but compile.mode={self.effective_mode}; use compile.mode=regions")
         if self.graph_optimizer and self.effective_mode != "graph":
-            raise ValueError(f"compile.graph_optimizer=true needs compile.mode=graph, got compile.mode={self.effective_mode}")
+            raise ValueError("compile.graph_optimizer=true needs compile.mode=graph, got "
+                             f"compile.mode={self.effective_mode}")
 
 
 @dataclass(kw_only=True)
