@@ -3,8 +3,8 @@
 Run by test_gated_delta_rule_triton.py in a subprocess (the interpreter must be chosen before triton is
 imported); prints one JSON object {check name: relative error}. Cases: several chunks with a tail and an
 initial state (gradients of the output and the final state); packed documents (boundaries at, inside and
-just after chunk edges, one-token documents) with two value blocks; one exact chunk whose loss reads only
-the output (no final-state gradient).
+just after chunk edges, one-token documents) with two value blocks; one exact chunk with two key blocks
+whose loss reads only the output (no final-state gradient).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def check(name, b, h, dk, dv, lengths, *, with_initial, state_loss, seed):
 
 check("chunks_with_tail", 2, 1, 16, 32, (150,), with_initial=True, state_loss=True, seed=0)
 check("packed_documents", 1, 1, 32, 128, (1, 63, 2, 70, 30), with_initial=False, state_loss=True, seed=1)
-check("one_chunk_output_only", 1, 2, 16, 16, (64,), with_initial=True, state_loss=False, seed=2)
+check("one_chunk_output_only", 1, 1, 128, 16, (64,), with_initial=True, state_loss=False, seed=2)
 
 
 def check_layer():

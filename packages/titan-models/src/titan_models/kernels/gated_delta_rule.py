@@ -110,7 +110,7 @@ class _Inputs:
         self.V = v.shape[-1]
         self.N = -(-self.T // CHUNK)
         self.Tp = self.N * CHUNK
-        self.BV = min(64, self.V)
+        self.BK, self.BV = min(64, self.K), min(64, self.V)
 
     def tensors(self):
         empty = self.q.new_empty(0)
@@ -159,8 +159,25 @@ class _Inputs:
             N=self.N, V=self.V, BV=self.BV, HAS_DFINAL=d_final is not None, **self._common())
         dq, dk = (torch.empty(self.B, self.T, self.H, self.K, device=self.q.device) for _ in range(2))
         dv = torch.empty(self.B, self.T, self.H, self.V, device=self.q.device)
-        dg, dbeta = (torch.empty(self.B, self.T, self.H, device=self.q.device) for _ in range(2))
-        kern.chunk_backward_kernel[(self.N, self.B * self.H)](
-            self.q, self.k, self.v, self.g, self.beta, seg, tm, states, dstates, unew, dunew, d_out,
-            dq, dk, dv, dg, dbeta, N=self.N, V=self.V, BV=self.BV, **self._common())
-        return dq, dk, dv, dg, dbeta, dinit
+        dbeta = torch.empty(self.B, self.T, self.H, device=self.q.device)
+        dpairs, dsystem = self._buffer(CHUNK), self._buffer(CHUNK)
+        dgc_pairs = torch.empty(self.B, self.H, self.Tp, device=self.q.device)
+        kern.chunk_pairs_backward_kernel[(self.N, self.B * self.H)](
+            self.q, self.k, self.v, self.g, self.beta, seg, tm, states, unew, dunew, d_out, dv, dpairs, dsystem,
+            dbeta, dgc_pairs, N=self.N, V=self.V, BV=self.BV, **self._common())
+        blocks = self.K // self.BK
+        dgc_blocks = torch.empty(blocks, self.B, self.H, self.Tp, device=self.q.device)
+        dlast = torch.empty(blocks, self.B, self.H, self.N, device=self.q.device)
+        kern.chunk_qk_backward_kernel[(self.N, self.B * self.H, blocks)](
+            self.q, self.k, self.g, self.beta, seg, states, dstates, unew, d_out, dv, dpairs, dsystem, dq, dk,
+            dgc_blocks, dlast, N=self.N, V=self.V, BK=self.BK, BV=self.BV, **self._common())
+        return dq, dk, dv, self._decay_grad(dgc_pairs + dgc_blocks.sum(0), dlast.sum(0)), dbeta, dinit
+
+    def _decay_grad(self, dgc: torch.Tensor, dlast: torch.Tensor) -> torch.Tensor:
+        """dg [B, T, H] from the gradient of the in-chunk cumulative decay dgc [B, H, Tp] and of each
+        chunk's last cumulative decay dlast [B, H, N]: gc = cumsum(g) inside a chunk, so dg is dgc's
+        reverse cumsum there."""
+        dgc = dgc.view(self.B, self.H, self.N, CHUNK).clone()
+        dgc[..., -1] += dlast
+        dg = dgc.flip(-1).cumsum(-1).flip(-1)
+        return dg.reshape(self.B, self.H, self.Tp)[:, :, :self.T].transpose(1, 2)

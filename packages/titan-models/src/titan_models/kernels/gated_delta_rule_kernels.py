@@ -12,7 +12,9 @@ Legend, per (batch row, head) and chunk; S is the state entering the chunk [K, V
 Forward: `prepare` (per chunk: Tm, W, U), `state_forward` (scan over chunks per V block: stores each
 chunk's S and Unew, returns the final state), `output` (per chunk and V block). Backward (gradients
 derived in gated_delta_rule.py's docstring): `state_backward` (reverse scan: dS leaving each chunk,
-dUnew, d initial state), `chunk_backward` (per chunk: dq, dk, dv, dbeta, dg). Buffers are [B, H, N*C, .]
+dUnew, d initial state), `chunk_pairs_backward` (per chunk: dv, dbeta, the [C, C] pair gradients and
+their share of dg) and `chunk_qk_backward` (per chunk and key block: dq, dk and the rest of dg, which
+the caller sums over key blocks and reverse-cumsums inside each chunk). Buffers are [B, H, N*C, .]
 float32 so their chunks need no masks; inputs q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H].
 """
 from __future__ import annotations
@@ -212,61 +214,88 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
 
 @_tuned
 @triton.jit
-def chunk_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, states_ptr, dstates_ptr,
-                          unew_ptr, dunew_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
-                          T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                          HAS_SEG: tl.constexpr, PREC: tl.constexpr):
-    """Grid (chunks, B*H): the chunk's dq, dk, dv, dbeta, dg from S, dS', Unew, dUnew (one V block at a
-    time, accumulating the [C, K] and [C, C] products)."""
+def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, states_ptr, unew_ptr,
+                                dunew_ptr, do_ptr, dv_ptr, dpairs_ptr, dsystem_ptr, dbeta_ptr, dgc_ptr,
+                                T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                                HAS_SEG: tl.constexpr, PREC: tl.constexpr):
+    """Grid (chunks, B*H), one V block at a time: dv (= dX, float32), the pair gradients dP * D (scores)
+    and dA * beta * D (the triangular system) [C, C] for the q/k kernel, dbeta, and the pair terms of dgc
+    (rowsum(G) - colsum(G))."""
     n, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
-    q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     tm = tl.load(tm_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
-    dq_state = tl.zeros([C, K], dtype=tl.float32)  # dO S^T
-    dk_end = tl.zeros([C, K], dtype=tl.float32)  # Unew dS'^T
-    dx_state = tl.zeros([C, K], dtype=tl.float32)  # dX S^T
     dscores = tl.zeros([C, C], dtype=tl.float32)  # dO Unew^T
     dsystem = tl.zeros([C, C], dtype=tl.float32)  # d(I + A) = -dY Unew^T
     dbeta = tl.zeros([C], dtype=tl.float32)
-    dcarry = 0.0
     for v0 in range(0, V, BV):
         S = tl.load(states_ptr + _state_offsets(bh, n, N, K, V, BV, v0))
-        dS = tl.load(dstates_ptr + _state_offsets(bh, n, N, K, V, BV, v0))
         unew = tl.load(unew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
         dunew = tl.load(dunew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
         do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
         x = _load_rows(v_ptr, b, h, n, T, H, V, C, BV, v0) - tl.dot(k * r[:, None], S, input_precision=PREC)
-        dq_state += tl.dot(do, tl.trans(S), input_precision=PREC)
-        dk_end += tl.dot(unew, tl.trans(dS), input_precision=PREC)
-        dcarry += tl.sum(tl.sum(S * dS, axis=1), axis=0)
         dscores += tl.dot(do, tl.trans(unew), input_precision=PREC)
         dy = tl.dot(tl.trans(tm), dunew, input_precision=PREC)
         dsystem -= tl.dot(dy, tl.trans(unew), input_precision=PREC)
         dbeta += tl.sum(dy * x, axis=1)
-        dx = beta[:, None] * dy
-        _store_rows(dv_ptr, dx, b, h, n, T, H, V, C, BV, v0)
-        dx_state += tl.dot(dx, tl.trans(S), input_precision=PREC)
+        _store_rows(dv_ptr, beta[:, None] * dy, b, h, n, T, H, V, C, BV, v0)
+    q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     kk = tl.dot(k, tl.trans(k), input_precision=PREC)
     strict = vis & (tl.arange(0, C)[None, :] < tl.arange(0, C)[:, None])
-    dP = dscores * D  # gradient of Q K^T through the scores
+    dpairs = dscores * D  # gradient of Q K^T through the scores
     dA = tl.where(strict, dsystem, 0.0)
-    dKK = dA * beta[:, None] * D  # gradient of K K^T through A
+    dkk = dA * beta[:, None] * D  # gradient of K K^T through A
     dbeta += tl.sum(dA * kk * D, axis=1)
-    dq = r[:, None] * dq_state + tl.dot(dP, k, input_precision=PREC)
-    dk = (-r[:, None] * dx_state + tl.dot(tl.trans(dP), q, input_precision=PREC) + e[:, None] * dk_end
-          + tl.dot(dKK, k, input_precision=PREC) + tl.dot(tl.trans(dKK), k, input_precision=PREC))
+    pair = dpairs * qk + dkk * kk  # d(gc_i - gc_j) of each pair term
+    tl.store(dpairs_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0), dpairs)
+    tl.store(dsystem_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0), dkk)
+    t = n * C + tl.arange(0, C)
+    tl.store(dbeta_ptr + (b * T + t) * H + h, dbeta, mask=t < T)
+    tl.store(dgc_ptr + (b * H + h) * Tp + t, tl.sum(pair, axis=1) - tl.sum(pair, axis=0))
+
+
+@_tuned
+@triton.jit
+def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, dstates_ptr, unew_ptr, do_ptr,
+                             dv_ptr, dpairs_ptr, dsystem_ptr, dq_ptr, dk_ptr, dgc_ptr, dlast_ptr, T, H, Tp, N,
+                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                             HAS_SEG: tl.constexpr, PREC: tl.constexpr):
+    """Grid (chunks, B*H, K / BK): dq and dk of one key block, and its shares of dgc (dr * r - de * e, per
+    token) and of the last token's dgc (sum(de * e) + dcarry * carry), which the caller sums over blocks."""
+    n, bh, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
+    b, h = bh // H, bh % H
+    k0 = kb * BK
+    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    dq_state = tl.zeros([C, BK], dtype=tl.float32)  # dO S^T
+    dk_end = tl.zeros([C, BK], dtype=tl.float32)  # Unew dS'^T
+    dx_state = tl.zeros([C, BK], dtype=tl.float32)  # dX S^T
+    dcarry = 0.0
+    rows = ((bh * N + n) * K + k0 + tl.arange(0, BK)[:, None]) * V + tl.arange(0, BV)[None, :]
+    for v0 in range(0, V, BV):
+        S = tl.load(states_ptr + rows + v0)
+        dS = tl.load(dstates_ptr + rows + v0)
+        unew = tl.load(unew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
+        do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
+        dx = _load_rows(dv_ptr, b, h, n, T, H, V, C, BV, v0)
+        dq_state += tl.dot(do, tl.trans(S), input_precision=PREC)
+        dk_end += tl.dot(unew, tl.trans(dS), input_precision=PREC)
+        dx_state += tl.dot(dx, tl.trans(S), input_precision=PREC)
+        dcarry += tl.sum(tl.sum(S * dS, axis=1), axis=0)
+    q = _load_rows(q_ptr, b, h, n, T, H, K, C, BK, k0)
+    k = _load_rows(k_ptr, b, h, n, T, H, K, C, BK, k0)
+    dpairs = tl.load(dpairs_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
+    dkk = tl.load(dsystem_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
+    dq = r[:, None] * dq_state + tl.dot(dpairs, k, input_precision=PREC)
+    dk = (-r[:, None] * dx_state + tl.dot(tl.trans(dpairs), q, input_precision=PREC) + e[:, None] * dk_end
+          + tl.dot(dkk, k, input_precision=PREC) + tl.dot(tl.trans(dkk), k, input_precision=PREC))
+    _store_rows(dq_ptr, dq, b, h, n, T, H, K, C, BK, k0)
+    _store_rows(dk_ptr, dk, b, h, n, T, H, K, C, BK, k0)
     dr = tl.sum(q * dq_state, axis=1) - tl.sum(k * dx_state, axis=1)
     de = tl.sum(k * dk_end, axis=1)
-    pair = dP * qk + dA * beta[:, None] * kk * D  # d(gc_i - gc_j) of each pair term
-    last = tl.where(tl.arange(0, C) == C - 1, tl.sum(de * e, axis=0) + dcarry * carry, 0.0)
-    dgc = tl.sum(pair, axis=1) - tl.sum(pair, axis=0) + dr * r - de * e + last
-    dg = tl.sum(dgc, axis=0) - tl.cumsum(dgc, axis=0) + dgc  # gc = cumsum(g): reverse cumsum
-    _store_rows(dq_ptr, dq, b, h, n, T, H, K, C, K, 0)
-    _store_rows(dk_ptr, dk, b, h, n, T, H, K, C, K, 0)
     t = n * C + tl.arange(0, C)
-    tl.store(dg_ptr + (b * T + t) * H + h, dg, mask=t < T)
-    tl.store(dbeta_ptr + (b * T + t) * H + h, dbeta, mask=t < T)
+    tl.store(dgc_ptr + ((kb * tl.num_programs(1) + bh) * Tp) + t, dr * r - de * e)
+    tl.store(dlast_ptr + (kb * tl.num_programs(1) + bh) * N + n, tl.sum(de * e, axis=0) + dcarry * carry)
