@@ -21,7 +21,7 @@ from dist_moe.kernels.hopper_check import HOPPER, inspect_compiled, specialise  
 from titan_models.kernels import gated_delta_rule as wrapper
 from titan_models.kernels import gated_delta_rule_kernels as kern
 
-KERNELS = ("prepare_kernel", "state_forward_kernel", "output_kernel", "state_backward_kernel",
+KERNELS = ("prepare_kernel", "state_forward_kernel", "output_kernel", "output_backward_kernel", "state_backward_kernel",
            "chunk_pairs_backward_kernel", "chunk_qk_backward_kernel")
 
 

@@ -153,24 +153,29 @@ class _Inputs:
                  else d_out.float().contiguous())
         dstates, dunew = torch.empty_like(states), self._buffer(self.V)
         dinit = torch.empty(self.B, self.H, self.K, self.V, device=self.q.device, dtype=torch.float32)
+        kern.output_backward_kernel[(self.N, self.B * self.H, self.V // self.BV)](
+            self.q, self.k, self.g, self.beta, seg, d_out, dunew, V=self.V, BV=self.BV, **self._common())
         kern.state_backward_kernel[(self.B * self.H, self.V // self.BV)](
             self.q, self.k, self.g, self.beta, seg, w, d_out,
             d_out if d_final is None else d_final.float().contiguous(), dstates, dunew, dinit,
             N=self.N, V=self.V, BV=self.BV, HAS_DFINAL=d_final is not None, **self._common())
         dq, dk = (torch.empty(self.B, self.T, self.H, self.K, device=self.q.device) for _ in range(2))
-        dv = torch.empty(self.B, self.T, self.H, self.V, device=self.q.device)
+        dy = torch.empty(self.B, self.T, self.H, self.V, device=self.q.device)
         dbeta = torch.empty(self.B, self.T, self.H, device=self.q.device)
         dpairs, dsystem = self._buffer(CHUNK), self._buffer(CHUNK)
         dgc_pairs = torch.empty(self.B, self.H, self.Tp, device=self.q.device)
         kern.chunk_pairs_backward_kernel[(self.N, self.B * self.H)](
-            self.q, self.k, self.v, self.g, self.beta, seg, tm, states, unew, dunew, d_out, dv, dpairs, dsystem,
-            dbeta, dgc_pairs, N=self.N, V=self.V, BV=self.BV, **self._common())
+            self.q, self.k, self.v, self.g, self.beta, seg, tm, unew, dunew, d_out, dy, dpairs, dsystem,
+            dbeta, dgc_pairs, V=self.V, BV=self.BV, **self._common())
         blocks = self.K // self.BK
-        dgc_blocks = torch.empty(blocks, self.B, self.H, self.Tp, device=self.q.device)
+        dgc_blocks, dbeta_blocks = (torch.empty(blocks, self.B, self.H, self.Tp, device=self.q.device)
+                                    for _ in range(2))
         dlast = torch.empty(blocks, self.B, self.H, self.N, device=self.q.device)
         kern.chunk_qk_backward_kernel[(self.N, self.B * self.H, blocks)](
-            self.q, self.k, self.g, self.beta, seg, states, dstates, unew, d_out, dv, dpairs, dsystem, dq, dk,
-            dgc_blocks, dlast, N=self.N, V=self.V, BK=self.BK, BV=self.BV, **self._common())
+            self.q, self.k, self.g, self.beta, seg, states, dstates, unew, d_out, dy, dpairs, dsystem, dq, dk,
+            dgc_blocks, dlast, dbeta_blocks, N=self.N, V=self.V, BK=self.BK, BV=self.BV, **self._common())
+        dbeta = dbeta + dbeta_blocks.sum(0)[:, :, :self.T].transpose(1, 2)
+        dv = dy * self.beta[..., None]
         return dq, dk, dv, self._decay_grad(dgc_pairs + dgc_blocks.sum(0), dlast.sum(0)), dbeta, dinit
 
     def _decay_grad(self, dgc: torch.Tensor, dlast: torch.Tensor) -> torch.Tensor:

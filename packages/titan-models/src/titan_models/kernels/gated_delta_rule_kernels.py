@@ -11,10 +11,10 @@ Legend, per (batch row, head) and chunk; S is the state entering the chunk [K, V
 
 Forward: `prepare` (per chunk: Tm, W, U), `state_forward` (scan over chunks per V block: stores each
 chunk's S and Unew, returns the final state), `output` (per chunk and V block). Backward (gradients
-derived in gated_delta_rule.py's docstring): `state_backward` (reverse scan: dS leaving each chunk,
-dUnew, d initial state), `chunk_pairs_backward` (per chunk: dv, dbeta, the [C, C] pair gradients and
-their share of dg) and `chunk_qk_backward` (per chunk and key block: dq, dk and the rest of dg, which
-the caller sums over key blocks and reverse-cumsums inside each chunk). Buffers are [B, H, N*C, .]
+derived in gated_delta_rule.py's docstring): `output_backward` (P^T dO per chunk), `state_backward`
+(reverse scan: dS leaving each chunk, dUnew, d initial state), `chunk_pairs_backward` (per chunk: dv,
+dbeta, the [C, C] pair gradients and their share of dg) and `chunk_qk_backward` (per chunk and key
+block: dq, dk and the rest of dg, which the caller sums over key blocks and reverse-cumsums per chunk). Buffers are [B, H, N*C, .]
 float32 so their chunks need no masks; inputs q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H].
 """
 from __future__ import annotations
@@ -181,11 +181,32 @@ def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, 
 
 @_tuned
 @triton.jit
+def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dunew_ptr, T, H, Tp,
+                           K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                           HAS_SEG: tl.constexpr, PREC: tl.constexpr):
+    """Grid (chunks, B*H, V / BV): the share of dUnew that needs no state, P^T dO (P = vis * Q K^T * D), in
+    parallel over chunks so the reverse scan does not compute it."""
+    n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
+    b, h = bh // H, bh % H
+    v0 = vb * BV
+    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
+    k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * D
+    do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
+    tl.store(dunew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0),
+             tl.dot(tl.trans(scores), do, input_precision=PREC))
+
+
+@_tuned
+@triton.jit
 def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr, dfinal_ptr, dstates_ptr,
                           dunew_ptr, dinit_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_DFINAL: tl.constexpr, PREC: tl.constexpr):
     """Grid (B*H, V / BV): the reverse scan. dS' (gradient of the state leaving chunk n) is stored per chunk;
-    dUnew = P^T dO + diag(e) K dS';  dS = carry dS' + (diag(r) Q)^T dO - W^T dUnew."""
+    dUnew = P^T dO (already in dunew, from output_backward) + diag(e) K dS';
+    dS = carry dS' + (diag(r) Q)^T dO - W^T dUnew."""
     bh, vb = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
@@ -199,13 +220,12 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
         n = N - 1 - step
         tl.store(dstates_ptr + _state_offsets(bh, n, N, K, V, BV, v0), dS)
         gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
-        q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
         k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * D
+        chunk = dunew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)
+        dunew = tl.load(chunk) + tl.dot(k * e[:, None], dS, input_precision=PREC)  # P^T dO from output_backward
+        tl.store(chunk, dunew)
+        q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
         do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
-        dunew = (tl.dot(tl.trans(scores), do, input_precision=PREC)
-                 + tl.dot(k * e[:, None], dS, input_precision=PREC))
-        tl.store(dunew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0), dunew)
         w = tl.load(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0))
         dS = (dS * carry + tl.dot(tl.trans(q * r[:, None]), do, input_precision=PREC)
               - tl.dot(tl.trans(w), dunew, input_precision=PREC))
@@ -214,33 +234,32 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
 
 @_tuned
 @triton.jit
-def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, states_ptr, unew_ptr,
-                                dunew_ptr, do_ptr, dv_ptr, dpairs_ptr, dsystem_ptr, dbeta_ptr, dgc_ptr,
-                                T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, unew_ptr, dunew_ptr,
+                                do_ptr, dy_ptr, dpairs_ptr, dsystem_ptr, dbeta_ptr, dgc_ptr, T, H, Tp,
+                                K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                                 HAS_SEG: tl.constexpr, PREC: tl.constexpr):
-    """Grid (chunks, B*H), one V block at a time: dv (= dX, float32), the pair gradients dP * D (scores)
-    and dA * beta * D (the triangular system) [C, C] for the q/k kernel, dbeta, and the pair terms of dgc
+    """Grid (chunks, B*H), one V block at a time: dY (float32; dv = diag(beta) dY), the pair gradients
+    dP * D (scores) and dA * beta * D (the triangular system) [C, C] for the q/k kernel, dbeta but for
+    its -rowsum(diag(r) K S * dY) share (the q/k kernel's, which holds S), and the pair terms of dgc
     (rowsum(G) - colsum(G))."""
     n, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
-    k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     tm = tl.load(tm_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
     dscores = tl.zeros([C, C], dtype=tl.float32)  # dO Unew^T
     dsystem = tl.zeros([C, C], dtype=tl.float32)  # d(I + A) = -dY Unew^T
     dbeta = tl.zeros([C], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        S = tl.load(states_ptr + _state_offsets(bh, n, N, K, V, BV, v0))
         unew = tl.load(unew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
         dunew = tl.load(dunew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
         do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
-        x = _load_rows(v_ptr, b, h, n, T, H, V, C, BV, v0) - tl.dot(k * r[:, None], S, input_precision=PREC)
         dscores += tl.dot(do, tl.trans(unew), input_precision=PREC)
         dy = tl.dot(tl.trans(tm), dunew, input_precision=PREC)
         dsystem -= tl.dot(dy, tl.trans(unew), input_precision=PREC)
-        dbeta += tl.sum(dy * x, axis=1)
-        _store_rows(dv_ptr, beta[:, None] * dy, b, h, n, T, H, V, C, BV, v0)
+        dbeta += tl.sum(dy * _load_rows(v_ptr, b, h, n, T, H, V, C, BV, v0), axis=1)
+        _store_rows(dy_ptr, dy, b, h, n, T, H, V, C, BV, v0)
+    k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     kk = tl.dot(k, tl.trans(k), input_precision=PREC)
@@ -260,11 +279,13 @@ def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, t
 @_tuned
 @triton.jit
 def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, dstates_ptr, unew_ptr, do_ptr,
-                             dv_ptr, dpairs_ptr, dsystem_ptr, dq_ptr, dk_ptr, dgc_ptr, dlast_ptr, T, H, Tp, N,
+                             dy_ptr, dpairs_ptr, dsystem_ptr, dq_ptr, dk_ptr, dgc_ptr, dlast_ptr, dbeta_ptr,
+                             T, H, Tp, N,
                              K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                              HAS_SEG: tl.constexpr, PREC: tl.constexpr):
     """Grid (chunks, B*H, K / BK): dq and dk of one key block, and its shares of dgc (dr * r - de * e, per
-    token) and of the last token's dgc (sum(de * e) + dcarry * carry), which the caller sums over blocks."""
+    token), of the last token's dgc (sum(de * e) + dcarry * carry) and of dbeta (-rowsum(diag(r) K S * dY)),
+    which the caller sums over blocks."""
     n, bh, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
@@ -272,7 +293,7 @@ def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr,
     gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
     dq_state = tl.zeros([C, BK], dtype=tl.float32)  # dO S^T
     dk_end = tl.zeros([C, BK], dtype=tl.float32)  # Unew dS'^T
-    dx_state = tl.zeros([C, BK], dtype=tl.float32)  # dX S^T
+    dy_state = tl.zeros([C, BK], dtype=tl.float32)  # dY S^T
     dcarry = 0.0
     rows = ((bh * N + n) * K + k0 + tl.arange(0, BK)[:, None]) * V + tl.arange(0, BV)[None, :]
     for v0 in range(0, V, BV):
@@ -280,15 +301,16 @@ def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr,
         dS = tl.load(dstates_ptr + rows + v0)
         unew = tl.load(unew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
         do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
-        dx = _load_rows(dv_ptr, b, h, n, T, H, V, C, BV, v0)
+        dy = _load_rows(dy_ptr, b, h, n, T, H, V, C, BV, v0)
         dq_state += tl.dot(do, tl.trans(S), input_precision=PREC)
         dk_end += tl.dot(unew, tl.trans(dS), input_precision=PREC)
-        dx_state += tl.dot(dx, tl.trans(S), input_precision=PREC)
+        dy_state += tl.dot(dy, tl.trans(S), input_precision=PREC)
         dcarry += tl.sum(tl.sum(S * dS, axis=1), axis=0)
     q = _load_rows(q_ptr, b, h, n, T, H, K, C, BK, k0)
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, BK, k0)
     dpairs = tl.load(dpairs_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
     dkk = tl.load(dsystem_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
+    dx_state = beta[:, None] * dy_state  # dX S^T
     dq = r[:, None] * dq_state + tl.dot(dpairs, k, input_precision=PREC)
     dk = (-r[:, None] * dx_state + tl.dot(tl.trans(dpairs), q, input_precision=PREC) + e[:, None] * dk_end
           + tl.dot(dkk, k, input_precision=PREC) + tl.dot(tl.trans(dkk), k, input_precision=PREC))
@@ -299,3 +321,4 @@ def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr,
     t = n * C + tl.arange(0, C)
     tl.store(dgc_ptr + ((kb * tl.num_programs(1) + bh) * Tp) + t, dr * r - de * e)
     tl.store(dlast_ptr + (kb * tl.num_programs(1) + bh) * N + n, tl.sum(de * e, axis=0) + dcarry * carry)
+    tl.store(dbeta_ptr + ((kb * tl.num_programs(1) + bh) * Tp) + t, -tl.sum(k * dy_state, axis=1) * r)
