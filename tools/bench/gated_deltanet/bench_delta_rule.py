@@ -21,7 +21,7 @@ CPU (smoke; the Triton kernels run through TRITON_INTERPRET=1, which this script
         --dk 16 --dv 16 --repeats 1 --warmup 0
 GPU (fla-core's wheel installed beside it for its column):
     python tools/bench/gated_deltanet/bench_delta_rule.py --device cuda --dtype bfloat16 --seq 4096
-    (and --seq 32768; --documents 8; --dtype float32: the kernels' IEEE float32 path; --per-channel)
+    (and --seq 32768; --documents 8; --dtype float32: the kernels' tf32x3 path; --per-channel)
 """
 from __future__ import annotations
 

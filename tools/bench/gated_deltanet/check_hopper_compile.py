@@ -5,7 +5,7 @@ dims 128; bfloat16 and float32 inputs, with and without packed documents and an 
 captured, not run, then compiled ahead of time with the installed triton and its bundled ptxas for each
 warps/stages configuration the autotuner tries (dist_moe.kernels.hopper_check does the compiling and
 the checks: builds, shared memory fits; register spills are printed). Tensor-core use (wgmma) is
-expected for the bf16 path (tf32 products); the IEEE float32 path has none by design. Exits 1 if any
+expected in every variant (tf32 products for bf16 inputs, tf32x3 for float32 ones). Exits 1 if any
 variant fails to build or to fit shared memory (the autotuner skips such a variant, but a kernel whose
 every variant fails cannot run).
 
