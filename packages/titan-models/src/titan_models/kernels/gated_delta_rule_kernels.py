@@ -5,7 +5,8 @@ Legend, per (batch row, head) and chunk; S is the state entering the chunk [K, V
     vis_ij j <= i and i, j in one segment;  D_ij = exp(gc_i - gc_j) on vis, else 0
     r_i    exp(gc_i) if token i still sees S (no document boundary since the chunk began), else 0
     e_j    exp(gc_last - gc_j) if j is in the last token's segment, else 0;  carry = exp(gc_last) [last sees S]
-    A      strict_lower(beta_i (k_i . k_j) D_ij);  Tm = (I + A)^-1 (the UT transform of the WY form)
+    A      strict_lower(beta_i (k_i . k_j) D_ij);  Tm = (I + A)^-1 (the UT transform of the WY form; by
+           16-row diagonal blocks and a block Neumann series, on tensor cores)
     W = Tm diag(beta r) K,  U = Tm diag(beta) V,  Unew = U - W S       (the delta-rule corrections)
     O = diag(r) Q S + (vis * Q K^T * D) Unew;   S_next = carry S + (diag(e) K)^T Unew
 
@@ -98,16 +99,23 @@ def _state_offsets(bh, n, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
 
 @triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr):
-    """(I + A)^-1 of a strictly lower triangular A [C, C], by forward substitution one row at a time:
-    row i = e_i - sum_{j<i} A_ij row_j (rows >= i are still e_j, and A_ij = 0 there)."""
+    """(I + A)^-1 of a strictly lower triangular A [C, C] (C = 64), on tensor cores in tf32x3 (near-float32;
+    the inverse amplifies rounding, so never plain tf32). First the four 16 x 16 diagonal blocks Ld by
+    forward substitution, one row of every block per step: rows 16b + r become e_i - sum_j A_ij row_j,
+    the rows j < i of their block being final. Then, with N = Ld^-1 A_off (strictly block-lower, so
+    N^4 = 0): (I + A)^-1 = (Ld (I + N))^-1 = (I - N + N^2 - N^3) Ld^-1."""
     rows = tl.arange(0, C)[:, None]
     cols = tl.arange(0, C)[None, :]
-    inv = tl.where(rows == cols, 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(rows == i, A, 0.0), axis=0)  # [C] over j
-        row = tl.where(tl.arange(0, C) == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, axis=0)
-        inv = tl.where(rows == i, row[None, :], inv)
-    return inv
+    same_block = (rows // 16) == (cols // 16)
+    eye = tl.where(rows == cols, 1.0, 0.0)
+    diag_inv = eye
+    for r in range(1, 16):
+        step_rows = tl.where(same_block & ((rows % 16) == r), A, 0.0)
+        diag_inv = diag_inv - tl.dot(step_rows, diag_inv, input_precision="tf32x3")
+    N = tl.dot(diag_inv, tl.where(same_block, 0.0, A), input_precision="tf32x3")
+    N2 = tl.dot(N, N, input_precision="tf32x3")
+    series = eye - N + N2 - tl.dot(N2, N, input_precision="tf32x3")
+    return tl.dot(series, diag_inv, input_precision="tf32x3")
 
 
 @_tuned
@@ -123,7 +131,7 @@ def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr,
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     strict = vis & (tl.arange(0, C)[None, :] < tl.arange(0, C)[:, None])
     A = tl.where(strict, beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PREC) * D, 0.0)
-    tm = _unit_lower_inverse(A, C)
+    tm = _unit_lower_inverse(A, C)  # C = 64: four 16-row blocks
     tl.store(tm_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0), tm)
     w = tl.dot(tm, (beta * r)[:, None] * k, input_precision=PREC)
     tl.store(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0), w)
