@@ -28,7 +28,11 @@ CASES = {
     "chunks_with_tail": ["q", "k", "v", "g", "beta", "initial_state"],
     "packed_documents": ["q", "k", "v", "g", "beta"],
     "one_chunk_output_only": ["q", "k", "v", "g", "beta", "initial_state"],
+    "correlated_keys": ["q", "k", "v", "g", "beta", "initial_state"],
 }
+# nearly parallel keys and a decay of ~0.01 per token: dg sums many cancelling terms (measured 1.5e-5; the
+# torch form's dg is 3.5e-5 off there)
+CASE_TOL = {"correlated_keys_grad_g": 5e-5}
 EXPECTED = [f"{case}_{what}" for case, grads in CASES.items()
             for what in ["out", "state", *(f"grad_{g}" for g in grads)]] + [
     "layer_triton_vs_torch_out", "layer_triton_vs_torch_grad_x"]
@@ -50,7 +54,7 @@ def test_every_interpreted_check_ran(interpreted):
 
 @pytest.mark.parametrize("name", EXPECTED)
 def test_interpreted_kernels_match_float64(interpreted, name):
-    assert interpreted[name] < TOL, interpreted[name]
+    assert interpreted[name] < CASE_TOL.get(name, TOL), interpreted[name]
 
 
 def test_interpreted_packed_control_leaks_without_segments(interpreted):

@@ -4,7 +4,8 @@ Run by test_gated_delta_rule_triton.py in a subprocess (the interpreter must be 
 imported); prints one JSON object {check name: relative error}. Cases: several chunks with a tail and an
 initial state (gradients of the output and the final state); packed documents (boundaries at, inside and
 just after chunk edges, one-token documents) with two value blocks; one exact chunk with two key blocks
-whose loss reads only the output (no final-state gradient).
+whose loss reads only the output (no final-state gradient); keys nearly parallel with beta near 1 (a
+triangular system far from the identity).
 """
 from __future__ import annotations
 
@@ -36,13 +37,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def inputs(b, s, h, dk, dv, seed):
+def inputs(b, s, h, dk, dv, seed, correlated=False):
+    """Random inputs; `correlated`: keys and queries near one direction, slow decay and beta near 1, so the
+    in-chunk triangular system is far from the identity (its inverse has large entries)."""
     gen = torch.Generator().manual_seed(seed)
-    q = l2_normalize(torch.randn(b, s, h, dk, generator=gen)) * dk**-0.5
-    k = l2_normalize(torch.randn(b, s, h, dk, generator=gen))
+    base = torch.randn(1, 1, h, dk, generator=gen) if correlated else 0.0
+    spread = 0.2 if correlated else 1.0
+    q = l2_normalize(base + spread * torch.randn(b, s, h, dk, generator=gen)) * dk**-0.5
+    k = l2_normalize(base + spread * torch.randn(b, s, h, dk, generator=gen))
     v = torch.randn(b, s, h, dv, generator=gen)
-    g = -F.softplus(torch.randn(b, s, h, generator=gen))
-    beta = torch.rand(b, s, h, generator=gen)
+    if correlated:
+        g = -0.02 * torch.rand(b, s, h, generator=gen)
+        beta = 0.9 + 0.1 * torch.rand(b, s, h, generator=gen)
+    else:
+        g = -F.softplus(torch.randn(b, s, h, generator=gen))
+        beta = torch.rand(b, s, h, generator=gen)
     initial = torch.randn(b, h, dk, dv, generator=gen)
     return [q, k, v, g, beta, initial], gen
 
@@ -59,8 +68,8 @@ def reference(tensors, lengths, with_initial):
     return torch.cat(outs, dim=1), state
 
 
-def check(name, b, h, dk, dv, lengths, *, with_initial, state_loss, seed):
-    tensors, gen = inputs(b, sum(lengths), h, dk, dv, seed)
+def check(name, b, h, dk, dv, lengths, *, with_initial, state_loss, seed, correlated=False):
+    tensors, gen = inputs(b, sum(lengths), h, dk, dv, seed, correlated)
     ours = [t.clone().requires_grad_() for t in tensors]
     ref = [t.double().clone().requires_grad_() for t in tensors]
     segments = None if len(lengths) == 1 else torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
@@ -84,6 +93,7 @@ def check(name, b, h, dk, dv, lengths, *, with_initial, state_loss, seed):
 
 check("chunks_with_tail", 2, 1, 16, 32, (150,), with_initial=True, state_loss=True, seed=0)
 check("packed_documents", 1, 1, 32, 128, (1, 63, 2, 70, 30), with_initial=False, state_loss=True, seed=1)
+check("correlated_keys", 1, 1, 32, 32, (130,), with_initial=True, state_loss=True, seed=3, correlated=True)
 check("one_chunk_output_only", 1, 1, 128, 16, (64,), with_initial=True, state_loss=False, seed=2)
 
 
