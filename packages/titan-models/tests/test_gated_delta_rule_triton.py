@@ -49,12 +49,17 @@ def interpreted() -> dict:
 
 
 def test_every_interpreted_check_ran(interpreted):
-    assert sorted(interpreted) == sorted([*EXPECTED, "packed_documents_control_without_segments"])
+    assert sorted(interpreted) == sorted([*EXPECTED, "packed_documents_control_without_segments",
+                                          "repeated_launches_max_abs_diff"])
 
 
 @pytest.mark.parametrize("name", EXPECTED)
 def test_interpreted_kernels_match_float64(interpreted, name):
     assert interpreted[name] < CASE_TOL.get(name, TOL), interpreted[name]
+
+
+def test_interpreted_kernels_survive_repeated_launches(interpreted):
+    assert interpreted["repeated_launches_max_abs_diff"] == 0.0  # what the GPU autotuner's trial runs do
 
 
 def test_interpreted_packed_control_leaks_without_segments(interpreted):

@@ -121,5 +121,43 @@ def check_layer():
     results["layer_triton_vs_torch_grad_x"] = rel_err(grads["triton"], grads["torch"])
 
 
+def check_repeated_launches():
+    """On a GPU the autotuner launches each kernel several times on the same buffers before keeping one
+    config; every launch running twice must give the same gradients bitwise (no kernel reads what it writes)."""
+    from titan_models.kernels import gated_delta_rule_kernels as kern
+
+    tensors, _ = inputs(1, 100, 1, 16, 16, seed=4)
+    segments = torch.cat([torch.zeros(30), torch.ones(70)]).long()[None]
+
+    def grads():
+        ours = [t.clone().requires_grad_() for t in tensors]
+        out, state = triton_chunked_delta_rule(*ours[:5], segments=segments, initial_state=ours[5])
+        (out.sum() + state.square().sum()).backward()
+        return [t.grad for t in ours]
+
+    once = grads()
+    saved = {name: getattr(kern, name) for name in dir(kern) if name.endswith("_kernel")}
+
+    class Twice:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.kernel[grid](*args, **kwargs)
+                self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name, kernel in saved.items():
+        setattr(kern, name, Twice(kernel))
+    try:
+        twice = grads()
+    finally:
+        for name, kernel in saved.items():
+            setattr(kern, name, kernel)
+    results["repeated_launches_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(once, twice))
+
+
 check_layer()
+check_repeated_launches()
 print(json.dumps(results))

@@ -152,13 +152,13 @@ class _Inputs:
         seg = self.q if self.seg is None else self.seg
         d_out = (torch.zeros(self.B, self.T, self.H, self.V, device=self.q.device) if d_out is None
                  else d_out.float().contiguous())
-        dstates, dunew = torch.empty_like(states), self._buffer(self.V)
+        dstates, dlocal, dunew = torch.empty_like(states), self._buffer(self.V), self._buffer(self.V)
         dinit = torch.empty(self.B, self.H, self.K, self.V, device=self.q.device, dtype=torch.float32)
         kern.output_backward_kernel[(self.N, self.B * self.H, self.V // self.BV)](
-            self.q, self.k, self.g, self.beta, seg, d_out, dunew, V=self.V, BV=self.BV, **self._common())
+            self.q, self.k, self.g, self.beta, seg, d_out, dlocal, V=self.V, BV=self.BV, **self._common())
         kern.state_backward_kernel[(self.B * self.H, self.V // self.BV)](
             self.q, self.k, self.g, self.beta, seg, w, d_out,
-            d_out if d_final is None else d_final.float().contiguous(), dstates, dunew, dinit,
+            d_out if d_final is None else d_final.float().contiguous(), dlocal, dstates, dunew, dinit,
             N=self.N, V=self.V, BV=self.BV, HAS_DFINAL=d_final is not None, **self._common())
         dq, dk = (torch.empty(self.B, self.T, self.H, self.K, device=self.q.device) for _ in range(2))
         dy = torch.empty(self.B, self.T, self.H, self.V, device=self.q.device)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 def _tuned(kernel):
     """On a GPU, warps and pipeline stages are timed on the first call per (K, V) and the fastest kept
-    (every kernel overwrites its outputs, so the trial runs leave nothing behind); one config when
+    (no kernel reads a buffer it writes, so the trial runs leave nothing behind); one config when
     interpreting."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return kernel
@@ -189,7 +189,7 @@ def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, 
 
 @_tuned
 @triton.jit
-def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dunew_ptr, T, H, Tp,
+def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dlocal_ptr, T, H, Tp,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_SEG: tl.constexpr, PREC: tl.constexpr):
     """Grid (chunks, B*H, V / BV): the share of dUnew that needs no state, P^T dO (P = vis * Q K^T * D), in
@@ -203,17 +203,17 @@ def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dunew
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     scores = tl.dot(q, tl.trans(k), input_precision=PREC) * D
     do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
-    tl.store(dunew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0),
+    tl.store(dlocal_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0),
              tl.dot(tl.trans(scores), do, input_precision=PREC))
 
 
 @_tuned
 @triton.jit
-def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr, dfinal_ptr, dstates_ptr,
-                          dunew_ptr, dinit_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr, dfinal_ptr, dlocal_ptr,
+                          dstates_ptr, dunew_ptr, dinit_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_DFINAL: tl.constexpr, PREC: tl.constexpr):
     """Grid (B*H, V / BV): the reverse scan. dS' (gradient of the state leaving chunk n) is stored per chunk;
-    dUnew = P^T dO (already in dunew, from output_backward) + diag(e) K dS';
+    dUnew = P^T dO (dlocal, from output_backward) + diag(e) K dS';
     dS = carry dS' + (diag(r) Q)^T dO - W^T dUnew."""
     bh, vb = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
@@ -229,9 +229,10 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
         tl.store(dstates_ptr + _state_offsets(bh, n, N, K, V, BV, v0), dS)
         gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
         k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
-        chunk = dunew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)
-        dunew = tl.load(chunk) + tl.dot(k * e[:, None], dS, input_precision=PREC)  # P^T dO from output_backward
-        tl.store(chunk, dunew)
+        chunk = _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)
+        # P^T dO from output_backward, in its own buffer: the autotuner runs this kernel several times
+        dunew = tl.load(dlocal_ptr + chunk) + tl.dot(k * e[:, None], dS, input_precision=PREC)
+        tl.store(dunew_ptr + chunk, dunew)
         q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
         do = _load_rows(do_ptr, b, h, n, T, H, V, C, BV, v0)
         w = tl.load(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0))
