@@ -54,7 +54,7 @@ def documents(args):
     ids = torch.arange(args.seq, device=args.device) * args.documents // args.seq
     starts = torch.arange(args.documents + 1, device=args.device) * args.seq // args.documents
     cu = torch.cat([starts[:-1] + row * args.seq for row in range(args.batch)] + [starts[-1:] * args.batch])
-    return ids[None].expand(args.batch, -1), cu.to(torch.int32)
+    return ids[None].expand(args.batch, -1), cu.long()
 
 
 def implementations(args):
