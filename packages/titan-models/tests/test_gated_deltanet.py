@@ -5,29 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tm_delta_rule_reference import float64_delta_rule
 from tm_reference import rel_err
 
 from titan_models.components.gated_deltanet import (
     GatedDeltaNetConfig, causal_conv, chunked_delta_rule, l2_normalize, recurrent_delta_rule,
 )
 from titan_models.context import AttentionContext
-
-
-def float64_delta_rule(q, k, v, g, beta, initial=None):
-    """The recurrence written out in float64, one token and one head at a time."""
-    b, s, h, dk = k.shape
-    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float64)
-    state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float64) if initial is None else initial.double().clone()
-    for bi in range(b):
-        for hi in range(h):
-            S = state[bi, hi]
-            for t in range(s):
-                S = S * torch.exp(g[bi, t, hi].double())
-                kt, vt = k[bi, t, hi].double(), v[bi, t, hi].double()
-                S = S + torch.outer(kt, beta[bi, t, hi].double() * (vt - S.T @ kt))
-                out[bi, t, hi] = S.T @ q[bi, t, hi].double()
-            state[bi, hi] = S
-    return out, state
 
 
 def inputs(b=2, s=150, h=3, dk=8, dv=12, seed=0):

@@ -7,30 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tm_delta_rule_reference import float64_delta_rule
 from tm_reference import build, rel_err
 
 import titan_models as tm
 from titan_models.components.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from titan_models.context import AttentionContext
 from titan_models.models.kimi_linear.hf import TINY_HF_CONFIGS
-
-
-def float64_kda(q, k, v, g, beta, initial=None):
-    """The per-channel gated delta rule in float64, one token and one head at a time:
-    S <- diag(exp(g_t)) S;  S <- S + k_t beta_t (v_t - S^T k_t)^T;  o_t = S^T q_t."""
-    b, s, h, dk = k.shape
-    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float64)
-    state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float64) if initial is None else initial.double().clone()
-    for bi in range(b):
-        for hi in range(h):
-            S = state[bi, hi]
-            for t in range(s):
-                S = torch.exp(g[bi, t, hi].double())[:, None] * S
-                kt, vt = k[bi, t, hi].double(), v[bi, t, hi].double()
-                S = S + torch.outer(kt, beta[bi, t, hi].double() * (vt - S.T @ kt))
-                out[bi, t, hi] = S.T @ q[bi, t, hi].double()
-            state[bi, hi] = S
-    return out, state
 
 
 def inputs(b=2, s=150, h=3, dk=8, dv=12, seed=0, strong=False):
@@ -50,7 +33,7 @@ def inputs(b=2, s=150, h=3, dk=8, dv=12, seed=0, strong=False):
 def test_per_channel_chunked_and_recurrent_match_float64(seq, strong):
     q, k, v, g, beta = inputs(s=seq, strong=strong)
     initial = torch.randn(2, 3, 8, 12, generator=torch.Generator().manual_seed(1))
-    ref_out, ref_state = float64_kda(q, k, v, g, beta, initial)
+    ref_out, ref_state = float64_delta_rule(q, k, v, g, beta, initial)
     for form in (recurrent_delta_rule, chunked_delta_rule):
         out, state = form(q, k, v, g, beta, initial_state=initial)
         assert torch.isfinite(out).all()
@@ -85,7 +68,7 @@ def test_per_channel_packed_documents_match_each_document_alone(lengths):
     segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     alone, start = [], 0
     for n in lengths:
-        out, last_state = float64_kda(*(t[:, start:start + n] for t in (q, k, v, g, beta)))
+        out, last_state = float64_delta_rule(*(t[:, start:start + n] for t in (q, k, v, g, beta)))
         alone.append(out)
         start += n
     alone = torch.cat(alone, dim=1)

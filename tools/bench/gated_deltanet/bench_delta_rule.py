@@ -1,24 +1,32 @@
-"""Gated DeltaNet's chunked delta rule: titan-models' torch form against transformers' torch form (the
-anchor) and, when installed, flash-linear-attention's Triton kernel (`fla-core`), at one layer's shapes.
+"""Gated DeltaNet's chunked delta rule at one layer's shapes: titan-models' Triton kernels and torch form
+against transformers' torch form (the anchor) and, when installed, flash-linear-attention's Triton kernel
+(`fla-core` 0.6, imported only here: never in the test environment).
 
-Self-checking: at the benchmark shapes every implementation's output is compared with titan-models'
-chunked form run in float64 (relative error printed); then each is timed, forward and
-forward + backward, as the median of `--repeats` runs after a warm-up, and printed with its ratio to
-transformers' time measured in the same run (> 1: faster than the anchor).
+Self-checking: every implementation's output is compared with titan-models' chunked form run in float64 on
+the same (rounded) inputs (relative error printed); then each is timed, forward and forward + backward, as
+the median of `--repeats` steady-state runs (after `--warmup` runs, which also take the kernels' first-call
+autotuning), and printed with its ratio to transformers' time and to flash-linear-attention's, both
+measured in the same run (> 1: faster than that one).
 
-Default shapes: Qwen3.5-35B-A3B's linear-attention layer (32 value heads of 128, key heads repeated
-to 32, key dim 128), batch 1, sequence 4096. `--per-channel`: Kimi Delta Attention's decay (one per key
-channel; Kimi-Linear-48B-A3B has the same 32 heads of 128), against transformers' `chunk_kimi_delta_attention`
-and flash-linear-attention's `chunk_kda`.
+Default shapes: Qwen3.5-35B-A3B's linear-attention layer (Qwen3-Next-80B-A3B has the same: 32 value heads
+of 128, its 16 key heads of 128 repeated to 32), batch 1, sequence 4096. `--documents N` packs N equal
+documents into the row (titan-models' segments, fla's cu_seqlens; transformers' torch form has no document
+resets, so it runs the row unpacked and its error column is left out). `--per-channel`: Kimi Delta
+Attention's decay (one per key channel; Kimi-Linear-48B-A3B has the same 32 heads of 128), against
+transformers' `chunk_kimi_delta_attention` and flash-linear-attention's `chunk_kda`; titan-models' Triton
+kernels take one decay per head, so they have no column there.
 
-CPU (smoke):  uv run --frozen --no-sync python tools/bench/gated_deltanet/bench_delta_rule.py --seq 256 --heads 4
-GPU:          uv run --frozen --no-sync python tools/bench/gated_deltanet/bench_delta_rule.py --device cuda \
-                  --seq 4096   (and --seq 32768; fla-core's wheel installed beside it for its column;
-                  add --per-channel for Kimi Delta Attention)
+CPU (smoke; the Triton kernels run through TRITON_INTERPRET=1, which this script sets on CPU, in float32):
+    uv run --frozen --no-sync python tools/bench/gated_deltanet/bench_delta_rule.py --seq 128 --heads 2 \
+        --dk 16 --dv 16 --repeats 1 --warmup 0
+GPU (fla-core's wheel installed beside it for its column):
+    python tools/bench/gated_deltanet/bench_delta_rule.py --device cuda --dtype bfloat16 --seq 4096
+    (and --seq 32768; --documents 8; --dtype float32: the kernels' tf32x3 path; --per-channel)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -26,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_models.components.gated_deltanet import chunked_delta_rule, l2_normalize
+from titan_models.kernels.gated_delta_rule import triton_chunked_delta_rule
 
 
 def inputs(args, dtype):
@@ -35,27 +44,50 @@ def inputs(args, dtype):
     v = torch.randn(*shape, args.dv, device=args.device, generator=gen)
     g = -F.softplus(torch.randn(*shape, *([args.dk] if args.per_channel else []), device=args.device, generator=gen))
     beta = torch.rand(*shape, device=args.device, generator=gen)
-    return [t.to(dtype) for t in (q, k, v, g, beta)]
+    return [t.to(dtype) for t in (q, k, v)] + [g, beta]  # gates float32, as the layer gives them
+
+
+def documents(args):
+    """(segments [b, s], cu_seqlens [docs + 1]) for --documents equal documents per row, or (None, None)."""
+    if args.documents <= 1:
+        return None, None
+    ids = torch.arange(args.seq, device=args.device) * args.documents // args.seq
+    starts = torch.arange(args.documents + 1, device=args.device) * args.seq // args.documents
+    cu = torch.cat([starts[:-1] + row * args.seq for row in range(args.batch)] + [starts[-1:] * args.batch])
+    return ids[None].expand(args.batch, -1), cu.long()
 
 
 def implementations(args):
     """name -> fn(q, k, v, g, beta) -> out, taking raw q/k (each normalises them)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
+    segments, cu_seqlens = documents(args)
+
+    def normalised(q, k):  # as the layer gives them: float32 norm, back to the input dtype
+        return (l2_normalize(q) * q.shape[-1] ** -0.5).to(q.dtype), l2_normalize(k).to(k.dtype)
+
     def ours(q, k, v, g, beta):
-        return chunked_delta_rule(l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k), v, g, beta)[0]
+        return chunked_delta_rule(*normalised(q, k), v, g, beta, segments=segments)[0]
 
     if args.per_channel:
         return per_channel_implementations(ours)
     impls = {"transformers (torch)": lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(
-        q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0], "titan-models (torch)": ours}
+        q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0], "titan-models (torch)": ours,
+        "titan-models (triton)": lambda q, k, v, g, beta: triton_chunked_delta_rule(
+            *normalised(q, k), v, g, beta, segments=segments)[0]}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        impls["flash-linear-attention"] = lambda q, k, v, g, beta: chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
     except ImportError:
         print("flash-linear-attention not installed: its column is left out")
+        return impls
+
+    def fla(q, k, v, g, beta):
+        flat = (lambda t: t.flatten(0, 1)[None]) if cu_seqlens is not None else (lambda t: t)
+        out = chunk_gated_delta_rule(*(flat(t) for t in (q, k, v, g, beta)), cu_seqlens=cu_seqlens,
+                                     use_qk_l2norm_in_kernel=True)[0]
+        return out.view(args.batch, args.seq, *out.shape[2:])
+
+    impls["flash-linear-attention"] = fla
     return impls
 
 
@@ -75,14 +107,14 @@ def per_channel_implementations(ours):
 
 
 def timed(fn, args, *, backward: bool) -> float:
-    tensors = [t.detach().requires_grad_(backward) for t in inputs(args, torch.float32)]
+    tensors = [t.detach().requires_grad_(backward) for t in inputs(args, args.dtype)]
 
     def step():
         out = fn(*tensors)
         if backward:
             out.float().square().mean().backward()
 
-    for _ in range(2):
+    for _ in range(args.warmup):
         step()
     times = []
     for _ in range(args.repeats):
@@ -99,29 +131,43 @@ def timed(fn, args, *, backward: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q, k, v dtype")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dk", type=int, default=128)
     parser.add_argument("--dv", type=int, default=128)
+    parser.add_argument("--documents", type=int, default=1, help="equal documents packed per row")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--per-channel", action="store_true", help="Kimi Delta Attention: one decay per key channel")
     args = parser.parse_args()
+    args.dtype = getattr(torch, args.dtype)
+    if args.device == "cpu":
+        if args.dtype != torch.float32:
+            raise ValueError("--dtype bfloat16 needs --device cuda (bf16 tl.dot is wrong in Triton's interpreter)")
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (by the kernels' first call)
     impls = implementations(args)
     # titan-models' chunked form in float64 (tests/test_gated_deltanet.py holds it to a float64 recurrence)
-    reference = impls["titan-models (torch)"](*inputs(args, torch.float64)).double()
+    reference = impls["titan-models (torch)"](*(t.double() for t in inputs(args, args.dtype))).double()
     rows = []
     for name, fn in impls.items():
-        with torch.no_grad():
-            err = ((fn(*inputs(args, torch.float32)).double() - reference).norm() / reference.norm()).item()
+        err = float("nan")
+        if not (name == "transformers (torch)" and args.documents > 1):  # it has no document resets
+            with torch.no_grad():
+                err = ((fn(*inputs(args, args.dtype)).double() - reference).norm() / reference.norm()).item()
         rows.append((name, err, timed(fn, args, backward=False), timed(fn, args, backward=True)))
     anchor = rows[0]
-    print(f"{'per-channel (KDA)' if args.per_channel else 'per-head'} delta rule, batch {args.batch}, seq {args.seq}, {args.heads} heads, dk {args.dk}, dv {args.dv}, "
-          f"{args.device}, float32 inputs")
-    print(f"{'implementation':24s} {'rel err vs fp64':>16s} {'fwd ms':>9s} {'x anchor':>9s} {'fwd+bwd ms':>11s} "
-          f"{'x anchor':>9s}")
+    fla = next((row for row in rows if row[0] == "flash-linear-attention"), None)
+    print(f"{'per-channel (KDA)' if args.per_channel else 'per-head'} delta rule, batch {args.batch}, seq {args.seq}, "
+          f"{args.documents} document(s) per row, {args.heads} heads, dk {args.dk}, dv {args.dv}, {args.device}, "
+          f"{str(args.dtype).removeprefix('torch.')} q/k/v, median of {args.repeats}")
+    print(f"{'implementation':24s} {'rel err vs fp64':>16s} {'fwd ms':>9s} {'x anchor':>9s} {'x fla':>7s} "
+          f"{'fwd+bwd ms':>11s} {'x anchor':>9s} {'x fla':>7s}")
     for name, err, fwd, both in rows:
-        print(f"{name:24s} {err:16.2e} {fwd:9.2f} {anchor[2] / fwd:9.3f} {both:11.2f} {anchor[3] / both:9.3f}")
+        vs_fla = (f"{fla[2] / fwd:7.3f}", f"{fla[3] / both:7.3f}") if fla else ("      -", "      -")
+        print(f"{name:24s} {err:16.2e} {fwd:9.2f} {anchor[2] / fwd:9.3f} {vs_fla[0]} {both:11.2f} "
+              f"{anchor[3] / both:9.3f} {vs_fla[1]}")
 
 
 if __name__ == "__main__":

@@ -171,3 +171,55 @@ def test_qwen3_runs_in_vllm_bitwise_in_batch_invariant_mode():
             assert torch.equal(got, comp.logprobs)
     finally:
         gen.close()
+
+
+def _debug_model(family: str, **changes):
+    config = tm.transforms.num_layers(2)(tm.flavor(family, "debug"))
+    if changes:
+        import dataclasses
+        config = dataclasses.replace(config, **changes)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "kimi_linear"])
+def test_linear_attention_families_are_refused_before_an_engine_starts(family, tmp_path):
+    with pytest.raises(ValueError, match="linear-attention layers .*hybrid interface"):
+        VLLMGenerator.from_model(_debug_model(family), workdir=tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before writing the folder
+
+
+def test_gpt_oss_runs_in_vllm_with_windows_and_sinks():
+    # layer 0 slides over the last 8 keys, layer 1 is full; prompts up to 40 tokens cross the window
+    model = _debug_model("gpt_oss", sliding_window=8)
+    with torch.no_grad():  # sink logits of both signs, large enough to matter
+        for layer in model.layers.values():
+            layer.attention.sinks.weight.copy_(torch.linspace(-2.0, 2.0, layer.attention.sinks.weight.numel()))
+    with pytest.raises(ValueError, match="batch-invariant mode's attention backend has no attention sinks"):
+        VLLMGenerator.from_model(model, max_model_len=128, batch_invariant=True)
+    gen = VLLMGenerator.from_model(model, max_model_len=128)
+    try:
+        rng = random.Random(6)
+        prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (3, 17, 40)]
+        completions = gen.generate(prompts, SamplingConfig(max_new_tokens=8, seed=2))
+        assert all(len(c.tokens) == 8 for c in completions)
+        got = torch.cat(trainer_logprobs(model, completions, rng=rng))
+        want = torch.cat([c.logprobs for c in completions])
+        err = (got - want).abs().max().item()
+        print(f"gpt-oss vLLM CPU_ATTN vs trainer (float32): |dlogprob| max {err:.3g} over {want.numel()} tokens")
+        assert err < 1e-4
+        # controls: the trainer without the window, or without the sinks, is a different model
+        for change in ({"sliding_window": 10_000}, {"sinks": 0.0}):
+            other = _debug_model("gpt_oss", sliding_window=change.get("sliding_window", 8))
+            other.load_state_dict(model.state_dict())
+            if "sinks" in change:
+                with torch.no_grad():
+                    for layer in other.layers.values():
+                        layer.attention.sinks.weight.zero_()
+            changed = torch.cat(trainer_logprobs(other, completions, rng=rng))
+            assert (changed - want).abs().max().item() > 1e-3, change
+    finally:
+        gen.close()

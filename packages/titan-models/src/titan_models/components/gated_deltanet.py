@@ -17,8 +17,10 @@ as low-rank projections (`gate_rank`), and a sigmoid-gated output norm (`output_
 
 Two forms compute the same recurrence: `chunked_delta_rule` (chunks of `chunk_size` tokens solved in
 parallel with a triangular solve, then a scan over chunks; training and prefill) and
-`recurrent_delta_rule` (token by token; decode). Both run in float32. The chunked one is plain
-torch so a GPU kernel can replace it behind the same signature.
+`recurrent_delta_rule` (token by token; decode). Both run in float32. On CUDA the chunked one runs as
+Triton kernels (titan_models/kernels/gated_delta_rule.py, forward and backward, same signature) where
+they fit, as `GatedDeltaNetConfig.delta_rule_backend` chooses; bf16 projections give them bf16 q, k, v
+(state and gates stay float32).
 
 Packed documents: `context.document_ids` [b, s] splits rows into documents (a new document starts
 wherever the id changes from the previous token). The conv never reads across a boundary and the
@@ -41,6 +43,8 @@ from torch import nn
 from titan_models.components.norms import GatedRMSNorm
 from titan_models.components.projections import project
 from titan_models.context import AttentionContext
+from titan_models.kernels.gated_delta_rule import BACKENDS as DELTA_RULE_BACKENDS
+from titan_models.kernels.gated_delta_rule import triton_chunked_delta_rule, use_triton
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -58,6 +62,10 @@ class GatedDeltaNetConfig:
     decay_per_channel: bool = False
     gate_rank: int | None = None
     output_gate: str = "silu"
+    # Who runs the chunked delta rule: "auto" (the Triton kernels for CUDA tensors they fit: one decay per
+    # head, chunk_size 64, head dims powers of two in [16, 256]; the torch form otherwise), "triton" (always,
+    # ValueError where they cannot run) or "torch" (always the torch form).
+    delta_rule_backend: str = "auto"
 
     def build(self, dim: int) -> "GatedDeltaNet":
         if self.num_key_heads < 1 or self.num_value_heads % self.num_key_heads:
@@ -69,6 +77,9 @@ class GatedDeltaNetConfig:
             raise ValueError(f"gate_rank ({self.gate_rank}) must be >= 1 or None (full rank)")
         if self.output_gate not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate {self.output_gate!r} is not supported; supported: ['silu', 'sigmoid']")
+        if self.delta_rule_backend not in DELTA_RULE_BACKENDS:
+            raise ValueError(f"delta_rule_backend {self.delta_rule_backend!r} is not supported; supported: "
+                             f"{list(DELTA_RULE_BACKENDS)}")
         return GatedDeltaNet(dim, self)
 
 
@@ -385,6 +396,10 @@ class GatedDeltaNet(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             if seq == 1:
                 out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
+            elif use_triton(cfg.delta_rule_backend, q, v, g, cfg.chunk_size):
+                if v.dtype == torch.bfloat16:  # bf16 projections (autocast): tensor-core products in the kernels
+                    q, k = q.to(v.dtype), k.to(v.dtype)
+                out, final = triton_chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
             else:
                 out, final = chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial,
                                                 chunk_size=cfg.chunk_size)

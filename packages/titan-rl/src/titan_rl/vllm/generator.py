@@ -16,6 +16,7 @@ from vllm.inputs import TokensPrompt
 from titan_rl.generation.base import Completion
 from titan_rl.generation.sampling import SamplingConfig
 from titan_rl.vllm.plugin import architectures
+from titan_rl.vllm.support import check_servable
 
 
 def _load_titan_weights(worker, weights: dict[str, torch.Tensor]) -> int:
@@ -43,6 +44,7 @@ class VLLMGenerator:
     @classmethod
     def from_model(cls, model: nn.Module, *, max_model_len: int = 512, seed: int = 0, batch_invariant: bool = False,
                    workdir: str | Path | None = None, **llm_kwargs) -> "VLLMGenerator":
+        check_servable(model, batch_invariant=batch_invariant)  # before writing a folder or starting an engine
         folder = Path(workdir or tempfile.mkdtemp(prefix="titan-vllm-"))
         tm.to_hf(model, folder)
         arch = json.loads((folder / "config.json").read_text())["architectures"][0]

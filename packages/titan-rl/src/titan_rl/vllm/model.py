@@ -6,6 +6,8 @@ we run the titan model on them as one [1, T] row. Each `layers.N.attention.inner
 paged KV cache it owns and attends per sequence. In batch-invariant mode (`TITAN_RL_BATCH_INVARIANT=1`
 in the engine's environment) the dense layers run titan-rl's batch-invariant ops and the Attention
 layer gets titan-rl's attention backend (vLLM's CPU cache layout and metadata, our fixed-order kernel).
+Sliding windows and attention sinks (gpt-oss) go to vLLM's Attention layer; models it cannot serve
+(linear attention: see titan_rl.vllm.support) are refused with a ValueError saying why.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from vllm.model_executor.layers.attention import Attention
 
 from titan_rl.batch_invariant import batch_invariant
 from titan_rl.vllm.plugin import architectures
+from titan_rl.vllm.support import check_servable
 
 
 def batch_invariant_requested() -> bool:
@@ -38,7 +41,9 @@ class VLLMInnerAttention(nn.Module):
         super().__init__()
         object.__setattr__(self, "_attn", attn)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context=None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # sinks: the vLLM layer holds the same tensor (given at construction), so they are not passed again
         b, t, hq, d = q.shape
         assert b == 1, "vLLM passes the flattened tokens of all sequences as one row"
         out = self._attn(q.reshape(t, hq * d), k.reshape(t, -1), v.reshape(t, -1))  # [T, hq * d_v]
@@ -68,6 +73,7 @@ class TitanForCausalLM(nn.Module):
         model.init_buffers()
         self.model = model
         self.invariant = batch_invariant_requested()
+        check_servable(model, batch_invariant=self.invariant)
         backend = None
         if self.invariant:
             from titan_rl.vllm.attention_backend import TitanBatchInvariantBackend
@@ -79,19 +85,31 @@ class TitanForCausalLM(nn.Module):
         head_dim = config.qk_head_dim
         self.attn_layers = nn.ModuleList()
         for i in range(config.num_layers):
-            attn = Attention(config.num_heads, head_dim, head_dim ** -0.5, num_kv_heads=config.num_kv_heads,
+            ours = model.layers[str(i)].attention
+            # gpt-oss: the layer's window (the last `sliding_window` keys, as vLLM counts them) and its sink
+            # logits, the parameter itself so weight updates reach vLLM's kernel
+            sinks = None if getattr(ours, "sinks", None) is None else ours.sinks.weight
+            attn = Attention(config.num_heads, head_dim, ours.inner.scale, num_kv_heads=config.num_kv_heads,
                              cache_config=vllm_config.cache_config, quant_config=None,
-                             prefix=f"{prefix}model.layers.{i}.self_attn.attn", attn_backend=backend)
+                             per_layer_sliding_window=ours.inner.sliding_window,
+                             prefix=f"{prefix}model.layers.{i}.self_attn.attn", attn_backend=backend,
+                             **({} if sinks is None else {"sinks": sinks}))
             self.attn_layers.append(attn)
         for i, attn in enumerate(self.attn_layers):
             tm.override(model, f"layers.{i}.attention.inner", lambda _, old, attn=attn: VLLMInnerAttention(attn))
         # HF name -> titan state name, for checkpoints; titan names load as they are (weight sync).
-        self._from_hf = {}
-        for name in model.state_dict():
+        # Tensors stored in another layout on disk (gpt-oss's fused, interleaved, transposed experts) are
+        # gathered and converted by the converter's `load`: HF name -> the titan tensors it holds.
+        self._from_hf, self._laid_out = {}, {}
+        for name, tensor in model.state_dict().items():
             if config.tie_embeddings and name == "output.weight":
                 continue
-            for hf_name in converter.hf_names(config, name):
-                self._from_hf[hf_name] = name
+            layout = converter.disk_layout(config, name, tuple(tensor.shape), set())
+            for hf_name in (converter.hf_names(config, name) if layout is None else layout):
+                if layout is None:
+                    self._from_hf[hf_name] = name
+                else:
+                    self._laid_out.setdefault(hf_name, []).append(name)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(input_ids)
@@ -109,9 +127,12 @@ class TitanForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Accepts Hugging Face names (checkpoints) and titan names (trainer weight sync)."""
         state = self.model.state_dict()
-        loaded = set()
+        loaded, gathered = set(), {}
         with torch.no_grad():
             for name, tensor in weights:
+                if name in self._laid_out:
+                    gathered[name] = tensor
+                    continue
                 titan = self._from_hf.get(name, name)
                 if titan not in state:
                     if self.converter.ignorable(self.titan_config, name):
@@ -121,6 +142,9 @@ class TitanForCausalLM(nn.Module):
                     raise ValueError(f"load_weights: {name!r} has shape {list(tensor.shape)}, "
                                      f"expected {list(state[titan].shape)}")
                 state[titan].copy_(tensor)
+                loaded.add(f"model.{titan}")
+            for titan in sorted({t for hf_name in gathered for t in self._laid_out[hf_name]}):
+                state[titan].copy_(self.converter.load(self.titan_config, titan, gathered, set(gathered)))
                 loaded.add(f"model.{titan}")
         if self.titan_config.tie_embeddings and "model.tok_embeddings.weight" in loaded:
             loaded.add("model.output.weight")

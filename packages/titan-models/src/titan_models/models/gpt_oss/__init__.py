@@ -13,6 +13,7 @@ def _as_published(counts: ParamCount) -> tuple[int, int]:
 
 FAMILY = register(Family(
     name="gpt_oss", config_type=GptOssConfig, flavors=FLAVORS, published_sizes=PUBLISHED_PARAMS,
-    count_as_published=_as_published, hf=GptOssConverter(), tiny_hf_configs=TINY_HF_CONFIGS))
+    count_as_published=_as_published, hf=GptOssConverter(), tiny_hf_configs=TINY_HF_CONFIGS,
+    vllm_architectures={"TitanGptOssForCausalLM": "GptOssForCausalLM"}))
 
 __all__ = ["FAMILY", "FLAVORS", "LAYER_TYPES", "GptOssConfig", "GptOssConverter", "gpt_oss_moe"]

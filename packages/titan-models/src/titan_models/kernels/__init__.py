@@ -1,0 +1,1 @@
+"""Triton kernels behind titan-models' components (imported lazily: triton is optional off Linux)."""

@@ -1,0 +1,90 @@
+"""Compile titan-models' Triton delta-rule kernels for Hopper (sm_90) without a GPU, and check them.
+
+Every launch of one forward and one backward at Qwen3.5's linear-attention head shapes (key and value
+dims 128; bfloat16 and float32 inputs, with and without packed documents and an initial state) is
+captured, not run, then compiled ahead of time with the installed triton and its bundled ptxas for each
+warps/stages configuration the autotuner tries (dist_moe.kernels.hopper_check does the compiling and
+the checks: builds, shared memory fits; register spills are printed). Tensor-core use (wgmma) is
+expected in every variant (tf32 products for bf16 inputs, tf32x3 for float32 ones). Exits 1 if any
+variant fails to build or to fit shared memory (the autotuner skips such a variant, but a kernel whose
+every variant fails cannot run).
+
+    uv run --frozen --no-sync python tools/bench/gated_deltanet/check_hopper_compile.py
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from dist_moe.kernels.hopper_check import HOPPER, inspect_compiled, specialise  # noqa: F401
+from titan_models.kernels import gated_delta_rule as wrapper
+from titan_models.kernels import gated_delta_rule_kernels as kern
+
+KERNELS = ("prepare_kernel", "state_forward_kernel", "output_kernel", "output_backward_kernel", "state_backward_kernel",
+           "chunk_pairs_backward_kernel", "chunk_qk_backward_kernel")
+
+
+def captured_launches() -> list:
+    seen = []
+
+    class Recorder:
+        def __init__(self, tuned):
+            self.tuned = tuned
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((self.tuned, args, kwargs))
+
+    saved = {name: getattr(kern, name) for name in KERNELS}
+    for name in KERNELS:
+        setattr(kern, name, Recorder(saved[name]))
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            for packed in (False, True):
+                b, s, h, d = 1, 200, 2, 128
+                q, k, v = (torch.zeros(b, s, h, d, dtype=dtype) for _ in range(3))
+                g, beta = torch.zeros(b, s, h), torch.zeros(b, s, h)
+                seg = torch.zeros(b, s, dtype=torch.int64) if packed else None
+                init = torch.zeros(b, h, d, d) if packed else None
+                inputs = wrapper._Inputs(q, k, v, g, beta, seg, init)
+                inputs.forward(with_output=True)
+                inputs.backward(torch.zeros(b, s, h, d), torch.zeros(b, h, d, d) if packed else None)
+    finally:
+        for name, tuned in saved.items():
+            setattr(kern, name, tuned)
+    return seen
+
+
+def main() -> int:
+    import triton
+    from triton.compiler import ASTSource
+
+    failures, done = 0, set()
+    for tuned, args, kwargs in captured_launches():
+        for config in tuned.configs:
+            options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+            signature, constexprs, attrs, _ = specialise(tuned.fn, args, kwargs)
+            key = (tuned.fn.__name__, tuple(sorted(signature.items())), str(sorted(constexprs.items())),
+                   tuple(options.items()))
+            if key in done:
+                continue
+            done.add(key)
+            try:
+                compiled = triton.compile(ASTSource(tuned.fn, signature, constexprs=constexprs, attrs=attrs),
+                                          target=HOPPER, options=options)
+            except Exception as err:  # report every variant, not just the first failure
+                failures += 1
+                print(f"FAIL {tuned.fn.__name__} {options}: {type(err).__name__}: {str(err)[:400]}")
+                continue
+            info = inspect_compiled(compiled)
+            bad = info["shared"] > 232448
+            failures += bad
+            print(f"{'FAIL' if bad else 'ok  '} {tuned.fn.__name__:22s} PREC={constexprs.get('PREC')} "
+                  f"SEG={constexprs.get('HAS_SEG')} {options} smem {info['shared'] // 1024}K regs "
+                  f"{info['registers']} spills {info['spill_bytes']} wgmma {info['wgmma']}", flush=True)
+    print(f"{len(done)} variants, {failures} failing")
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main() else 0)
