@@ -8,6 +8,9 @@ a sync group of their own (WeightSender / WeightReceiver).
 - bf16 generators, max_policy_lag 1, generator 3 slowed down: the weights that arrive are bitwise the bf16
   rounding of the trainer's fp32 masters (bf16 on the wire), and every consumed part was made at most one
   version before the trainer's current one (and some exactly one: generator 2 runs ahead).
+- a tensor-parallel trainer layout (each weight a DTensor sharded over the 2 trainer ranks on dim 0 or 1,
+  as column- and row-wise TP shard them, some unevenly): full_tensors reshards it, and the generators get
+  bitwise what the same updates give on an unsharded copy.
 """
 from __future__ import annotations
 
@@ -97,8 +100,7 @@ def _trainer_rank(rank, groups, lag, folder, name):
         fully_shard(block, mesh=mesh)
     fully_shard(policy, mesh=mesh)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    sender = (titan_rl.WeightSender(group=groups["sync"], source=0, planner=GENERATORS[0], bucket_bytes=20_000)
-              if rank == 0 else None)
+    sender = titan_rl.WeightSender(group=groups["sync"], source=0, planner=GENERATORS[0]) if rank == 0 else None
     remote = titan_rl.RemoteRollouts(generator_ranks=GENERATORS, leader=0, max_policy_lag=lag,
                                      trainer_group=groups["trainer"], rollout_group=groups["rollout"], sender=sender)
     full = lambda: get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # noqa: E731
@@ -127,6 +129,50 @@ def _trainer_rank(rank, groups, lag, folder, name):
     dist.barrier(group=groups["trainer"])
 
 
+def _tp_layout(rank, groups, folder):
+    """Weights sharded over the trainer ranks on dim 0 or 1, updated in place twice, sent after each."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if rank not in TRAINERS:
+        model = tiny_policy().requires_grad_(False)
+        receiver = titan_rl.WeightReceiver(model, group=groups["sync"], source=0, planner=GENERATORS[0],
+                                           bucket_bytes=50_000)
+        received = {}
+        while (message := receiver.receive()).kind == titan_rl.weight_sync.WEIGHTS:
+            received[message.version] = message.weights
+        torch.save(received, os.path.join(folder, f"tp-gen{rank}.pt"))
+        return
+    policy, reference = tiny_policy(), tiny_policy()
+    mesh = DeviceMesh.from_group(groups["trainer"], "cpu", mesh_dim_names=("tp",))
+    for module_name, module in policy.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            rowwise = param.dim() == 2 and module_name.endswith(("wo", "w2"))
+            module.register_parameter(name, torch.nn.Parameter(
+                distribute_tensor(param.detach(), mesh, [Shard(1 if rowwise else 0)]), requires_grad=False))
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in policy.parameters())
+    sender = titan_rl.WeightSender(group=groups["sync"], source=0, planner=GENERATORS[0]) if rank == 0 else None
+    expected = {}
+    for version in range(3):
+        if version:
+            with torch.no_grad():
+                for model in (policy, reference):
+                    for p in model.parameters():
+                        p.mul_(1.5).add_(1e-3)
+        stream = titan_rl.full_tensors(policy)
+        if sender is not None:
+            sender.send_weights(stream, version=version, consumed=0)
+        else:
+            for _ in stream:
+                pass
+        expected[version] = {k: v.clone() for k, v in reference.state_dict().items()}
+    if sender is not None:
+        sender.stop(version=2, consumed=0)
+        torch.save(expected, os.path.join(folder, "tp-trainer.pt"))
+    dist.barrier(group=groups["trainer"])
+
+
 def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
     import torch.distributed as dist
 
@@ -142,6 +188,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
             else:
                 _generator_rank(rank, groups, dtype, lag, delay, folder, name)
             dist.barrier()
+        _tp_layout(rank, {"trainer": dist.new_group(TRAINERS), "sync": dist.new_group([0, *GENERATORS])}, folder)
     finally:
         dist.destroy_process_group()
     os._exit(0)  # torch sometimes aborts at interpreter exit after gloo
@@ -206,3 +253,14 @@ def test_staleness_bound_holds_under_a_slow_generator(four_ranks):
     assert trainer["dropped"] == 0  # the generators waited instead of making batches the trainer must drop
     # The fast generator made batches ahead of the trainer (drained at the end); the slow one did not get ahead.
     assert generators[0]["batches"] >= STEPS and generators[1]["batches"] >= STEPS
+
+
+def test_a_tensor_parallel_trainer_layout_reaches_the_generators_whole(four_ranks):
+    expected = torch.load(four_ranks / "tp-trainer.pt")
+    for rank in GENERATORS:
+        received = torch.load(four_ranks / f"tp-gen{rank}.pt")
+        assert sorted(received) == [0, 1, 2]
+        for version, state in received.items():
+            assert state.keys() == expected[version].keys()
+            for name, tensor in state.items():
+                assert torch.equal(tensor, expected[version][name]), (version, name)

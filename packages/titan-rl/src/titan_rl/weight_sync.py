@@ -12,7 +12,7 @@ The tensors travel in the generator's compute dtype (the plan is the generator's
 first generator broadcasts the names, shapes and dtypes of its model's state dict, and the sender
 casts to them, asserting the wire dtype of every bucket), so a bf16 generator gets bf16 on the wire
 (the round-to-nearest of the trainer's fp32 masters), never the masters themselves. A bucket holds
-consecutive tensors of one dtype, at most `bucket_bytes` (or one tensor, if larger).
+consecutive tensors of one dtype, at most the first generator's `bucket_bytes` (or one tensor, if larger).
 
 The trainer's own layout does not enter: it hands `send_weights` full tensors, e.g. `full_tensors(model)`,
 which all-gathers each FSDP / TP DTensor over the trainer's mesh (a collective of the trainer's ranks,
@@ -65,25 +65,28 @@ def _buckets(plan: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def _exchange_plan(plan: list[TensorSpec] | None, *, group: dist.ProcessGroup, planner: int) -> list[TensorSpec]:
-    """Every member gets the planner's plan; a generator whose model differs raises."""
-    box = [plan if dist.get_rank() == planner else None]
+def _exchange_plan(plan: list[TensorSpec] | None, bucket_bytes: int | None, *, group: dist.ProcessGroup,
+                   planner: int) -> tuple[list[TensorSpec], int]:
+    """Every member gets the planner's plan and bucket size (both ends must cut the same buckets); a
+    generator whose model differs raises."""
+    box = [(plan, bucket_bytes) if dist.get_rank() == planner else None]
     dist.broadcast_object_list(box, src=planner, group=group)
-    if plan is not None and plan != box[0]:
+    if plan is not None and plan != box[0][0]:
         raise ValueError(f"rank {dist.get_rank()}'s generator model differs from rank {planner}'s: the generators "
                          "must run the same model in the same dtype")
     return box[0]
 
 
 class WeightSender:
-    """The trainer leader's end (rank `source` of `group`; `planner` is the first generator rank)."""
+    """The trainer leader's end (rank `source` of `group`; `planner` is the first generator rank, whose
+    model and bucket size the sender follows)."""
 
-    def __init__(self, *, group: dist.ProcessGroup, source: int, planner: int, device: torch.device | str = "cpu",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(self, *, group: dist.ProcessGroup, source: int, planner: int,
+                 device: torch.device | str = "cpu") -> None:
         """device: where the broadcasts' tensors live (cuda for an NCCL group, cpu for gloo)."""
         assert dist.get_rank() == source, "the sender runs on the trainer's leader rank"
         self.group, self.source, self.device = group, source, torch.device(device)
-        self.plan = _exchange_plan(None, group=group, planner=planner)
+        self.plan, bucket_bytes = _exchange_plan(None, None, group=group, planner=planner)
         self.buckets = _buckets(self.plan, bucket_bytes)
         self.wire_dtypes = {spec.dtype for spec in self.plan}
         self.sent_bytes = 0
@@ -131,12 +134,13 @@ class WeightReceiver:
     """A generator's end: `receive()` returns the next message (weights in the model's own dtypes).
 
     model: the generator's model (its state dict gives the plan; the first generator rank, `planner`,
-    publishes it). device: where the received tensors land (the model's device)."""
+    publishes it, with its bucket_bytes: the size of each receive buffer). The tensors land on the model's
+    device."""
 
     def __init__(self, model: nn.Module, *, group: dist.ProcessGroup, source: int, planner: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.group, self.source = group, source
-        self.plan = _exchange_plan(plan_of(model), group=group, planner=planner)
+        self.plan, bucket_bytes = _exchange_plan(plan_of(model), bucket_bytes, group=group, planner=planner)
         self.buckets = _buckets(self.plan, bucket_bytes)
         self.device = next(iter(model.state_dict().values())).device
         self.received_bytes = 0

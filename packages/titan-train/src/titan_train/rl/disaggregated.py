@@ -76,6 +76,7 @@ def serve_generator(job, roles: Roles, make_generator) -> titan_rl.remote_rollou
     assert first.kind == titan_rl.weight_sync.WEIGHTS, "the trainer starts by sending the initial weights"
     with torch.no_grad():
         model.load_state_dict(first.weights)
+    torch.manual_seed(c.job.seed * 1000 + dist.get_rank())  # each generator rank samples its own tokens
     generator = make_generator(model)
     generator.policy_version = first.version
     index = roles.generators.index(dist.get_rank())

@@ -61,11 +61,15 @@ def run_rl(config: RLConfig) -> RLResult:
         return RLJob(config, device).run()
 
 
-def _make_generator(config: RLConfig, model: torch.nn.Module, pad_id: int) -> titan_rl.Generator:
+def _make_generator(config: RLConfig, model: torch.nn.Module, pad_id: int, *, seed: int | None = None
+                    ) -> titan_rl.Generator:
+    """The generator on `model` (a vLLM engine is started in this process; seed: its sampling seed, None:
+    job.seed)."""
     if config.generator.kind == "vllm":  # validate() checked that vLLM is installed
         from titan_rl.vllm.generator import VLLMGenerator
 
-        return VLLMGenerator.from_model(model, batch_invariant=config.generator.batch_invariant, seed=config.job.seed)
+        return VLLMGenerator.from_model(model, batch_invariant=config.generator.batch_invariant,
+                                        seed=config.job.seed if seed is None else seed)
     return titan_rl.BuiltinGenerator(model, pad_id=pad_id)
 
 
@@ -104,7 +108,9 @@ class RLJob:
         roles = make_roles(c.generator.ranks) if c.generator.ranks else None
         if roles is not None and not roles.is_trainer:
             del full
-            serve_generator(self, roles, lambda model: _make_generator(c, model, self.tokenizer.pad_id))
+            # each generator rank its own engine, sampling its own stream (as torch's seed per rank below)
+            serve_generator(self, roles, lambda model: _make_generator(c, model, self.tokenizer.pad_id,
+                                                                       seed=c.job.seed * 1000 + self.rank))
             result.seconds = time.perf_counter() - began
             return result
         policy, generator, update, rollouts = self._build(full, roles)
