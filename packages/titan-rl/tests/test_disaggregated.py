@@ -229,6 +229,7 @@ def test_generators_hold_the_trainers_full_weights_bitwise_after_every_update(fo
 def test_batch_invariant_trainer_and_generator_logprobs_agree_bitwise(four_ranks):
     trainer, _ = _load(four_ranks, "fp32-sync")
     assert trainer["lags"] == [[0, 0]] * STEPS  # on-policy: every part made with the trainer's current weights
+    assert trainer["dropped"] == 0  # because the generators waited for each update, not by dropping
     assert trainer["mismatches"] == [0.0] * STEPS
 
 

@@ -6,8 +6,9 @@ weights broadcast back after every update (titan_rl.weight_sync / remote_rollout
   generator ranks reported, at every step, for a dense (Llama) and a MoE (Qwen3-MoE) policy; that holds
   only if the generators hold the trainer's weights exactly (the weights themselves are compared bitwise in
   titan-rl's tests/test_disaggregated.py).
-- max_policy_lag 1: every consumed batch is at most one version old, and the step time is split into
-  rollout, training and weight-sync seconds in rl_metrics.jsonl.
+- max_policy_lag 1, DAPO (whose dynamic sampling takes further batches at the same version): every consumed
+  batch is at most one version old, and the step time is split into rollout, training and weight-sync
+  seconds in rl_metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
                       generator__ranks=2)
         # pretraining runs on all 4 ranks, before the split (once: it is titan-train's trainer, tested elsewhere)
         run_rl(small_job(Path(folder, "sync"), **common | dict(pretrain__steps=2, pretrain__batch_size=4)))
-        run_rl(small_job(Path(folder, "async"), **common, rollout__max_policy_lag=1))
+        # DAPO from untrained weights: every group scores 0, so each step refills (GRANT messages)
+        run_rl(small_job(Path(folder, "async"), **common, rollout__max_policy_lag=1, algorithm__name="dapo"))
         run_rl(small_job(Path(folder, "moe"), **common, policy__family="qwen3", policy__flavor="debug_moe",
                           policy__num_layers=1))
     finally:
@@ -86,7 +88,7 @@ def test_disaggregated_async_keeps_the_staleness_bound_and_splits_the_step_time(
     records = _records(four_ranks / "async")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(0 <= r["staleness"] <= 1 for r in records)
-    assert all(r["trained_samples"] == 8 for r in records)
+    assert sum(r["refills"] for r in records) > 0  # batches taken without a weight update (granted) came
     for r in records:
         parts = r["rollout_seconds"] + r["train_seconds"] + r["weight_sync_seconds"]
         assert all(r[k] > 0 for k in ("rollout_seconds", "train_seconds", "weight_sync_seconds", "generation_seconds"))

@@ -5,8 +5,9 @@ The protocol, with trainer leader L, generator ranks g_0..g_{G-1} and a stalenes
 (`max_policy_lag`):
 
 - Rollout batches are numbered 0, 1, ...; generator g_j makes its share of every batch (the caller's
-  `produce(batch_index)`) and sends it to L point to point (`send_object_list` on the rollout group),
-  in batch order. L receives batch i from g_0, ..., g_{G-1} in turn and broadcasts the parts over the
+  `produce(batch_index)`) and sends it to L point to point on the rollout group, in batch order: the
+  pickled batch's length (int64 [1]), then its bytes (uint8), both by `isend`, so the generator goes on to
+  the next batch without waiting for L to take this one. L receives batch i from g_0, ..., g_{G-1} in turn and broadcasts the parts over the
   trainer's group, so every trainer rank holds the same batch.
 - After an update, L broadcasts the new weights on the sync group (a header [WEIGHTS, version,
   consumed], then the tensors); when it takes another batch without an update (DAPO's refills, a drop)
@@ -22,6 +23,7 @@ The protocol, with trainer leader L, generator ranks g_0..g_{G-1} and a stalenes
 """
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +35,32 @@ import torch.distributed as dist
 from titan_rl.generation.base import Generator
 from titan_rl.rollout import RolloutBatch, StalenessStats
 from titan_rl.weight_sync import STOP, WEIGHTS, WeightReceiver, WeightSender
+
+
+class ObjectSend:
+    """An object on its way to rank `dst` (pickled: its length, then its bytes, by isend; the buffers live
+    until the sends complete)."""
+
+    def __init__(self, obj, dst: int, group: dist.ProcessGroup) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self._buffers = (torch.tensor([payload.numel()], dtype=torch.int64), payload)
+        self._works = [dist.isend(buffer, dst=dst, group=group) for buffer in self._buffers]
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
+def receive_object(src: int, group: dist.ProcessGroup):
+    """The next object ObjectSend sent from rank `src`."""
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group)
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(payload, src=src, group=group)
+    return pickle.loads(payload.numpy().tobytes())
 
 
 @dataclass(kw_only=True)
@@ -78,10 +106,9 @@ class RemoteRollouts:
             self._announced = self.consumed
         parts = []
         for rank in self.generator_ranks:
-            box = [None]
-            dist.recv_object_list(box, src=rank, group=self.rollout_group)
-            assert box[0] is not None, f"generator rank {rank} stopped before the trainer did"
-            parts.append(box[0])
+            part = receive_object(rank, self.rollout_group)
+            assert part is not None, f"generator rank {rank} stopped before the trainer did"
+            parts.append(part)
         return parts
 
     def get(self, trainer_version: int) -> RemoteBatch:
@@ -112,9 +139,8 @@ class RemoteRollouts:
             return
         self.sender.stop(version=version, consumed=self.consumed)
         for rank in self.generator_ranks:
-            box = [0]
-            while box[0] is not None:
-                dist.recv_object_list(box, src=rank, group=self.rollout_group)
+            while receive_object(rank, self.rollout_group) is not None:
+                pass
 
 
 @dataclass(kw_only=True)
@@ -170,7 +196,7 @@ class RolloutServer:
         """Serve until the trainer stops (the STOP message)."""
         thread = threading.Thread(target=self._receive_loop, name="titan-rl-weights", daemon=True)
         thread.start()
-        index = 0
+        index, sends = 0, []
         try:
             while True:
                 began = time.perf_counter()
@@ -181,13 +207,15 @@ class RolloutServer:
                 if stopped:
                     break
                 batch = self.produce(index)
-                dist.send_object_list([batch], dst=self.leader, group=self.rollout_group)
+                sends = [s for s in sends if not s.done()] + [ObjectSend(batch, self.leader, self.rollout_group)]
                 self.stats.batches += 1
                 self.stats.versions.append(batch.policy_version)
                 index += 1
         finally:
             if self._failure is None:
-                dist.send_object_list([None], dst=self.leader, group=self.rollout_group)
+                sends.append(ObjectSend(None, self.leader, self.rollout_group))
+                for send in sends:
+                    send.wait()
         thread.join()
         if self._failure is not None:
             raise RuntimeError("receiving weights failed") from self._failure
