@@ -100,4 +100,5 @@ def test_generator_ranks_are_checked_against_the_world():
         validate(small_job(Path("unused"), generator__ranks=2), world_size=2)  # nobody left to train
     with pytest.raises(ValueError, match="generator ranks"):
         validate(small_job(Path("unused"), generator__ranks=3, rollout__prompts_per_step=4), world_size=4)
-    validate(small_job(Path("unused"), generator__ranks=2, rollout__prompts_per_step=4, pretrain__steps=0), world_size=3)
+    fits = small_job(Path("unused"), generator__ranks=2, rollout__prompts_per_step=4, pretrain__steps=0)
+    validate(fits, world_size=3)  # 1 trainer + 2 generators, 2 prompts each
