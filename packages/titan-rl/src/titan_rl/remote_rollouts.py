@@ -211,11 +211,10 @@ class RolloutServer:
                 self.stats.batches += 1
                 self.stats.versions.append(batch.policy_version)
                 index += 1
-        finally:
-            if self._failure is None:
-                sends.append(ObjectSend(None, self.leader, self.rollout_group))
-                for send in sends:
-                    send.wait()
+        finally:  # also after a failure: the trainer then stops at the None instead of waiting forever
+            sends.append(ObjectSend(None, self.leader, self.rollout_group))
+            for send in sends:
+                send.wait()
         thread.join()
         if self._failure is not None:
             raise RuntimeError("receiving weights failed") from self._failure
