@@ -1,6 +1,8 @@
 """Routing against per-token reference implementations written from the DeepSeek-V3 / Qwen3 rules."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,10 @@ def reference_route(logits, *, top_k, score_func, n_group, topk_group, norm, sca
     """One token at a time, with Python sorting: an independent statement of the rule."""
     weights, ids = [], []
     for row in logits.double():
-        scores = row.softmax(-1) if score_func == "softmax" else row.sigmoid()
+        if score_func == "sqrtsoftplus":
+            scores = torch.log1p(row.exp()).sqrt()
+        else:
+            scores = row.softmax(-1) if score_func == "softmax" else row.sigmoid()
         choice = (scores + bias.double()).tolist()
         per_group = len(choice) // n_group
         if n_group > 1:
@@ -30,7 +35,8 @@ def reference_route(logits, *, top_k, score_func, n_group, topk_group, norm, sca
     return torch.stack(weights), torch.tensor(ids)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_softmax", "deepseek_sigmoid_groups", "softmax_unnormalised_scaled"])
+@pytest.mark.parametrize("kind", ["qwen3_softmax", "deepseek_sigmoid_groups", "softmax_unnormalised_scaled",
+                                  "deepseek_v4_sqrtsoftplus"])
 def test_route_matches_reference(kind):
     gen = torch.Generator().manual_seed(0)
     num_experts = 16
@@ -39,6 +45,8 @@ def test_route_matches_reference(kind):
         "deepseek_sigmoid_groups": dict(top_k=4, score_func="sigmoid", n_group=4, topk_group=2, norm=True, scale=2.5),
         "softmax_unnormalised_scaled": dict(top_k=3, score_func="softmax", n_group=1, topk_group=1, norm=False,
                                             scale=0.5),
+        "deepseek_v4_sqrtsoftplus": dict(top_k=6, score_func="sqrtsoftplus", n_group=1, topk_group=1, norm=True,
+                                         scale=1.5),
     }[kind]
     logits = torch.randn(64, num_experts, generator=gen)
     bias = 0.05 * torch.randn(num_experts, generator=gen)
@@ -52,6 +60,27 @@ def test_route_matches_reference(kind):
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got.weights.gather(1, order).double(), want_w.gather(1, want_order),
                                rtol=1e-6, atol=1e-7)
+
+
+def test_hash_routing_takes_the_table_experts_weighted_by_their_scores():
+    """DeepSeek-V4's hash layers: the experts are tid2eid[token id] whatever the logits and the bias say; the
+    weights are those experts' sqrt-softplus scores, renormalised and scaled."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, num_experts, top_k = 30, 8, 2
+    tid2eid = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(vocab)])
+    token_ids = torch.randint(0, vocab, (3, 7), generator=gen)
+    logits = torch.randn(21, num_experts, generator=gen)
+    hashed = dist_moe.hash_experts(tid2eid, token_ids)
+    got = dist_moe.route(logits, top_k=top_k, score_func="sqrtsoftplus", route_scale=1.5, hashed=hashed,
+                         bias=torch.full((num_experts,), 100.0).index_fill_(0, torch.tensor([0]), -100.0))
+    for t, token in enumerate(token_ids.reshape(-1).tolist()):
+        experts = tid2eid[token].tolist()
+        assert got.expert_ids[t].tolist() == experts
+        scores = [math.sqrt(math.log1p(math.exp(logits[t, e].item()))) for e in experts]
+        want = [1.5 * s / sum(scores) for s in scores]
+        assert got.weights[t].tolist() == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="hashed experts must be"):
+        dist_moe.route(logits, top_k=3, hashed=hashed)
 
 
 def test_bias_steers_selection_but_not_weights():

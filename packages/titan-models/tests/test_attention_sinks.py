@@ -29,9 +29,9 @@ def reference(q, k, v, *, scale, window, sinks, document_ids):
     return out
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, head_dim=D):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, h, D, generator=g) for h in (HQ, HKV, HKV))
+    q, k, v = (torch.randn(B, S, h, head_dim, generator=g) for h in (HQ, HKV, HKV))
     sinks = torch.randn(HQ, generator=g) * 2
     docs = torch.tensor([[0] * 7 + [1] * 12, [0] * 3 + [1] * 9 + [2] * 7])
     return q, k, v, sinks, docs
@@ -142,12 +142,13 @@ def test_heads_split_like_the_plan_sum_to_the_whole(backend):
 @pytest.mark.parametrize("packed", [False, True], ids=["one-doc", "packed"])
 def test_compiled_flex_sinks_and_window_match_eager_on_gpu(packed):
     """The fused kernel: forward and the gradient through the returned log-sum-exp, fp32 on the GPU."""
-    q, k, v, sinks, docs = (t.cuda() for t in _inputs(3))
+    # head_dim 16: compiled flex_attention refuses embedding dimensions under 16
+    q, k, v, sinks, docs = (t.cuda() for t in _inputs(3, head_dim=16))
     context = AttentionContext(document_ids=docs) if packed else None
     grads = {}
     for backend in ("flex", "eager"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-        inner = build_inner_attention(backend, scale=D**-0.5, sliding_window=6)
+        inner = build_inner_attention(backend, scale=16**-0.5, sliding_window=6)
         out = inner(*leaves[:3], context=context, sinks=leaves[3])
         out.square().sum().backward()
         grads[backend] = [out.detach()] + [t.grad for t in leaves]

@@ -99,15 +99,116 @@ def test_release_layout_loads(tmp_path):
            "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
            "model.hc_head.hc_scale": "hc_head_scale"}
     release = {top.get(k, k.removeprefix("model.")): v for k, v in tensors.items()}
-    release["mtp.0.hc_head_fn"] = torch.zeros(2, 64)  # an MTP module: reported, not loaded
+    release["mtp.0.hc_head_fn"] = torch.zeros(2, 64)  # an MTP tensor the config does not declare: reported
     (tmp_path / "release").mkdir()
     save_file(release, tmp_path / "release" / "model.safetensors")
-    (tmp_path / "release" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "release" / "config.json").write_text(json.dumps(hf | {"num_nextn_predict_layers": 0}))
     with pytest.warns(UserWarning, match="mtp"):
         model = tm.from_hf(tmp_path / "release").eval()
     tokens = _tokens(seed=6)
     with torch.no_grad():
         assert _rel(model(tokens), reference(tokens).logits) < 1e-5
+
+
+def _mtp_model(seed: int = 0):
+    import dataclasses
+
+    model = dataclasses.replace(tm.flavor("deepseek_v4", "debug"), mtp=True).build()
+    model.init_weights(seed=seed)
+    with torch.no_grad():  # off the unit / zero inits, so every MTP tensor matters
+        for name, param in model.mtp.named_parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.eval()
+
+
+def _rms(x, weight, eps=1e-6):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def test_mtp_module_wiring_by_hand():
+    """h' = layer(h_proj(hnorm(streams)) + e_proj(enorm(embed(t[i+1])))), then norm(hc_head(h')): the inputs
+    combined by hand (float64 norms and projections) from the main model's last streams; the block and the
+    head collapse are the model's own (checked against transformers in the main model)."""
+    model = _mtp_model()
+    mtp = model.mtp
+    tokens = torch.randint(0, 2048, (2, 80), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, mtp_logits = model.forward_with_mtp(tokens)
+        streams, ropes, positions = model._streams(tokens, None, None)
+        embedded = model.tok_embeddings(tokens.roll(-1, dims=1))
+        h = (_rms(streams, mtp.hnorm.weight) @ mtp.h_proj.weight.double().T
+             + (_rms(embedded, mtp.enorm.weight) @ mtp.e_proj.weight.double().T).unsqueeze(2)).float()
+        h = mtp.layer(h, ropes, positions=positions, token_ids=None, entry_rope=model.compress_rope)
+        want = _rms(mtp.hc_head(h), mtp.norm.weight) @ model.output.weight.double().T
+        assert _rel(mtp_logits.double(), want) < 1e-5
+        assert torch.equal(logits, model(tokens))  # the main logits are the plain forward's
+
+
+def test_mtp_is_causal():
+    """MTP position i reads token i + 1: changing tokens from j on leaves mtp_logits before j - 1 alone."""
+    model = _mtp_model()
+    tokens = torch.randint(0, 2048, (1, 96), generator=torch.Generator().manual_seed(4))
+    changed = tokens.clone()
+    changed[:, 50:] = torch.randint(0, 2048, (1, 46), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = model.forward_with_mtp(tokens)[1], model.forward_with_mtp(changed)[1]
+    assert torch.allclose(a[:, :49], b[:, :49], rtol=0, atol=1e-5)
+    assert not torch.allclose(a[:, 49], b[:, 49], atol=1e-3)  # control: position 49 reads token 50
+
+
+def test_mtp_round_trips_in_both_layouts_and_transformers_ignores_it(tmp_path):
+    """to_hf writes the module as model.mtp.0.* (DeepSeek's names); from_hf reads it back from that folder and
+    from the release layout (mtp.0.*, no model. prefix); transformers loads the folder and drops the module."""
+    model = _mtp_model(seed=1)
+    tm.to_hf(model, tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {"model.mtp.0.e_proj.weight", "model.mtp.0.h_proj.weight", "model.mtp.0.hc_head_fn",
+            "model.mtp.0.attn.wq_a.weight", "model.mtp.0.ffn.gate.bias", "model.mtp.0.hc_attn_fn",
+            "model.mtp.0.ffn.experts.7.w2.weight"} <= set(tensors)
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+    (tmp_path / "release").mkdir()
+    save_file({top.get(k, k.removeprefix("model.")): v for k, v in tensors.items()},
+              tmp_path / "release" / "model.safetensors")
+    (tmp_path / "release" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    want = model.state_dict()
+    for folder in ("hf", "release"):
+        loaded = tm.from_hf(tmp_path / folder)
+        assert loaded.config.mtp and set(loaded.state_dict()) == set(want)
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, want[name]), (folder, name)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 2048, (2, 80), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert _rel(model(tokens), reference(tokens).logits) < 1e-5
+
+
+def test_prefill_then_decode_equals_one_forward():
+    """The decode state (recurrent_states: each layer's inputs and keys=values by slot) gives, token by token,
+    the full forward's logits at every attention kind (heavy, then sparse with the indexer), past the 16-token
+    window and across window completions (rates 4 and 16). index_topk 64 >= the entries: no indexer ties."""
+    import dataclasses
+
+    model = dataclasses.replace(tm.flavor("deepseek_v4", "debug"), index_topk=64).build()
+    model.init_weights(seed=0)
+    model.eval()
+    assert set(model.config.resolved_layer_types) == {"heavily_compressed_attention", "compressed_sparse_attention"}
+    tokens = torch.randint(0, 2048, (2, 96), generator=torch.Generator().manual_seed(7))
+    prefill = 70  # decode completes heavy entries at 79 and 95, sparse ones every 4 tokens
+    states: dict = {}
+    with torch.no_grad():
+        full = model(tokens)
+        steps = [model(tokens[:, :prefill], positions=torch.arange(prefill).expand(2, prefill),
+                       context=AttentionContext(recurrent_states=states))]
+        for t in range(prefill, 96):
+            steps.append(model(tokens[:, t:t + 1], positions=torch.full((2, 1), t),
+                               context=AttentionContext(recurrent_states=states)))
+    assert _rel(torch.cat(steps, dim=1), full) < 1e-5
+    with pytest.raises(ValueError, match="packed documents"):
+        model(tokens, context=AttentionContext(recurrent_states={}, document_ids=torch.zeros_like(tokens)))
 
 
 def _debug_model():

@@ -1,8 +1,9 @@
-"""Kimi K2.x (`kimi_k25` composite image-text checkpoints): the DeepSeek-V3 text model loads through the
-deepseek_v3 family, the vision tower is reported, the head ties as transformers resolves it."""
+"""Kimi K2.x (`kimi_k25` composite image-text checkpoints): the DeepSeek-V3 text model and the vision tower
+load through the kimi_k25 family, the head ties as transformers resolves it (images: test_kimi_k25_vision.py)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ from safetensors.torch import save_file
 from tm_reference import load_hf, rel_err, save_hf
 
 import titan_models as tm
-from titan_models.models.deepseek_v3.hf import TINY_HF_CONFIGS
+from titan_models.models.kimi_k25.hf import TINY_HF_CONFIGS
 
-CASE = TINY_HF_CONFIGS["kimi-k25-composite"]
+CASE = TINY_HF_CONFIGS["composite"]
 SEQ = 80
 
 
@@ -57,16 +58,16 @@ def test_release_layout_with_an_untied_head_matches_transformers(tmp_path):
         assert rel_err(model(tokens), again(tokens).logits) < 1e-5
 
 
-def test_the_composite_default_ties_the_head_and_reports_the_vision_tower(tmp_path):
+def test_the_composite_default_ties_the_head_and_loads_the_vision_tower(tmp_path):
     # text_config says tie_word_embeddings=False; Kimi_K25Config's default (True) decides.
     reference = _saved(tmp_path)
     assert reference.lm_head.weight.data_ptr() == reference.get_input_embeddings().weight.data_ptr()
     assert not any("lm_head" in k for k in _tensors(tmp_path))
-    with pytest.warns(UserWarning, match="tensors are not loaded") as caught:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tensor is left unloaded
         model = tm.from_hf(tmp_path)
-    message = str(caught[0].message)
-    assert "vision_tower" in message and "mm_projector" in message
     assert model.config.tie_embeddings and model.output.weight is model.tok_embeddings.weight
+    assert torch.equal(model.visual.pos_embed, _tensors(tmp_path)["vision_tower.patch_embed.pos_emb.weight"])
 
 
 def test_a_stored_head_is_kept_under_the_tied_default_as_transformers_does(tmp_path):
@@ -102,7 +103,7 @@ def test_kimi_k26_flavor_writes_a_deepseek_v3_config_and_has_kimi_k2s_shape():
 
 
 def test_a_kimi_config_without_text_config_is_refused_naming_the_field():
-    converter = tm.family("deepseek_v3").hf
+    converter = tm.family("kimi_k25").hf
     with pytest.raises(ValueError, match="text_config"):
         converter.config_from_hf({"architectures": ["Kimi_K25ForConditionalGeneration"], "model_type": "kimi_k25"},
                                  set())

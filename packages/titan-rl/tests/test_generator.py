@@ -163,15 +163,6 @@ def test_bitwise_agreement_for_other_families_and_bf16(family, flavor, dtype):
         assert torch.equal(trainer[i], comps[i].logprobs)
 
 
-def test_group_limited_moe_is_refused_in_batch_invariant_mode():
-    import titan_models as tm
-    config = tm.transforms.num_layers(2)(tm.flavor("deepseek_v3", "debug"))  # n_group=2
-    with torch.device("meta"):
-        model = config.build()
-    with pytest.raises(ValueError, match="expert groups.*layers.1.moe"):
-        batch_invariant(model)
-
-
 @pytest.mark.parametrize("family, flavor", [("qwen3_5", "debug"), ("qwen3_next", "debug"), ("kimi_linear", "debug")])
 def test_linear_attention_state_through_prefill_and_decode_matches_a_full_forward(family, flavor):
     # Gated DeltaNet / Kimi Delta Attention layers carry conv + delta-rule state from a right-padded prefill
@@ -225,5 +216,7 @@ def test_muse_windows_and_softcap_through_prefill_and_decode_match_a_full_forwar
             expected = full[len(prompt) - 1:-1].gather(1, torch.tensor(comp.tokens)[:, None])[:, 0]
             # fp32 rounding through a 300x head: ~2e-5 on logprobs near -7 (1e-4 as for linear attention)
             assert (expected - comp.logprobs).abs().max() < 1e-4, (prompt[:3], expected, comp.logprobs)
-    with pytest.raises(ValueError, match="zero-centred"):  # no fixed-order kernels for Muse's norms yet
+    # no fixed-order kernels for Muse's norms, gates and soft-cap: refused, naming them (the README gives the
+    # generator-vs-trainer mismatch measured without the mode)
+    with pytest.raises(ValueError, match="zero-centred, scaleless or input-scaled norms.*Muse"):
         batch_invariant(model)

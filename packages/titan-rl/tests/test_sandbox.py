@@ -27,8 +27,31 @@ from titan_rl.envs.sandbox_cgroup import make_run_cgroup
 
 SUPPORT = sandbox_support()
 needs_isolation = pytest.mark.skipif(not SUPPORT.isolated, reason=f"this machine cannot isolate: {SUPPORT.problem}")
+# Host-wide checks (no process or cgroup of a run outlives it) need the sandbox runs of this file one at a
+# time: under pytest-xdist (tools/run-tests-gpu) one worker takes them all, in order.
+pytestmark = pytest.mark.xdist_group("sandbox")
+
 FAST = SandboxConfig(cpu_seconds=1, wall_seconds=3.0, memory_bytes=256 * 2**20)
 SLACK_SECONDS = 1.5  # kill, namespace teardown and pipe drain on a loaded 2-core machine
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _under_another_worker(pid: int) -> bool:
+    """True for a live process of a sibling pytest-xdist worker (a child of our parent other than us):
+    the workers of a parallel run start sandboxes of their own at the same time. An orphan (re-parented
+    to init) is nobody's: it counts against whichever test looks."""
+    chain = []
+    try:
+        while pid > 1:
+            chain.append(pid)
+            pid = _parent(pid)
+    except OSError:
+        return False
+    return os.getppid() in chain and os.getpid() not in chain
 
 
 def host_processes_matching(needle: str) -> list[str]:
@@ -41,7 +64,8 @@ def host_processes_matching(needle: str) -> list[str]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if needle in cmdline and int(pid) != os.getpid() and state != "Z":  # a zombie holds nothing
+        if (needle in cmdline and int(pid) != os.getpid() and state != "Z"  # a zombie holds nothing
+                and not _under_another_worker(int(pid))):
             found.append(f"{pid} ({state}): {cmdline}")
     return found
 
@@ -49,9 +73,18 @@ def host_processes_matching(needle: str) -> list[str]:
 PROGRAM = f"{sys.executable} -I main.py"  # the command line of the program and of its forks
 
 
+def _held_by_another_worker(cgroup: str) -> bool:
+    try:
+        with open(os.path.join(cgroup, "cgroup.procs")) as f:
+            return any(_under_another_worker(int(pid)) for pid in f.read().split())
+    except OSError:
+        return False
+
+
 def leftover_cgroups() -> list[str]:
     parents = {os.path.dirname(d) for d in _CGROUP.dirs} if _CGROUP else set()
-    return [os.path.join(p, n) for p in parents for n in os.listdir(p) if n.startswith("titan-sandbox-")]
+    found = [os.path.join(p, n) for p in parents for n in os.listdir(p) if n.startswith("titan-sandbox-")]
+    return [cgroup for cgroup in found if not _held_by_another_worker(cgroup)]
 
 
 _CGROUP, _ = make_run_cgroup("titan-sandbox-test-probe", memory_bytes=2**30, max_processes=1)

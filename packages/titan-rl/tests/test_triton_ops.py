@@ -115,7 +115,7 @@ def test_triton_ops_are_batch_invariant_on_gpu(dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["llama3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama3", "gpt_oss", "qwen3_moe", "deepseek_v3"])
 def test_generator_and_trainer_agree_bitwise_on_gpu(dtype, family):
     import random
 
@@ -125,10 +125,13 @@ def test_generator_and_trainer_agree_bitwise_on_gpu(dtype, family):
     if family == "llama3":
         config = tm.llama3.Llama3Config(vocab_size=2048, dim=256, num_layers=2, num_heads=4, num_kv_heads=2,
                                         ffn_dim=768, max_seq_len=1024, dtype=dtype)
-    else:  # sinks, a 32-key window (prompts reach 200 tokens) and the MoE
+    elif family == "gpt_oss":  # sinks, a 32-key window (prompts reach 200 tokens) and the MoE
         config = tm.gpt_oss.GptOssConfig(vocab_size=2048, dim=256, num_layers=2, num_heads=4, num_kv_heads=2,
                                          head_dim=64, moe=tm.gpt_oss.gpt_oss_moe(num_experts=8, top_k=2, expert_dim=128),
                                          sliding_window=32, max_seq_len=1024, dtype=dtype)
+    else:  # the MoE debug policies (DeepSeek-V3: MLA, a dense layer, then group-limited sigmoid routing)
+        flavor = tm.flavor("qwen3", "debug_moe") if family == "qwen3_moe" else tm.flavor("deepseek_v3", "debug")
+        config = tm.transforms.compose(tm.transforms.num_layers(2), tm.transforms.dtype(dtype))(flavor)
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device="cuda")

@@ -70,6 +70,31 @@ def adamw_checks(numel: int) -> None:
     check(f"adamw_param_{numel}", param, want_w)
 
 
+def adamw_bf16_moment_checks(numel: int) -> None:
+    """bf16 moments: updated in fp32 from their bf16 values, the master's update from the unrounded new moments
+    (float64 reference), the moments stored in bf16."""
+    hp = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    master = torch.randn(numel, dtype=torch.float64)
+    exp_avg = (torch.randn(numel, dtype=torch.float64) * 0.1).bfloat16()
+    exp_avg_sq = (torch.rand(numel, dtype=torch.float64) * 0.01).bfloat16()
+    grad = torch.randn(numel, dtype=torch.float64)
+    state = [master.float(), exp_avg.clone(), exp_avg_sq.clone()]
+    param = torch.empty(numel)
+    adamw_master_step(param, grad.float(), *state, step=3, **hp, use_triton=True, block=1024)
+    m0, v0, g = exp_avg.double(), exp_avg_sq.double(), grad.float().double()
+    want_m = m0 + (1 - hp["beta1"]) * (g - m0)
+    want_v = hp["beta2"] * v0 + (1 - hp["beta2"]) * g * g
+    denom = want_v.sqrt() / (1 - hp["beta2"] ** 3) ** 0.5 + hp["eps"]
+    want_w = master * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] / (1 - hp["beta1"] ** 3) * want_m / denom
+    check(f"adamw_bf16_moments_master_{numel}", state[0], want_w)
+    for name, got, want in (("exp_avg", state[1], want_m), ("exp_avg_sq", state[2], want_v)):
+        # Within one bf16 step of float64: Triton's interpreter truncates every fp32 -> bf16 cast whatever the
+        # rounding mode asked for, so rounding to nearest even is checked on the GPU (test_master_adamw.py).
+        far = ((got.double() - want).abs() > want.abs() * 2**-7).sum().item()
+        results[f"adamw_bf16_moments_{name}_{numel}"] = {"ok": got.dtype == torch.bfloat16 and far == 0,
+                                                          "err": far, "scale": numel}
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     swiglu_checks(7, 1500)  # 2 row tiles (one partial), 2 column tiles (one partial)
@@ -77,4 +102,5 @@ if __name__ == "__main__":
     cross_entropy_checks(5, 9000)  # 3 blocks of 4096, the last partial
     cross_entropy_checks(3, 4096)  # exactly one block
     adamw_checks(2500)  # 3 blocks of 1024, the last partial
+    adamw_bf16_moment_checks(2500)
     print(json.dumps(results))

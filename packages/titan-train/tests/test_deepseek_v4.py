@@ -1,8 +1,12 @@
 """DeepSeek-V4 through the trainer: the debug recipe learns on CPU, FSDP on 2 gloo ranks follows the
 single-process loss curve (96-token sequences: 6 heavy and 24 sparse entries per row, past the 16-token
-window), as does a 2-stage pipeline and full activation checkpointing; tensor parallelism is refused
-(one shared key=value head) and dist-moe refuses its MoE (hash routing, sqrt-softplus, clamped SwiGLU) by name."""
+window), as does a 2-stage pipeline and full activation checkpointing, and expert parallelism with dist-moe's
+layer (hash routing, sqrt-softplus scores, clamped SwiGLU) follows titan-models' MoE in one process, loss and
+gradient norm; tensor parallelism is refused (one shared key=value head)."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +27,22 @@ def test_deepseek_v4_debug_recipe_builds_the_family():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, jobs):
-    losses = train(jobs.tiny(tmp_path_factory.mktemp("single"), **DSV4, **STEPS)).losses
+def reference_folder(tmp_path_factory, jobs):
+    folder = tmp_path_factory.mktemp("single")
+    losses = train(jobs.tiny(folder, **DSV4, **STEPS)).losses
     assert losses[6] < losses[1] - 0.5, f"the tiny DeepSeek-V4 job should learn: {losses}"
-    return losses
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(reference_folder):
+    return {step: loss for step, (loss, _) in curve(reference_folder).items()}
+
+
+def curve(folder: Path) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm) from metrics.jsonl."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
 
 
 @pytest.mark.parametrize("layout", [{"parallelism.dp_shard": "2"}, {"parallelism.pp": "2"}], ids=["fsdp2", "pp2"])
@@ -37,11 +53,44 @@ def test_parallel_layout_follows_single_process(reference, tmp_path, jobs, layou
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, reference)
 
 
-def test_dist_moe_refuses_deepseek_v4_moe():
+def test_dist_moe_takes_deepseek_v4_moe_with_its_table_and_clamp():
     with torch.device("meta"):
-        model = tm.transforms.num_layers(1)(tm.flavor("deepseek_v4", "debug")).build()
-    with pytest.raises(ValueError, match="activation, hash_vocab_size, score_func='sqrtsoftplus'"):
-        use_dist_moe(model, aux_loss_alpha=0.0)
+        model = tm.transforms.num_layers(2)(tm.flavor("deepseek_v4", "debug")).build()
+    assert use_dist_moe(model, aux_loss_alpha=0.0) == ["layers.0.moe", "layers.1.moe"]
+    hash_layer, topk_layer = model.layers["0"].moe.config, model.layers["1"].moe.config
+    assert (hash_layer.hash_vocab_size, topk_layer.hash_vocab_size) == (model.config.vocab_size, None)
+    assert hash_layer.score_func == "sqrtsoftplus" and hash_layer.swiglu_limit == topk_layer.swiglu_limit == 10.0
+
+
+@pytest.mark.parametrize("nproc", [2, 4], ids=["ep2", "ep4"])
+def test_expert_parallel_follows_titan_moe_in_one_process(reference_folder, tmp_path, jobs, nproc):
+    """dist-moe's layer with the experts over ep ranks (2 or 4 of the 8; hash layer 0 routes by the table,
+    layer 1 by sqrt-softplus top-2) against titan-models' MoE in one process. The gradient norm catches a wrong
+    expert-gradient scale, which the loss hides (test_expert_parallel.py)."""
+    job = {**DSV4, **STEPS, "parallelism.ep": str(nproc), "model.moe_impl": "dist_moe"}
+    jobs.on_ranks(jobs.tiny(tmp_path, **job), nproc)
+    got, want = curve(tmp_path), curve(reference_folder)
+    assert sorted(got) == sorted(want)
+    for step in want:  # conftest's assert_follows bound (1e-4 to step 3, then doubling), on the gradient norm too
+        rel = min(1e-4 * 2 ** max(0, step - 3), 5e-3)
+        assert got[step][0] == pytest.approx(want[step][0], rel=rel), ("loss", step, got, want)
+        assert got[step][1] == pytest.approx(want[step][1], rel=rel), ("grad_norm", step, got, want)
+
+
+def test_mtp_in_a_two_stage_pipeline_follows_one_process(tmp_path, jobs):
+    """The MTP module on the last stage reads the streams the first stage hands on (with the embeddings of
+    tokens i + 1); main and MTP losses follow one process."""
+    job = {**DSV4, "training.steps": "3", "training.seq_len": "32", "model.mtp_layers": "1",
+           "training.mtp_loss_weight": "0.3"}
+    train(jobs.tiny(tmp_path / "single", **job))
+    jobs.on_ranks(jobs.tiny(tmp_path / "pp2", **job, **{"parallelism.pp": "2", "parallelism.pp_microbatches": "2"}), 2)
+    mtp = {}
+    for name in ("single", "pp2"):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        mtp[name] = {r["step"]: (r["loss"], r["mtp_loss"]) for r in records}
+    assert sorted(mtp["pp2"]) == [1, 2, 3]
+    for step, (loss, mtp_loss) in mtp["single"].items():
+        assert mtp["pp2"][step] == pytest.approx((loss, mtp_loss), rel=1e-4), (step, mtp)
 
 
 def test_activation_checkpointing_follows_the_reference(reference, tmp_path, jobs):

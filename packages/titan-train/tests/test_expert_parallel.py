@@ -140,6 +140,22 @@ def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tm
                                                  expert_biases(reference, STEPS, moe_layers).values()))
 
 
+def test_flexshard_x_ep2_deepseek_v3_follows_one_process(tmp_path, jobs):
+    """flexshard for the non-expert parameters (attention, the dense layer, routers, embeddings, row and
+    owned placements) while the MoE layers are fully_shard units over their expert-data-parallel mesh,
+    experts split over ep=2 on 4 ranks; the expert biases after 10 updates equal the single process's."""
+    reference = tmp_path / "single"
+    train(moe_job("deepseek_v3_debug_ep", reference, **SINGLE,
+                  **{"model.moe_impl": "dist_moe", "checkpoint.interval": str(STEPS)}))
+    folder = tmp_path / "flexshard_ep2"
+    jobs.on_ranks(moe_job("deepseek_v3_debug_ep", folder, **{
+        "parallelism.ep": "2", "parallelism.dp_shard": "4", "parallelism.fsdp_impl": "flexshard",
+        "parallelism.flexshard_placements": "*.attention.*=owned", "checkpoint.interval": str(STEPS)}), 4)
+    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert all(torch.equal(a, b) for a, b in zip(expert_biases(folder, STEPS, [1]).values(),
+                                                 expert_biases(reference, STEPS, [1]).values()))
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({}, "parallelism.ep=2 must divide dp_shard=1"),  # the recipe's ep=2 in one process
     ({"parallelism.ep": "1", "model.moe_impl": "titan", "model.moe_aux_loss_weight": "0.1"},

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from titan_train_ranks import spawn_ranks
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli_args import apply_override
@@ -86,7 +87,7 @@ def test_pp2_x_ep2_follows_one_process_and_resumes_bitwise_after_a_kill(referenc
     killed = tmp_path / "killed"
     config = job(killed, **PP2_EP2, **{"checkpoint.interval": "5", "checkpoint.resume": "true"})
     with pytest.raises(mp.ProcessExitedException):
-        mp.start_processes(_rank_killed_in_step, args=(4, _free_port(), config, 7), nprocs=4, start_method="fork")
+        spawn_ranks(_rank_killed_in_step, 4, (4, _free_port(), config, 7))
     assert sorted(json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines())[-1] == 6
     jobs.on_ranks(config, 4)
     assert curve(killed) == curve(folder)  # bitwise: JSON floats round-trip exactly

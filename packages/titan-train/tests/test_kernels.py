@@ -19,7 +19,8 @@ from titan_train.kernels.swiglu import FusedSwiGLUFeedForward, swiglu, swiglu_ba
 
 CHECKS = [*(f"swiglu_backward_{s}" for s in ("7x1500", "4x1024")),
           *(f"cross_entropy_{what}_{s}" for s in ("5x9000", "3x4096") for what in ("loss", "grad")),
-          *(f"adamw_{what}_2500" for what in ("master", "exp_avg", "exp_avg_sq", "param"))]
+          *(f"adamw_{what}_2500" for what in ("master", "exp_avg", "exp_avg_sq", "param")),
+          *(f"adamw_bf16_moments_{what}_2500" for what in ("master", "exp_avg", "exp_avg_sq"))]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")
 
 

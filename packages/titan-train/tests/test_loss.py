@@ -75,6 +75,59 @@ def test_fused_cross_entropy_bf16_inputs_close_to_float64():
     assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 products with fp32 output)")
+def test_fused_loss_accumulates_the_weight_gradient_in_place_on_gpu():
+    """bf16 on CUDA over 4 chunks (the in-place fp32 addmm of each chunk's weight gradient): loss and both
+    gradients within bf16 rounding of float64, and the loss peak holds one fp32 weight gradient, not two."""
+    g = torch.Generator().manual_seed(3)
+    tokens, dim, vocab, chunk = 2048, 256, 32000, 512
+    hidden, weight = torch.randn(tokens, dim, generator=g), torch.randn(vocab, dim, generator=g) * 0.05
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[:100] = IGNORE_INDEX
+    h = hidden.cuda().bfloat16().requires_grad_()
+    w = weight.cuda().bfloat16().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = fused_linear_cross_entropy(h, w, labels.cuda(), chunk=chunk, triton=True)
+    peak = torch.cuda.max_memory_allocated() - base
+    loss.backward()
+    h64, w64 = h.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    ref = F.cross_entropy(h64 @ w64.T, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-3)
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        err = (got.double().cpu() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, err
+    fp32_grad, logits = vocab * dim * 4, chunk * vocab * 2
+    assert peak < fp32_grad + logits + fp32_grad // 2, (peak, fp32_grad, logits)  # not two fp32 gradients
+
+
+def test_weight_gradient_summed_in_the_weights_dtype_stays_within_bf16_rounding_of_float64():
+    """training.loss_weight_grad_dtype=param: bf16 weights sum their gradient over the chunks in bf16; both
+    gradients stay within bf16 rounding of float64, the fp32 sum is the closer one (the option does
+    something), and fp32 weights give the fp32 sum bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(256, 32, generator=g), torch.randn(300, 32, generator=g) * 0.2
+    labels = torch.randint(0, 300, (256,), generator=g)
+    labels[:7] = IGNORE_INDEX
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    F.cross_entropy(h64 @ w64.T, labels, ignore_index=IGNORE_INDEX, reduction="sum").backward()
+    errors = {}
+    for in_param_dtype in (False, True):
+        h, w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+        fused_linear_cross_entropy(h, w, labels, chunk=16, weight_grad_in_param_dtype=in_param_dtype).backward()
+        assert w.grad.dtype == torch.bfloat16
+        errors[in_param_dtype] = ((w.grad.double() - w64.grad).abs().max() / w64.grad.abs().max()).item()
+    assert errors[True] < 2e-2 and errors[False] < errors[True], errors
+    grads = []
+    for in_param_dtype in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        fused_linear_cross_entropy(h, w, labels, chunk=16, weight_grad_in_param_dtype=in_param_dtype).backward()
+        grads.append(w.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_schedules():
     steps = 100
     wsd = LRScheduleConfig(kind="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1)

@@ -1,4 +1,4 @@
-"""Multi-token prediction (DeepSeek-V3, one MTP module) in one process, against the objective written
+"""Multi-token prediction (DeepSeek-V3 and DeepSeek-V4, one MTP module) in one process, against the objective written
 out by hand from the model's own modules: main cross-entropy + lambda * MTP cross-entropy, each a mean
 over its scored tokens, on packed documents (the MTP target of position i, token i + 2, only counts
 when tokens i, i + 1 and i + 2 share a document).
@@ -29,8 +29,8 @@ JOB = {"job.device": "cpu", "model.num_layers": "2", "training.seq_len": "96", "
        "training.mtp_loss_weight": str(LAMBDA), "training.max_grad_norm": "0"}
 
 
-def reference_model(vocab_size: int) -> torch.nn.Module:
-    config = tm.transforms.num_layers(2)(tm.flavor("deepseek_v3", "debug"))
+def reference_model(vocab_size: int, family: str = "deepseek_v3") -> torch.nn.Module:
+    config = tm.transforms.num_layers(2)(tm.flavor(family, "debug"))
     model = dataclasses.replace(config, vocab_size=vocab_size, mtp=True).build()
     model.init_weights(seed=0)
     return model
@@ -57,10 +57,19 @@ def short_documents(folder) -> str:
     return str(path)
 
 
+# DeepSeek-V4: its MTP module reads the main model's streams (before hc_head); a hash layer then a top-k one,
+# titan-models' MoE, no selection-bias update (the step's update would move the reference's bias apart)
+FAMILIES = {"deepseek_v3": ("deepseek_v3_debug_ep", {}, "mtp.eh_proj.weight"),
+            "deepseek_v4": ("deepseek_v4_debug", {"model.moe_impl": "titan", "training.moe_bias_update_rate": "0"},
+                            "mtp.h_proj.weight")}
+
+
 @pytest.mark.filterwarnings(r"ignore:Seems like .optimizer.step\(\).:UserWarning")
-def test_mtp_step_matches_main_plus_lambda_mtp_by_hand(tmp_path):
-    config = load_recipe("deepseek_v3_debug_ep")
-    for name, value in {**JOB, "job.folder": str(tmp_path / "run"), "data.source": short_documents(tmp_path),
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_mtp_step_matches_main_plus_lambda_mtp_by_hand(tmp_path, family):
+    recipe, extra, mtp_weight_name = FAMILIES[family]
+    config = load_recipe(recipe)
+    for name, value in {**JOB, **extra, "job.folder": str(tmp_path / "run"), "data.source": short_documents(tmp_path),
                         "data.shuffle": "false"}.items():
         apply_override(config, name, value)
     trainer = Trainer(config, torch.device("cpu"))
@@ -71,7 +80,7 @@ def test_mtp_step_matches_main_plus_lambda_mtp_by_hand(tmp_path):
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: (grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()}),
                                       step())
-    model = reference_model(trainer.model_cfg.vocab_size)
+    model = reference_model(trainer.model_cfg.vocab_size, family)
     reference_state = model.state_dict()
     for name, value in trainer.model.state_dict().items():  # the same initial weights, independently built
         assert torch.equal(value, reference_state[name]), name
@@ -81,7 +90,7 @@ def test_mtp_step_matches_main_plus_lambda_mtp_by_hand(tmp_path):
     assert float(loss) == pytest.approx(float(main.detach()), rel=1e-5)
     assert float(mtp_loss) == pytest.approx(float(mtp.detach()), rel=1e-5)
     (main + LAMBDA * mtp).backward()
-    assert any(n.startswith("mtp.") for n in grads) and float(grads["mtp.eh_proj.weight"].abs().sum()) > 0
+    assert any(n.startswith("mtp.") for n in grads) and float(grads[mtp_weight_name].abs().sum()) > 0
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
 

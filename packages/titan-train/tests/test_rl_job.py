@@ -15,15 +15,18 @@ from titan_train_ranks import spawn_ranks
 from titan_rl import Completion, SamplingConfig
 from titan_rl.envs import SingleTurn, SortingTask
 from titan_train.rl import RLConfig, run_rl
+from titan_train.rl.recipes import rl_sorting_deepseek_v3, rl_sorting_qwen3_moe
 from titan_train.rl.rollouts import SEED_STRIDE, ShardedRollouts
 
-REQUIRED_METRICS = ("step", "reward_mean", "kl", "staleness", "dropped_samples_total", "logprob_mismatch_max",
-                    "gen_tokens_per_s", "train_tokens_per_s", "loss", "completion_len")
+REQUIRED_METRICS = ("step", "reward_mean", "kl", "entropy", "clip_frac", "staleness", "dropped_samples",
+                    "dropped_samples_total", "logprob_mismatch_max", "gen_tokens_per_s", "train_tokens_per_s", "loss",
+                    "completion_len")
 
 
 def small_job(folder: Path, **changes) -> RLConfig:
     config = RLConfig()
     config.job.folder = str(folder)
+    config.job.device = "cpu"  # gloo ranks of a CPU test; "auto" put both ranks on one GPU of the H200 host
     config.metrics.progress = False
     for dotted, value in changes.items():
         section, name = dotted.split("__")
@@ -120,6 +123,10 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
                       algorithm__group_size=4, generator__batch_invariant=True)
         run_rl(small_job(Path(folder, "sync"), **common))
         run_rl(small_job(Path(folder, "async"), **common, rollout__max_policy_lag=1))
+        # A MoE policy (DeepSeek-V3's debug flavor: group-limited routing) under FSDP, batch-invariant.
+        moe = small_job(Path(folder, "moe"), **common)
+        moe.policy = rl_sorting_deepseek_v3().policy
+        run_rl(moe)
     finally:
         dist.destroy_process_group()
     os._exit(0)  # torch sometimes aborts at interpreter exit after gloo
@@ -155,6 +162,27 @@ def test_two_rank_job_trainer_and_generators_agree_bitwise(two_ranks):
     assert all(r["trained_samples"] == 16 and r["staleness"] == 0 for r in records)
     pretrain = [json.loads(line) for line in (two_ranks / "sync" / "pretrain" / "metrics.jsonl").open()]
     assert pretrain[-1]["step"] == 4  # titan-train's trainer ran the supervised phase on the 2 ranks
+
+
+def test_two_rank_moe_job_trainer_and_generators_agree_bitwise(two_ranks):
+    """DeepSeek-V3's debug policy sharded over 2 ranks: every sampled token's trainer logprob is bitwise its
+    generator's (same expert choice and arithmetic in prefill, decode and the trainer's forward)."""
+    records = _records(two_ranks / "moe")
+    assert [r["logprob_mismatch_max"] for r in records] == [0.0, 0.0, 0.0]
+    assert all(r["trained_samples"] == 16 for r in records)
+
+
+@pytest.mark.parametrize("recipe", [rl_sorting_qwen3_moe, rl_sorting_deepseek_v3])
+def test_moe_recipes_run_batch_invariant(tmp_path, recipe):
+    """The MoE recipes, shortened: pretraining and RL run on the MoE policy and the logprobs agree bitwise."""
+    config = recipe()
+    assert config.generator.batch_invariant and config.policy.family in ("qwen3", "deepseek_v3")
+    config.job.folder, config.metrics.progress = str(tmp_path), False
+    config.pretrain.steps, config.training.steps, config.eval.problems = 3, 2, 8
+    config.rollout.prompts_per_step, config.algorithm.group_size = 4, 4
+    result = run_rl(config)
+    assert [m["logprob_mismatch_max"] for m in result.curve] == [0.0, 0.0]
+    assert all(m["entropy"] > 0 for m in result.curve) and (tmp_path / "rl_curve.png").exists()
 
 
 def test_two_rank_async_job_keeps_the_staleness_bound(two_ranks):

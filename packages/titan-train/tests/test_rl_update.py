@@ -71,9 +71,8 @@ def run_updates(name: str, minibatches: int | None = None) -> tuple[dict[str, to
     minibatches = minibatches or case_minibatches
     cfg = tiny_model_config()
     policy = build_policy(cfg, initial_weights(cfg, seed=0), device=torch.device("cpu"), batch_invariant=invariant)
-    reference = None
-    if algorithm.loss.kl_coef > 0:
-        reference = build_copy(cfg, export_weights(policy), device=torch.device("cpu"), batch_invariant=invariant)
+    # a reference in every case, as the job keeps one (algorithm.track_kl): the KL to it is measured, in the loss or not
+    reference = build_copy(cfg, export_weights(policy), device=torch.device("cpu"), batch_invariant=invariant)
     update = PolicyUpdate(policy=policy, optimizer=torch.optim.AdamW(policy.parameters(), lr=LR), loss=algorithm.loss,
                           minibatches=minibatches, pad_id=258, reference=reference)
     metrics = [update(*make_samples(n, seed)) for seed in (1, 2)]
@@ -94,7 +93,7 @@ def test_one_process_is_titan_rl_train_on_batch_bitwise(name):
         make_env=lambda: None, config=titan_rl.RLConfig(algorithm=algorithm, max_grad_norm=1.0))
     for seed, mine in zip((1, 2), our_metrics):
         theirs = loop.train_on_batch(*make_samples(n, seed))
-        for key in ("loss", "grad_norm", "clip_frac", "logprob_mismatch_max"):
+        for key in ("loss", "grad_norm", "clip_frac", "logprob_mismatch_max", "kl", "entropy"):
             assert mine[key] == theirs[key], (key, mine[key], theirs[key])
     expected = policy.state_dict()
     for key, value in ours.items():
@@ -138,6 +137,8 @@ def test_two_fsdp_ranks_follow_one_process(two_rank_results, name):
     for mine, theirs in zip(single_metrics, sharded_metrics):
         assert theirs["loss"] == pytest.approx(mine["loss"], rel=1e-5, abs=1e-7)
         assert theirs["trained_samples"] == mine["trained_samples"]
+        for key in ("kl", "entropy"):  # token means over the ranks' slices, weighted by their tokens
+            assert theirs[key] == pytest.approx(mine[key], rel=1e-5, abs=1e-7), key
     if CASES[name][3]:  # batch-invariant: FSDP's logprobs are bitwise the single process's
         assert ([m["logprob_mismatch_max"] for m in sharded_metrics]
                 == [m["logprob_mismatch_max"] for m in single_metrics])

@@ -172,6 +172,21 @@ def test_sizes_that_cannot_fit_are_refused_with_the_estimate(tmp_path, jobs, mon
         Trainer(too_big, torch.device("cpu"))
 
 
+def test_the_estimate_counts_12_bytes_a_parameter_with_bf16_moments(tmp_path, jobs):
+    import titan_train.memory_estimate as memory
+
+    counts = {}
+    for name, overrides in {"fp32": {}, "bf16_params": {"training.mixed_precision": "bf16_params"},
+                            "bf16_moments": {"training.mixed_precision": "bf16_params",
+                                             "optimizer.moment_dtype": "bfloat16"}}.items():
+        config = jobs.tiny(tmp_path / name, **overrides)
+        model_cfg = model_config(config.model, vocab_needed=0)
+        counts[name] = memory.estimate(config, model_cfg, _one_rank(), device=torch.device("cpu"), n_params=1000).states
+    # fp32: weight, gradient, two moments; bf16_params: bf16 weight and gradient, fp32 master and moments (16
+    # either way); bf16 moments: 2 + 2 + 4 + 2 + 2
+    assert counts == {"fp32": 16000, "bf16_params": 16000, "bf16_moments": 12000}
+
+
 def _one_rank():
     return resolve_degrees(ParallelismConfig(), 1)
 

@@ -93,7 +93,8 @@ def test_linear_attention_debug_recipes_train_on_cpu(tmp_path, recipe):
 
     config = load_recipe(recipe)
     # 2 layers keep one Gated DeltaNet (Kimi: KDA) and one attention layer; 80 tokens pass the 64-token chunk.
-    tiny = {"model.num_layers": "2", "training.seq_len": "80", "training.batch_size": "4", "training.steps": "6",
+    tiny = {"job.device": "cpu",
+            "model.num_layers": "2", "training.seq_len": "80", "training.batch_size": "4", "training.steps": "6",
             "metrics.tensorboard": "false", "metrics.progress": "false", "lr_schedule.warmup_steps": "2",
             "checkpoint.resume": "false", "job.folder": str(tmp_path)}
     for name, value in tiny.items():

@@ -31,7 +31,8 @@ def test_shapes_rows_score_the_caption_only():
 def test_the_shapes_recipe_trains_on_cpu_and_reads_the_images(tmp_path):
     # ~30 s on a shared CPU: the run must get past what a model blind to the images can reach.
     config = load_recipe("qwen3_vl_debug_shapes")
-    for name, value in {"training.steps": "45", "metrics.tensorboard": "false", "metrics.progress": "false",
+    for name, value in {"job.device": "cpu",
+                        "training.steps": "45", "metrics.tensorboard": "false", "metrics.progress": "false",
                         "checkpoint.resume": "false", "job.folder": str(tmp_path)}.items():
         apply_override(config, name, value)
     losses = train(config).losses

@@ -119,12 +119,15 @@ class Work:
         self.b = torch.empty_like(self.a)
         self.token = torch.zeros(1)
         self.repeats = 1
-        sync(device)
-        began = time.perf_counter()
-        for _ in range(20):
-            torch.mm(self.a, self.a, out=self.b)
-        sync(device)
-        per_mm = (time.perf_counter() - began) / 20
+        # Warm first: timed cold (library start-up, clocks still low), the matmuls measured 4x slow on the
+        # H200, and the loop's steps came out at 58 ms for 250 asked, too short for a save to finish between saves.
+        for _ in range(3):
+            sync(device)
+            began = time.perf_counter()
+            for _ in range(20):
+                torch.mm(self.a, self.a, out=self.b)
+            sync(device)
+            per_mm = (time.perf_counter() - began) / 20
         self.repeats = max(1, round(step_ms / 1e3 / per_mm))
 
     def run(self) -> None:
@@ -230,8 +233,10 @@ def worker(rank: int, world: int, args, root: Path, store_path: str | None) -> N
         except Exception as e:  # a DCP mode that does not run here: say so, time the others
             results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         dist.barrier()
+        row: list = [None] * world  # each path's figures as soon as it ends: a run cut short keeps them
+        dist.all_gather_object(row, {"paths": {name: results["paths"][name]}})
         if rank == 0:
-            print(f"  {name}: done in {time.perf_counter() - began:.1f} s", flush=True)
+            print(f"  {name}: done in {time.perf_counter() - began:.1f} s: {summarize(row, name)}", flush=True)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -20,7 +20,19 @@ decay 0.1 on matrices, clip 1.0, 10 warm-up steps then constant); transformers k
                  (SwiGLU backward, loss chunk, AdamW), the fused chunked loss;
   titan          the same without compile;
   titan_compile_autocast       compiled, fp32 parameters under bf16 autocast (--training.mixed_precision bf16);
-  titan_compile_torch_kernels  compiled, bf16_params, without the Triton SwiGLU/loss kernels.
+  titan_compile_torch_kernels  compiled, bf16_params, without the Triton SwiGLU/loss kernels;
+  titan_compile_sac            titan_compile with op-level selective checkpointing compiled into each block
+                               (--activation_checkpoint.mode selective: the block keeps its input, the q/k/v,
+                               attention and output projections and gate|up; norms, RoPE and SwiGLU recompute);
+  titan_compile_sac_bf16_moments  the same with AdamW's moments in bf16 (--optimizer.moment_dtype bfloat16;
+                               the master weights stay fp32);
+  titan_compile_lean           the same with 2048-token loss chunks summing the output weight's gradient in
+                               bf16 (--training.loss_chunk_size 2048 --training.loss_weight_grad_dtype param):
+                               the best memory setting.
+A titan variant's name with the suffix _cudnn runs it with SDPA's cuDNN attention tried first.
+--size 8B runs the Llama 3 8B shapes (hidden 4096, 32 layers, FFN 14,336) instead of the 1.5B ones.
+memory_model.py counts where each variant's peak goes; the table prints that count ('exp GiB') beside the
+measured peak.
 The matmul rate and copy bandwidth are measured in the same run. MFU uses FLOPs/token =
 6 N + 6 L d s (N: parameters a token multiplies with, output projection included, input embedding
 excluded; attention counted causal), the convention of the issue's 40% figure for transformers.
@@ -44,6 +56,7 @@ import torch
 
 SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, vocab)
     "1.5B": (2048, 16, 32, 8, 8192, 128256),
+    "8B": (4096, 32, 32, 8, 14336, 128256),
     "tiny": (128, 2, 4, 2, 256, 1024),
 }
 LR, BETAS, WEIGHT_DECAY, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
@@ -62,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="a tiny model and batch: checks the script on CPU")
+    p.add_argument("--size", default="1.5B", choices=("1.5B", "8B"), help="the Llama shapes (--tiny overrides)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=30, help="steps per variant, warm-up included")
@@ -69,7 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variants", default="hf,hf_compile,hf_liger,titan_compile")
     p.add_argument("--data", default="stdlib", choices=("stdlib", "random"),
                    help="stdlib: real text (byte tokens) for both; random: uniform random tokens")
-    p.add_argument("--titan-args", default="", help="extra titan-train CLI overrides for the titan variants")
+    p.add_argument("--titan-args", default="",
+                   help="extra titan-train CLI overrides for the titan variants (after, so over, the variant's own)")
     p.add_argument("--profile", default="", help="a titan variant to profile for two more steps after its run")
     p.add_argument("--loss-rtol", type=float, default=0.02, help="allowed relative loss gap to transformers")
     return p.parse_args()
@@ -163,7 +178,7 @@ def run_hf(folder: Path, args, device: torch.device, variant: str = "hf") -> dic
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor)
-    vocab = SIZES["tiny" if args.tiny else "1.5B"][5]
+    vocab = SIZES["tiny" if args.tiny else args.size][5]
     losses, seconds = [], []
     for tokens, labels in batches(vocab, args.seq, args.batch, args.steps, args.data):
         tokens, labels = tokens.to(device), labels.to(device)
@@ -231,7 +246,7 @@ def run_titan(folder: Path, args, device: torch.device, *, compile_blocks: bool,
         "--optimizer.eps", str(EPS), "--lr_schedule.kind", "constant", "--lr_schedule.warmup_steps", str(WARMUP),
         "--checkpoint.interval", "0", "--checkpoint.resume", "false", "--metrics.tensorboard", "false",
         "--metrics.progress", "false", "--compile.enabled", "true" if compile_blocks else "false",
-        *args.titan_args.split(), *extra,
+        *extra, *args.titan_args.split(),  # --titan-args last: they override a variant's own flags
     ]
     config, _ = parse_train_args(cli)
     trainer = Trainer(config, device)
@@ -254,25 +269,75 @@ TITAN_VARIANTS = {
     "titan_compile_torch_kernels": (True, ("--training.mixed_precision", "bf16_params",
                                            "--training.fused_kernels", "false")),
 }
+SAC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "ops")
+TITAN_VARIANTS["titan_compile_sac"] = (True, TITAN_VARIANTS["titan_compile"][1] + SAC)
+TITAN_VARIANTS["titan_compile_sac_bf16_moments"] = (
+    True, TITAN_VARIANTS["titan_compile_sac"][1] + ("--optimizer.moment_dtype", "bfloat16"))
+TITAN_VARIANTS["titan_compile_lean"] = (
+    True, TITAN_VARIANTS["titan_compile_sac_bf16_moments"][1] + ("--training.loss_chunk_size", "2048",
+                                                                 "--training.loss_weight_grad_dtype", "param"))
 
 
 def run_variant(variant: str, folder: Path, args, device: torch.device) -> dict:
     profile = variant == args.profile
     if variant in HF_VARIANTS:
         return run_hf(folder, args, device, variant)
-    if variant == "titan_compile_cudnn":
+    base = variant.removesuffix("_cudnn")
+    if base not in TITAN_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(HF_VARIANTS)}, {', '.join(TITAN_VARIANTS)}, "
+                         "and each titan variant with the suffix _cudnn")
+    compile_blocks, extra = TITAN_VARIANTS[base]
+    if base != variant:
         with sdpa_cudnn_first():
-            return run_titan(folder, args, device, compile_blocks=True, profile=profile,
-                             extra=TITAN_VARIANTS["titan_compile"][1])
-    if variant not in TITAN_VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(HF_VARIANTS)}, {', '.join(TITAN_VARIANTS)}, titan_compile_cudnn")
-    compile_blocks, extra = TITAN_VARIANTS[variant]
+            return run_titan(folder, args, device, compile_blocks=compile_blocks, profile=profile, extra=extra)
     return run_titan(folder, args, device, compile_blocks=compile_blocks, profile=profile, extra=extra)
+
+
+def print_table(results: dict, args, *, size: str, fpt: float, matmul: float | None, device: torch.device
+                ) -> tuple[str, bool]:
+    """The summary table: speed, MFU, measured and counted peak memory, the ratios against the fastest
+    transformers variant, the loss gap against transformers eager; then whether a titan variant meets issue
+    26's target (1.3x the anchor's tokens/s at no more peak memory). Returns (anchor name, losses ok)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from memory_model import expected_gib
+
+    anchors = [results[v] for v in HF_VARIANTS if v in results]
+    anchor = max(anchors, key=lambda r: r["tokens_per_s"]) if anchors else None
+    best = next((v for v in HF_VARIANTS if v in results and results[v] is anchor), "none")
+    reference = results.get("hf", anchor)  # the eager losses are the numeric reference
+    print(f"\ndata {args.data}; ratio against the fastest transformers variant ({best}); loss gap against hf eager"
+          " (or the anchor); exp GiB: memory_model.py's count")
+    print(f"\n{'variant':<37}{'tokens/s':>10}{'step ms':>9}{'MFU 989':>9}{'MFU meas':>9}{'peak GiB':>9}{'exp GiB':>8}"
+          f"{'vs best':>8}{'mem/best':>9}  loss gap (max rel, steps 1-{min(args.steps, 8)})")
+    ok, met = True, []
+    for name, out in results.items():
+        achieved = out["tokens_per_s"] * fpt
+        mfu = f"{achieved / PEAK_BF16:9.1%}" if device.type == "cuda" else f"{'n/a':>9}"
+        mfu_meas = f"{achieved / matmul:9.1%}" if matmul else f"{'n/a':>9}"
+        peak = f"{out['peak_gib']:9.1f}" if out["peak_gib"] is not None else f"{'n/a':>9}"
+        counted = expected_gib(name, size, args.batch, args.seq)
+        counted = f"{counted:8.1f}" if counted is not None else f"{'n/a':>8}"
+        ratio = out["tokens_per_s"] / anchor["tokens_per_s"] if anchor else math.nan
+        memory = (out["peak_gib"] / anchor["peak_gib"] if anchor and out["peak_gib"] and anchor["peak_gib"]
+                  else math.nan)
+        gap = ""
+        if reference and out is not reference:
+            n = min(len(out["losses"]), len(reference["losses"]), 8)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(out["losses"][:n], reference["losses"][:n]))
+            gap = f"{worst:.2e} {'ok' if worst <= args.loss_rtol else 'MISMATCH'}"
+            ok &= worst <= args.loss_rtol
+        if name.startswith("titan") and ratio >= 1.3 and memory <= 1.0:
+            met.append(name)
+        print(f"{name:<37}{out['tokens_per_s']:10.0f}{out['step_s'] * 1e3:9.1f}{mfu}{mfu_meas}{peak}{counted}"
+              f"{ratio:8.2f}{memory:9.2f}  {gap}")
+    print(f"issue 26 target (>= 1.3x {best}'s tokens/s at <= its peak memory): "
+          f"{'met by ' + ', '.join(met) if met else 'not met'}")
+    return best, ok
 
 
 def main() -> int:
     args = parse_args()
-    size = "tiny" if args.tiny else "1.5B"
+    size = "tiny" if args.tiny else args.size
     if args.tiny:
         args.batch, args.seq, args.steps, args.warmup = 2, 64, 4, 1
     device = torch.device(args.device)
@@ -326,27 +391,7 @@ def main() -> int:
             gc.collect()
             torch._dynamo.reset()
 
-    anchors = [results[v] for v in HF_VARIANTS if v in results]
-    anchor = max(anchors, key=lambda r: r["tokens_per_s"]) if anchors else None
-    best = next((v for v in HF_VARIANTS if v in results and results[v] is anchor), "none")
-    reference = results.get("hf", anchor)  # the eager losses are the numeric reference
-    print(f"\ndata {args.data}; ratio against the fastest transformers variant ({best}); loss gap against hf eager")
-    print(f"\n{'variant':<15}{'tokens/s':>10}{'step ms':>9}{'MFU 989':>9}{'MFU meas':>9}{'peak GiB':>9}"
-          f"{'vs best':>8}  loss gap (max rel, steps 1-{min(args.steps, 8)})")
-    ok = True
-    for name, out in results.items():
-        achieved = out["tokens_per_s"] * fpt
-        mfu = f"{achieved / PEAK_BF16:9.1%}" if device.type == "cuda" else f"{'n/a':>9}"
-        mfu_meas = f"{achieved / matmul:9.1%}" if matmul else f"{'n/a':>9}"
-        peak = f"{out['peak_gib']:9.1f}" if out["peak_gib"] is not None else f"{'n/a':>9}"
-        ratio = out["tokens_per_s"] / anchor["tokens_per_s"] if anchor else math.nan
-        gap = ""
-        if reference and out is not reference:
-            n = min(len(out["losses"]), len(reference["losses"]), 8)
-            worst = max(abs(a - b) / abs(b) for a, b in zip(out["losses"][:n], reference["losses"][:n]))
-            gap = f"{worst:.2e} {'ok' if worst <= args.loss_rtol else 'MISMATCH'}"
-            ok &= worst <= args.loss_rtol
-        print(f"{name:<15}{out['tokens_per_s']:10.0f}{out['step_s'] * 1e3:9.1f}{mfu}{mfu_meas}{peak}{ratio:8.2f}  {gap}")
+    best, ok = print_table(results, args, size=size, fpt=fpt, matmul=matmul, device=device)
     summary = {"size": size, "data": args.data, "anchor": best, "batch": args.batch, "seq": args.seq, "flops_per_token": fpt,
                "matmul_flops": matmul, "copy_bytes_s": copy, "torch": torch.__version__, "results": results}
     out_dir = os.environ.get("OUT")

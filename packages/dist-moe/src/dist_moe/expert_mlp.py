@@ -26,6 +26,8 @@ both. No launch reads device data on the host.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -33,19 +35,29 @@ from torch import Tensor
 from dist_moe.backend import Backend, WeightGrad, check_weight_grad, resolve_backend
 from dist_moe.host_sync import read_to_host
 
+Quantize = Literal["none", "fp8_rowwise", "fp8_blockwise"]
+QUANTIZE: tuple[str, ...] = ("none", "fp8_rowwise", "fp8_blockwise")
+
 
 def expert_mlp(
     x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, offsets: Tensor, row_slot: Tensor, *,
     top_k: int = 1, weights: Tensor | None = None, backend: Backend = "auto",
-    weight_grad: WeightGrad = "triton",
+    weight_grad: WeightGrad = "triton", quantize: Quantize = "none", swiglu_limit: float | None = None,
 ) -> Tensor:
     """x [rows, dim], w1/w3 [E, ffn, dim], w2 [E, dim, ffn] (Linear-style) -> [rows, dim].
 
+    `swiglu_limit` L (DeepSeek-V4's clamped SwiGLU): silu(min(gate, L)) * clamp(up, -L, L); the torch
+    path only (the Triton kernels' epilogue and backward do not clamp: asking for both is an error).
     See the module docstring for `row_slot`, `offsets`, `top_k` and `weights` [rows, top_k].
     `weight_grad` (Triton path): "triton" (dist-moe's kernel) or "torch_grouped_mm" (a fallback:
     torch._grouped_mm on the same padded operands; tools/bench/moe measures both).
+    `quantize`: "none", or "fp8_rowwise" / "fp8_blockwise": the three expert GEMMs (forward and
+    backward) by grouped_mm_fp8 with that recipe, around a gather of the routed rows, SwiGLU and
+    the weighted slot sum in torch ops (not the fused bf16 kernels; `weight_grad` then unused).
     """
     check_weight_grad(weight_grad)
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, dim], got {tuple(x.shape)}")
     rows, dim = x.shape
@@ -63,13 +75,22 @@ def expert_mlp(
     if not (x.dtype == w1.dtype == w2.dtype == w3.dtype) or not x.is_floating_point():
         raise TypeError(f"x and the expert weights must share one floating dtype; got {x.dtype}, {w1.dtype}, "
                         f"{w2.dtype}, {w3.dtype}")
+    if swiglu_limit is not None and not swiglu_limit > 0:
+        raise ValueError(f"swiglu_limit must be a positive bound or None, got {swiglu_limit}")
+    if quantize != "none":
+        if swiglu_limit is not None:
+            raise ValueError(f"quantize={quantize!r} does not clamp the SwiGLU; swiglu_limit needs quantize='none'")
+        return _fp8_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights, quantize, backend)
     if resolve_backend(backend, x) == "torch":
-        return _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights)
+        return _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights, swiglu_limit)
+    if swiglu_limit is not None:
+        raise ValueError("swiglu_limit (the clamped SwiGLU) runs on backend='torch' only; the Triton kernels "
+                         "do not clamp")
     return _ExpertMLP.apply(x, w1, w2, w3, offsets.to(torch.int32), row_slot.to(torch.int32), weights, top_k,
                             weight_grad)
 
 
-def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights) -> Tensor:
+def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights, swiglu_limit=None) -> Tensor:
     """Reference path (plain autograd): gather, one SwiGLU MLP per expert, weighted slot sum."""
     ends = read_to_host(offsets, "expert_mlp: per-expert row ends (torch path)")
     rows, dim = x.shape
@@ -80,12 +101,34 @@ def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights) -> Tenso
     outs, start = [], 0
     for e, end in enumerate(ends):  # empty experts too, so every weight gets a (zero) gradient
         xe = routed[start:end]
-        outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        gate, up = xe @ w1[e].T, xe @ w3[e].T
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        outs.append((F.silu(gate) * up) @ w2[e].T)
         start = end
     y = torch.cat(outs) if outs else routed.new_zeros(0, dim)  # [R, dim]
+    return _weighted_slot_sum(y, row_slot, rows, top_k, weights)
+
+
+def _fp8_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights, quantize, backend) -> Tensor:
+    """The experts with fp8 GEMMs (grouped_mm_fp8, autograd through torch ops around them)."""
+    from dist_moe.grouped_mm_fp8 import grouped_mm_fp8
+
+    rows = x.shape[0]
+    row_slot = row_slot.long()
+    routed = x.index_select(0, row_slot // top_k)  # [R, dim], sorted by expert
+    gate = grouped_mm_fp8(routed, w1.transpose(1, 2), offsets, recipe=quantize, backend=backend)
+    up = grouped_mm_fp8(routed, w3.transpose(1, 2), offsets, recipe=quantize, backend=backend)
+    y = grouped_mm_fp8(F.silu(gate) * up, w2.transpose(1, 2), offsets, recipe=quantize, backend=backend)
+    return _weighted_slot_sum(y, row_slot, rows, top_k, weights)
+
+
+def _weighted_slot_sum(y: Tensor, row_slot: Tensor, rows: int, top_k: int, weights: Tensor | None) -> Tensor:
+    """[rows, dim]: each input row's top_k results (y in expert order), weighted in float32."""
+    dim = y.shape[1]
     if weights is not None:
-        wide = torch.promote_types(x.dtype, torch.float32)  # weight in float32 (float64 stays float64)
-        y = (y.to(wide) * weights.reshape(-1).to(wide)[row_slot].unsqueeze(1)).to(x.dtype)
+        wide = torch.promote_types(y.dtype, torch.float32)  # weight in float32 (float64 stays float64)
+        y = (y.to(wide) * weights.reshape(-1).to(wide)[row_slot].unsqueeze(1)).to(y.dtype)
     slots = torch.zeros_like(y).index_copy(0, row_slot, y)  # row r -> slot row_slot[r]
     return slots.view(rows, top_k, dim).sum(dim=1)
 

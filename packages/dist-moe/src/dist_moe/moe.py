@@ -5,9 +5,18 @@
     experts.w2               [E, dim, expert_dim]   (down)
     shared_experts.w1/w2/w3  Linears, hidden width num_shared_experts * expert_dim (optional)
     expert_bias              buffer [E] float32 (aux-loss-free balancing; selection only)
+    tid2eid                  buffer [hash_vocab_size, top_k] int64, hash routing only (a frozen table)
     tokens_per_expert        non-persistent buffer [E] float32: this rank's counts of the last forward
 
-`moe(x [b, s, dim]) -> [b, s, dim]`. With an expert-parallel group the expert weights are DTensors
+`moe(x [b, s, dim], token_ids=None) -> [b, s, dim]` (a hash-routed layer needs `token_ids` [b, s]).
+`swiglu_limit` clamps every SwiGLU, routed and shared (DeepSeek-V4); the routed experts then run on the
+torch path (backend "auto" picks it; "triton" is refused).
+
+Muse Spark: `router_logit_scale` multiplies the router logits before scoring; with `expert_pool_dim` P the
+experts work at width P between `pre_expert_proj` [P, dim] (then `pre_expert_norm`, zero-centred, when
+`pre_expert_norm_eps` is set) and `post_expert_proj` [dim, P], and with `post_expert_norm_eps` each expert's
+output passes `post_expert_norm` (input-scaled, dist_moe/norms.py) before its routing weight. The router
+still reads the un-pooled tokens. With an expert-parallel group the expert weights are DTensors
 sharded on dim 0 over that group (`apply_expert_parallel`), so names, global shapes and
 checkpoints are unchanged; each rank routes its own tokens and computes its own experts.
 """
@@ -24,11 +33,15 @@ from torch import Tensor, nn
 
 from dist_moe.backend import BACKENDS, Backend, WeightGrad, check_weight_grad
 from dist_moe.dispatch import combine, dispatch, ep_size
-from dist_moe.expert_mlp import expert_mlp
-from dist_moe.routing import ScoreFunc, check_routing_args, forced_balance, route, sequence_balance_loss
+from dist_moe.expert_mlp import QUANTIZE, Quantize, expert_mlp
+from dist_moe.norms import InputScaledRMSNorm, ZeroCenteredRMSNorm
+from dist_moe.routing import (
+    ScoreFunc, check_routing_args, forced_balance, hash_experts, hash_table, route, sequence_balance_loss,
+)
 
 _ROUTING_FIELDS = ("num_experts", "top_k", "expert_dim", "num_shared_experts", "shared_expert_dim",
-                   "shared_expert_gate", "score_func", "n_group", "topk_group", "norm_topk_prob", "route_scale")
+                   "shared_expert_gate", "score_func", "n_group", "topk_group", "norm_topk_prob", "route_scale",
+                   "hash_vocab_size", "router_logit_scale", "expert_pool_dim")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,12 +58,21 @@ class MoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     route_scale: float = 1.0
+    hash_vocab_size: int | None = None  # hash routing: experts from the frozen table tid2eid[token id]
+    swiglu_limit: float | None = None  # silu(min(g, L)) * clamp(u, -L, L) in every SwiGLU (DeepSeek-V4)
+    router_logit_scale: float = 1.0  # router logits times this before scoring (Muse Spark)
+    expert_pool_dim: int | None = None  # the experts' width between pre/post_expert_proj (Muse Spark)
+    pre_expert_norm_eps: float | None = None  # a zero-centred RMSNorm on the pooled tokens (needs expert_pool_dim)
+    post_expert_norm_eps: float | None = None  # an input-scaled RMSNorm on each expert's output
     aux_loss_alpha: float = 0.0  # > 0 adds DeepSeek-V3's sequence-wise balance loss in training
     # "forced_balance": tokens dealt evenly to the experts (routing.forced_balance), for measurement only
     routing: Literal["learned", "forced_balance"] = "learned"
     ep_group: dist.ProcessGroup | None = None
     backend: Backend = "auto"
     weight_grad: WeightGrad = "triton"  # Triton path: who computes the expert weight gradients
+    # "fp8_rowwise" / "fp8_blockwise": the routed experts' GEMMs in fp8 (grouped_mm_fp8), forward and
+    # backward; "none": bf16 fused kernels. The router and shared experts are not touched.
+    quantize: Quantize = "none"
 
     def __post_init__(self) -> None:
         for name in ("dim", "num_experts", "expert_dim"):
@@ -68,7 +90,20 @@ class MoEConfig:
             raise ValueError(f"routing must be 'learned' or 'forced_balance', got {self.routing!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.hash_vocab_size is not None and self.hash_vocab_size < 1:
+            raise ValueError(f"hash_vocab_size must be >= 1 or None, got {self.hash_vocab_size}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be a positive bound or None, got {self.swiglu_limit}")
+        if self.expert_pool_dim is not None and self.expert_pool_dim < 1:
+            raise ValueError(f"expert_pool_dim must be a positive width or None, got {self.expert_pool_dim}")
+        if self.pre_expert_norm_eps is not None and self.expert_pool_dim is None:
+            raise ValueError("pre_expert_norm_eps normalises the pooled tokens: it needs expert_pool_dim")
+        if self.swiglu_limit is not None and self.backend == "triton":
+            raise ValueError("swiglu_limit runs the experts on backend='torch' (or 'auto'); the Triton kernels "
+                             "do not clamp")
         check_weight_grad(self.weight_grad)
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
 
     @property
     def shared_width(self) -> int:
@@ -102,16 +137,20 @@ class GroupedExperts(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x), the shared experts."""
+    """w2(silu(w1 x) * w3 x), the shared experts; with `limit` L, silu(min(w1 x, L)) * clamp(w3 x, -L, L)."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, *, limit: float | None = None):
         super().__init__()
+        self.limit = limit
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.w2(F.silu(gate) * up)
 
 
 class MoE(nn.Module):
@@ -123,12 +162,24 @@ class MoE(nn.Module):
         self.config = config
         self.ep_group = config.ep_group
         self.router = Router(config.dim, config.num_experts)
-        self.experts = GroupedExperts(config.dim, config.num_experts, config.expert_dim)
-        self.shared_experts = SwiGLU(config.dim, config.shared_width) if config.shared_width else None
+        pool = config.expert_pool_dim
+        self.pre_expert_proj = nn.Linear(config.dim, pool, bias=False) if pool is not None else None
+        self.pre_expert_norm = (ZeroCenteredRMSNorm(pool, eps=config.pre_expert_norm_eps)
+                                if config.pre_expert_norm_eps is not None else None)
+        self.experts = GroupedExperts(pool or config.dim, config.num_experts, config.expert_dim)
+        self.post_expert_norm = (InputScaledRMSNorm(pool or config.dim, eps=config.post_expert_norm_eps)
+                                 if config.post_expert_norm_eps is not None else None)
+        self.post_expert_proj = nn.Linear(pool, config.dim, bias=False) if pool is not None else None
+        self.shared_experts = (SwiGLU(config.dim, config.shared_width, limit=config.swiglu_limit)
+                               if config.shared_width else None)
         self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32),
                              persistent=False)
+        if config.hash_vocab_size is not None:
+            self.register_buffer("tid2eid", torch.zeros(config.hash_vocab_size, config.top_k, dtype=torch.int64))
+        else:
+            self.tid2eid = None
         self.aux_loss: Tensor | None = None
         self.reset_parameters()
 
@@ -143,28 +194,36 @@ class MoE(nn.Module):
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
+        if self.tid2eid is not None and self.tid2eid.device.type != "meta":  # until a checkpoint's table
+            vocab, top_k = self.tid2eid.shape
+            self.tid2eid.copy_(hash_table(vocab, top_k, self.config.num_experts, device=self.tid2eid.device))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
         cfg = self.config
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)  # [T, dim]
+        hashed = None
+        if self.tid2eid is not None:
+            if token_ids is None or token_ids.numel() != batch * seq:
+                raise ValueError(f"a hash-routed MoE layer needs the token ids of its {batch}x{seq} tokens "
+                                 f"(token_ids=), got {None if token_ids is None else tuple(token_ids.shape)}")
+            hashed = hash_experts(self.tid2eid, token_ids)
         logits = F.linear(tokens.float(), self.router.gate.weight.float())  # [T, E] float32
+        if cfg.router_logit_scale != 1.0:
+            logits = logits * cfg.router_logit_scale
         routing = route(logits, top_k=cfg.top_k, score_func=cfg.score_func, n_group=cfg.n_group,
                         topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale,
-                        bias=self.expert_bias)
+                        bias=self.expert_bias, hashed=hashed)
         if cfg.routing == "forced_balance":
             routing = forced_balance(routing, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale)
-        sent = dispatch(tokens, routing.expert_ids, routing.weights, num_experts=cfg.num_experts, group=self.ep_group)
-        with torch.no_grad():
-            self.tokens_per_expert.copy_(sent.tokens_per_expert)
-        w1, w2, w3 = self._local_expert_weights()
-        routed = sent.x
-        if torch.is_autocast_enabled(x.device.type):  # expert_mlp is a kernel autocast cannot see: cast as it would
-            dtype = torch.get_autocast_dtype(x.device.type)
-            routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
-        y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
-                       backend=cfg.backend, weight_grad=cfg.weight_grad)
-        out = combine(y, sent)
+        expert_in = tokens
+        if self.pre_expert_proj is not None:
+            expert_in = self.pre_expert_proj(tokens)  # [T, pool]
+            if self.pre_expert_norm is not None:
+                expert_in = self.pre_expert_norm(expert_in)
+        out = self._routed_experts(expert_in, routing.expert_ids, routing.weights)
+        if self.post_expert_proj is not None:
+            out = self.post_expert_proj(out)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_gate is not None:
@@ -176,6 +235,37 @@ class MoE(nn.Module):
             self.aux_loss = aux.detach()
             out = _AttachAuxLoss.apply(out, aux)
         return out.view(batch, seq, dim)
+
+    def _routed_experts(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        """x [T, width] -> [T, width]: each token's experts, weighted and summed (with the post-expert norm
+        between an expert's output and its weight, if any)."""
+        cfg = self.config
+        sent = dispatch(x, expert_ids, weights, num_experts=cfg.num_experts, group=self.ep_group)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(sent.tokens_per_expert)
+        w1, w2, w3 = self._local_expert_weights()
+        routed = sent.x
+        if torch.is_autocast_enabled(x.device.type):  # expert_mlp is a kernel autocast cannot see: cast as it would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
+        # the clamped SwiGLU exists on the torch path only (MoEConfig refuses it with backend="triton")
+        mlp = dict(backend="torch" if cfg.swiglu_limit is not None else cfg.backend, weight_grad=cfg.weight_grad,
+                   swiglu_limit=cfg.swiglu_limit, quantize=cfg.quantize)
+        if self.post_expert_norm is None:
+            y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
+                           **mlp)
+            return combine(y, sent)
+        if sent.weights is None:  # expert parallel: one output row per received row, weighted by combine
+            y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=1, **mlp)
+            return combine(self.post_expert_norm(y), sent)
+        # one process: each (token, expert) slot's own output row, normed, then weighted and summed by token
+        slots = sent.row_slot.long()  # [T * k] slots in expert order
+        rows = routed.index_select(0, slots // sent.top_k)
+        y = expert_mlp(rows, w1, w2, w3, sent.offsets, torch.arange(slots.numel(), device=slots.device), **mlp)
+        by_slot = torch.zeros_like(y).index_copy(0, slots, self.post_expert_norm(y))
+        wide = torch.promote_types(y.dtype, torch.float32)
+        summed = (by_slot.view(*weights.shape, -1).to(wide) * weights.unsqueeze(-1).to(wide)).sum(dim=1)
+        return summed.to(y.dtype)
 
     def _local_expert_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         ranks = ep_size(self.ep_group)

@@ -1,9 +1,13 @@
-"""Token routing: top-k softmax and sigmoid group-limited selection, expert loads, load balancing.
+"""Token routing: top-k selection over softmax, sigmoid or sqrt-softplus scores, hash routing, expert
+loads, load balancing.
 
-Selection uses `scores + bias` (the aux-loss-free balancing bias of DeepSeek-V3), optionally limited
-to the `topk_group` best of `n_group` expert groups (a group's score is the sum of its two best
-experts); the weights come from the *unbiased* scores of the chosen experts, renormalised when
-`norm_topk_prob` and multiplied by `route_scale`. All routing math is float32.
+Scores: softmax or sigmoid of the router logits, or sqrt(softplus(logits)) (DeepSeek-V4). Selection
+uses `scores + bias` (the aux-loss-free balancing bias of DeepSeek-V3), optionally limited to the
+`topk_group` best of `n_group` expert groups (a group's score is the sum of its two best experts);
+the weights come from the *unbiased* scores of the chosen experts, renormalised when `norm_topk_prob`
+and multiplied by `route_scale`. Hash routing (DeepSeek-V4's first layers) skips the selection: a
+frozen table `tid2eid` [vocab, k] names each token id's experts (`hash_experts`), and only their
+weights come from the scores. All routing math is float32.
 """
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
-ScoreFunc = Literal["softmax", "sigmoid"]
+ScoreFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
+SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,8 @@ def check_routing_args(*, num_experts: int, top_k: int, score_func: str, n_group
     """Raise ValueError naming the first routing argument that is out of range."""
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-    if score_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     if n_group < 1 or num_experts % n_group:
         raise ValueError(f"n_group must be a positive divisor of num_experts={num_experts}, got {n_group}")
     if not 0 < topk_group <= n_group:
@@ -53,15 +59,21 @@ def route(
     norm_topk_prob: bool = True,
     route_scale: float = 1.0,
     bias: Tensor | None = None,
+    hashed: Tensor | None = None,
 ) -> Routing:
-    """Pick `top_k` experts per token from router logits [T, E]; see the module docstring."""
+    """Pick `top_k` experts per token from router logits [T, E]; see the module docstring. `hashed`
+    [T, top_k] int64: the experts of hash routing (from `hash_experts`), taken as they are."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [tokens, num_experts], got shape {tuple(logits.shape)}")
     num_experts = logits.shape[1]
     check_routing_args(num_experts=num_experts, top_k=top_k, score_func=score_func, n_group=n_group,
                        topk_group=topk_group)
-    logits = logits.float()
-    scores = logits.softmax(dim=-1) if score_func == "softmax" else logits.sigmoid()  # [T, E]
+    scores = routing_scores(logits, score_func)  # [T, E]
+    if hashed is not None:
+        if hashed.shape != (logits.shape[0], top_k):
+            raise ValueError(f"hashed experts must be [tokens, top_k] = {(logits.shape[0], top_k)}, "
+                             f"got {tuple(hashed.shape)}")
+        return Routing(weights=_weights(scores, hashed, norm_topk_prob, route_scale), expert_ids=hashed, scores=scores)
     choice = scores if bias is None else scores + bias.float()
     if n_group > 1:
         per_group = num_experts // n_group
@@ -71,10 +83,40 @@ def route(
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
         choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
     expert_ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    return Routing(weights=_weights(scores, expert_ids, norm_topk_prob, route_scale), expert_ids=expert_ids,
+                   scores=scores)
+
+
+def routing_scores(logits: Tensor, score_func: str) -> Tensor:
+    """Per-expert scores of router logits [T, E], in float32."""
+    logits = logits.float()
+    if score_func == "softmax":
+        return logits.softmax(dim=-1)
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    return F.softplus(logits).sqrt()
+
+
+def _weights(scores: Tensor, expert_ids: Tensor, norm_topk_prob: bool, route_scale: float) -> Tensor:
     weights = scores.gather(1, expert_ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return Routing(weights=weights * route_scale, expert_ids=expert_ids, scores=scores)
+    return weights * route_scale
+
+
+def hash_table(vocab_size: int, top_k: int, num_experts: int, *, device: torch.device | str | None = None) -> Tensor:
+    """The fixed `tid2eid` [vocab_size, top_k] a hash layer holds until a checkpoint's: token t goes to
+    experts t k .. t k + k - 1 (mod E), as titan-models' MoE initialises it."""
+    return torch.arange(vocab_size * top_k, device=device).view(vocab_size, top_k) % num_experts
+
+
+def hash_experts(tid2eid: Tensor, token_ids: Tensor) -> Tensor:
+    """Hash routing's experts: tid2eid [vocab, k] int64 read at token_ids (any shape, T ids) -> [T, k]."""
+    if tid2eid.dim() != 2:
+        raise ValueError(f"tid2eid must be [vocab, top_k], got {tuple(tid2eid.shape)}")
+    if token_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"token_ids must be integer token ids, got {token_ids.dtype}")
+    return tid2eid[token_ids.reshape(-1)].long()
 
 
 def forced_balance(routing: Routing, *, norm_topk_prob: bool = True, route_scale: float = 1.0) -> Routing:
@@ -86,10 +128,8 @@ def forced_balance(routing: Routing, *, norm_topk_prob: bool = True, route_scale
     num_experts = routing.scores.shape[1]
     slots = torch.arange(tokens * top_k, device=routing.scores.device).view(tokens, top_k)
     expert_ids = slots % num_experts
-    weights = routing.scores.gather(1, expert_ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return Routing(weights=weights * route_scale, expert_ids=expert_ids, scores=routing.scores)
+    return Routing(weights=_weights(routing.scores, expert_ids, norm_topk_prob, route_scale), expert_ids=expert_ids,
+                   scores=routing.scores)
 
 
 def tokens_per_expert(expert_ids: Tensor, num_experts: int) -> Tensor:

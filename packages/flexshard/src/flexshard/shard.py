@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from .bucket import Bucket, contiguous_stride
@@ -142,7 +143,10 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _unmanaged_params(module: nn.Module) -> tuple[list[torch.Tensor], list[list[tuple[nn.Module, str]]], list[str]]:
-    """Parameters not already managed by an inner shard() call, with every (module, attr) holding each."""
+    """Parameters not already managed by an inner shard() call or held inside a module torch's fully_shard
+    wrapped (e.g. expert-parallel MoE layers sharded over their own mesh first; the ignored_params of such a
+    unit are its owner's to handle, so they are left alone too), with every (module, attr) holding each."""
+    under_fully_shard = {id(sub) for m in module.modules() if isinstance(m, FSDPModule) for sub in m.modules()}
     managed = {
         (id(mod), attr)
         for m in module.modules()
@@ -158,6 +162,8 @@ def _unmanaged_params(module: nn.Module) -> tuple[list[torch.Tensor], list[list[
     for mod_name, mod in module.named_modules():
         for attr, p in mod._parameters.items():
             if p is None or (id(mod), attr) in managed:
+                continue
+            if id(mod) in under_fully_shard:
                 continue
             if isinstance(p, DTensor):
                 raise TypeError(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from titan_models.components.attention import ATTENTION_BACKENDS, AttentionBackend
+from titan_models.components.mla import MLAConfig
 from titan_models.components.moe import MoEConfig
 
 if TYPE_CHECKING:
@@ -74,6 +75,27 @@ class SharedHeadDim:
     @property
     def v_head_dim(self) -> int:
         return self.head_dim
+
+
+class LatentAttentionHeads:
+    """The contract's head counts and widths, and the MLA layers' config, for a config with the fields of
+    multi-head latent attention (num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    v_head_dim, attention): DeepSeek-V3 / Kimi K2.x and Kimi Linear."""
+
+    @property
+    def num_kv_heads(self) -> int:  # MLA expands its latent into keys and values for every head
+        return self.num_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def latent_attention(self, **settings: Any) -> MLAConfig:
+        """The MLAConfig of these fields; `settings`: the family's own MLAConfig fields (RoPE layout, YaRN's
+        softmax scale, no RoPE at all)."""
+        return MLAConfig(num_heads=self.num_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                         qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                         v_head_dim=self.v_head_dim, backend=self.attention, **settings)
 
 
 # member -> the types its value may have (checked on every registered flavor)

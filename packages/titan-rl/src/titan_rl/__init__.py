@@ -10,7 +10,7 @@ from titan_rl.rollout import AsyncRollouts, RolloutBatch, Sample, collect_rollou
 from titan_rl.remote_rollouts import RemoteBatch, RemoteRollouts, RolloutServer
 from titan_rl.weight_sync import WeightReceiver, WeightSender, full_tensors
 from titan_rl.tokenizer import ByteTokenizer, CharTokenizer, Tokenizer
-from titan_rl.logprobs import logprobs_from_logits, token_logprobs
+from titan_rl.logprobs import logprobs_from_logits, token_logprobs, token_logprobs_and_entropy
 from titan_rl.losses import PolicyLossConfig, PolicyLossOutput, group_advantages, informative_groups, policy_loss
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "TrainBatch", "collect_rollouts", "RemoteBatch", "RemoteRollouts", "RolloutServer", "WeightReceiver",
     "WeightSender", "full_tensors",
     "SamplingConfig", "batch_invariant", "is_batch_invariant", "logprobs_from_logits", "token_logprobs",
+    "token_logprobs_and_entropy",
     "dapo", "grpo", "gspo", "group_advantages", "informative_groups", "policy_loss",
 ]

@@ -35,3 +35,20 @@ def token_logprobs(model: nn.Module, tokens: torch.Tensor, *, temperature: float
     logprobs [B, S-1] of tokens[:, 1:] given their prefixes. Differentiable."""
     logits = model(tokens)[:, :-1]
     return logprobs_from_logits(logits, tokens[:, 1:], temperature=temperature, batch_invariant=is_batch_invariant(model))
+
+
+def token_logprobs_and_entropy(model: nn.Module, tokens: torch.Tensor, *, temperature: float = 1.0
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` (differentiable) and, from the same forward, the entropy [B, S-1] (detached, float32) of
+    each next-token distribution softmax(logits / temperature) (temperature 0: 1), the sampling distribution
+    before top-p: a collapsing policy shows as entropy falling towards 0."""
+    logits = model(tokens)[:, :-1]
+    logprobs = logprobs_from_logits(logits, tokens[:, 1:], temperature=temperature,
+                                    batch_invariant=is_batch_invariant(model))
+    with torch.no_grad():
+        scaled = logits.float()
+        if temperature not in (0.0, 1.0):
+            scaled = scaled / temperature
+        logp = F.log_softmax(scaled, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logprobs, entropy

@@ -23,7 +23,7 @@ from titan_rl.algorithms import AlgorithmConfig, grpo
 from titan_rl.envs.base import Environment
 from titan_rl.generation.base import Generator
 from titan_rl.generation.sampling import SamplingConfig
-from titan_rl.logprobs import token_logprobs
+from titan_rl.logprobs import token_logprobs, token_logprobs_and_entropy
 from titan_rl.losses import policy_loss
 from titan_rl.rollout import AsyncRollouts, RolloutBatch, Sample, collect_rollouts
 from titan_rl.tokenizer import Tokenizer
@@ -37,6 +37,8 @@ class RLConfig:
     max_turns: turns per episode (1 for single-turn tasks, more for tool-calling environments).
     minibatches: optimizer steps per rollout batch (the PPO "old" policy is the batch's start).
     max_grad_norm: gradient clipping (None disables).
+    track_kl: keep a reference (the policy as it starts) even when the loss has no KL term, so that every
+      step reports the KL to it ("kl"; one more forward per step). With kl_coef > 0 there is always one.
     """
 
     algorithm: AlgorithmConfig = field(default_factory=grpo)
@@ -47,6 +49,7 @@ class RLConfig:
     minibatches: int = 1
     max_grad_norm: float | None = 1.0
     seed: int = 0
+    track_kl: bool = True
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.minibatches < 1 or self.max_turns < 1:
@@ -88,9 +91,9 @@ class RLLoop:
                  make_env: Callable[[], Environment], tokenizer: Tokenizer, config: RLConfig,
                  reference: nn.Module | None = None,
                  export_weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
-        """reference: the frozen policy for the KL term (default: a copy of `policy` as it starts, made
-        only when kl_coef > 0). export_weights: full (unsharded) tensors for the generator after each
-        step; default `policy.state_dict()` (a sharded trainer passes e.g. a full-state-dict gather)."""
+        """reference: the frozen policy for the KL term and metric (default: a copy of `policy` as it starts,
+        made when kl_coef > 0 or config.track_kl). export_weights: full (unsharded) tensors for the generator
+        after each step; default `policy.state_dict()` (a sharded trainer passes e.g. a full-state-dict gather)."""
         if config.max_policy_lag > 0 and getattr(generator, "model", None) is policy:
             raise ValueError("max_policy_lag > 0 generates while the policy trains: give the generator its own "
                              "weights (BuiltinGenerator(policy, copy_model=True) or a vLLM generator)")
@@ -104,7 +107,7 @@ class RLLoop:
         if tokenizer.eos_id not in self.sampling.stop_token_ids:
             self.sampling = SamplingConfig(**{**config.sampling.__dict__,
                                               "stop_token_ids": (*config.sampling.stop_token_ids, tokenizer.eos_id)})
-        if config.algorithm.loss.kl_coef > 0 and reference is None:
+        if (config.algorithm.loss.kl_coef > 0 or config.track_kl) and reference is None:
             reference = copy.deepcopy(policy).requires_grad_(False)  # the policy as it starts
         self.reference = reference
         self.rollouts = AsyncRollouts(self._produce, max_policy_lag=config.max_policy_lag,
@@ -185,13 +188,13 @@ class RLLoop:
         with torch.no_grad():
             old = token_logprobs(self.policy, batch.tokens, temperature=temperature) if cfg.minibatches > 1 else None
             ref = (token_logprobs(self.reference, batch.tokens, temperature=temperature)
-                   if self.reference is not None and loss_cfg.kl_coef > 0 else None)
+                   if self.reference is not None else None)
         n = len(samples)
         order = torch.arange(n)
         sums: dict[str, float] = {}
         mismatch_max, mismatch_sum, mismatch_count = 0.0, 0.0, 0.0
         for part in order.chunk(cfg.minibatches):
-            logp = token_logprobs(self.policy, batch.tokens[part], temperature=temperature)
+            logp, entropy = token_logprobs_and_entropy(self.policy, batch.tokens[part], temperature=temperature)
             mask = batch.mask[part]
             old_part = old[part] if old is not None else logp.detach()
             with torch.no_grad():
@@ -199,6 +202,7 @@ class RLLoop:
                 mismatch_max = max(mismatch_max, float(diff.max()))
                 mismatch_sum += float(diff.sum())
                 mismatch_count += float(mask.sum())
+                sums["entropy"] = sums.get("entropy", 0.0) + float((entropy * mask).sum() / mask.sum().clamp_min(1))
             out = policy_loss(loss_cfg, logprobs=logp, advantages=batch.advantages[part], mask=mask,
                               old_logprobs=old_part, behavior_logprobs=batch.behavior_logprobs[part],
                               ref_logprobs=None if ref is None else ref[part])

@@ -32,7 +32,8 @@ class PolicyLossConfig:
     clip_low / clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO: asymmetric).
     aggregation: "token_mean" averages over every completion token in the batch (DAPO: long answers
       weigh by their length); "sequence_mean" averages each sequence's token mean (GRPO, GSPO).
-    kl_coef: weight of the k3 estimator of KL(policy || reference); 0 disables it.
+    kl_coef: weight of the k3 estimator of KL(policy || reference) in the loss; 0 leaves it out (the metric
+      "kl" is reported whenever ref_logprobs are given).
     tis_cap: truncation C of the importance weight min(old / behavior, C); None disables it.
     """
 
@@ -96,9 +97,10 @@ def policy_loss(
         per_token = per_token * weight
         metrics.update(tis_metrics)
 
-    if config.kl_coef > 0:
+    if ref_logprobs is not None:  # measured whenever a reference is given; in the loss only with kl_coef > 0
         kl = _k3_kl(ref_logprobs.to(dtype), logprobs)
-        per_token = per_token + config.kl_coef * kl
+        if config.kl_coef > 0:
+            per_token = per_token + config.kl_coef * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
 
     loss = _aggregate(config, per_token * mask, mask, tokens_per_seq)

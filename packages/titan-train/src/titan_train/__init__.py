@@ -14,6 +14,7 @@ from titan_train.config import (
     ModelConfig,
     OptimizerConfig,
     ParallelismConfig,
+    QuantizeConfig,
     StepConfig,
     TrainConfig,
 )
@@ -24,6 +25,6 @@ from titan_train.trainer import TrainResult, train
 __all__ = [
     "ActivationCheckpointConfig", "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "JobConfig",
     "LRScheduleConfig", "MetricsConfig", "ModelConfig", "NonFiniteLossError", "OptimizerConfig",
-    "ParallelismConfig", "TrainConfig", "TrainResult", "StepConfig", "__version__", "load_recipe", "recipes",
-    "register_recipe", "train",
+    "ParallelismConfig", "QuantizeConfig", "TrainConfig", "TrainResult", "StepConfig", "__version__", "load_recipe",
+    "recipes", "register_recipe", "train",
 ]

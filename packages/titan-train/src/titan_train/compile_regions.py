@@ -4,7 +4,11 @@
 'layers.*=default'. Modules compile in place (nn.Module.compile), so parameter names do not change and
 FSDP, checkpoints and the optimizer see the same model. Patterns match module paths with the wrapper
 components activation checkpointing inserts taken out, so `layers.*.attention` selects the attention of
-checkpointed blocks too.
+checkpointed blocks too. A selected module that activation checkpointing wrapped whole (the blocks under
+activation_checkpoint.mode full/selective/remat) compiles with its wrapper: the checkpoint is then traced
+into the compiled graph, so the backward recomputes in compiled code and a selective policy decides what
+the compiled graph saves (compiled inside an eager checkpoint, the block's recompute would run eagerly, and
+torch >= 2.12 refuses a selective policy over compiled ops it never saw dispatched).
 """
 from __future__ import annotations
 
@@ -84,7 +88,9 @@ def apply_compile_regions(model: nn.Module, config: CompileConfig) -> list[str]:
     """Compile the regions of `config` (blocks: every transformer block) in place; returns their paths."""
     rules = BLOCKS if config.effective_mode == "blocks" else config.regions
     regions = select_regions(model, rules)
+    wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"}
     for _, module, options in regions:
+        module = wrappers.get(id(module), module)  # the checkpoint inside the compiled region
         module.compile(backend=config.backend, fullgraph=options.fullgraph, dynamic=options.dynamic,
                        mode=None if options.mode == "default" else options.mode)
     return [path for path, _, _ in regions]

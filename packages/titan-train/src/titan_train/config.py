@@ -85,6 +85,11 @@ class StepConfig:
     autocast's per-step weight and gradient casts. auto: bf16 on cuda, fp32 on cpu."""
     loss_chunk_size: int = 8192
     """Tokens per chunk of the fused output-projection + cross-entropy (full logits never exist)."""
+    loss_weight_grad_dtype: Literal["float32", "param"] = "float32"
+    """The dtype the fused loss sums the output weight's gradient in over its chunks: float32, or the
+    weight's own (param: bf16 under mixed_precision=bf16_params, as liger-kernel does; half the bytes of
+    the [vocab, dim] buffer held through the loss and of each chunk's pass over it, one bf16 rounding a
+    chunk where float32 has one at the end)."""
     gc_interval: int = 50
     """Run Python's garbage collector (young generations) every this many steps instead of automatically,
     so a collection never stalls the GPU queue mid-step (0: leave it automatic)."""
@@ -128,6 +133,10 @@ class OptimizerConfig:
     """Decoupled weight decay, applied to matrices only (not to norms)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernels. auto: fused on cuda, foreach on cpu."""
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's two moments under training.mixed_precision=bf16_params: bfloat16 keeps them as torch's AdamW
+    does for a bf16 model (updated in fp32, stored rounded), 4 bytes a parameter less; the master weights
+    stay fp32."""
     muon_lr: float = 0.02
     """muon: peak learning rate of the Muon matrices (follows the same schedule)."""
     muon_momentum: float = 0.95
@@ -203,6 +212,16 @@ class DataConfig:
     chat_template: str = "auto"
     """chat: auto (the chat_template of tokenizer_config.json beside data.tokenizer, or the built-in one for
     the byte tokenizer), builtin, or the path of a Jinja template file."""
+    image_field: str = ""
+    """Image-text data for a vision-language model: the column (jsonl/hf_disk) holding each record's images
+    (paths relative to data.source's folder, or a saved dataset's Image column); one record per row, loss on
+    the text. Empty: text only."""
+    image_placeholder: str = "<image>"
+    """image_field: where each image's tokens go in the text (none in a text: its images come first)."""
+    image_min_pixels: int = 65536
+    """image_field: images with fewer pixels are scaled up to about this many (the processor's shortest_edge)."""
+    image_max_pixels: int = 16777216
+    """image_field: images with more pixels are scaled down to at most this many (longest_edge)."""
 
     @property
     def random(self) -> bool:
@@ -220,6 +239,8 @@ class DataConfig:
 
         if self.source == "shapes":
             return ShapesLoader(model_config, tokenizer, seq_len=seq_len, seed=seed)
+        if self.image_field:
+            return self.image_text_loader(tokenizer, model_config, seq_len=seq_len, seed=seed)
         if self.random:
             return RandomTokenLoader(vocab_size, seq_len=seq_len, seed=seed)
         if self.sources:
@@ -227,6 +248,23 @@ class DataConfig:
                                           format="auto") for i, (source, _) in enumerate(self.sources)]
             return MixedLoader(loaders, [weight for _, weight in self.sources], seed=seed)
         return self.packed_loader(self.source, tokenizer, seq_len=seq_len, seed=seed, shuffle=self.shuffle)
+
+    def image_text_loader(self, tokenizer: Any, model_config: Any, *, seq_len: int, seed: int) -> Any:
+        from pathlib import Path
+
+        from .data import ImageTextLoader, open_documents
+
+        if self.sources or self.chat or self.source in ("stdlib", "random", "arithmetic_chat"):
+            raise ValueError("data.image_field reads one jsonl/hf_disk data.source (not data.sources, data.chat, "
+                             f"or data.source={self.source!r})")
+        read = dict(format=self.format, split=self.split)
+        texts = open_documents(self.source, text_field=self.text_field, **read)
+        images = open_documents(self.source, text_field=self.image_field, strings=False, **read)
+        root = Path(self.source) if Path(self.source).is_dir() else Path(self.source).parent
+        return ImageTextLoader(model_config, tokenizer, texts, images, seq_len=seq_len, seed=seed,
+                               shuffle=self.shuffle, root=root, origin=self.source,
+                               placeholder=self.image_placeholder,
+                               pixels=(self.image_min_pixels, self.image_max_pixels))
 
     def packed_loader(self, source: str, tokenizer: Any, *, seq_len: int, seed: int, shuffle: bool,
                       format: str | None = None) -> Any:
@@ -476,6 +514,10 @@ class CompileConfig:
     graph_passes: tuple[str, ...] = ("remove_detach", "eliminate_dead_code")
     """mode=graph: graph passes applied in order after capture, each a registered name (see
     titan_train.graph.graph_passes()) or package.module:function taking and returning a GraphModule."""
+    graph_optimizer: bool = False
+    """mode=graph: capture the AdamW update too, as a second graph run right after the step's (lr and step
+    counts are its tensor inputs, so one graph serves every step); bitwise equal to eager. Fused AdamW, or
+    foreach/for-loop on CPU; Muon and training.mixed_precision=bf16_params are refused."""
 
     @property
     def effective_mode(self) -> str:
@@ -495,6 +537,9 @@ class CompileConfig:
             raise ValueError("compile.mode=regions needs compile.regions, e.g. 'layers.*.attention=default'")
         if self.regions and self.effective_mode != "regions":
             raise ValueError(f"compile.regions is set but compile.mode={self.effective_mode}; use compile.mode=regions")
+        if self.graph_optimizer and self.effective_mode != "graph":
+            raise ValueError("compile.graph_optimizer=true needs compile.mode=graph, got "
+                             f"compile.mode={self.effective_mode}")
 
 
 @dataclass(kw_only=True)
@@ -530,6 +575,34 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class QuantizeConfig:
+    linear: Literal["none", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8"] = "none"
+    """Low-precision matmuls of the selected Linears (forward and both backward GEMMs; master weights and
+    gradients keep their dtype). fp8_tensorwise: e4m3 x/W, e5m2 gradients, one scale per tensor. fp8_rowwise:
+    e4m3, a scale per row/column. fp8_blockwise: e4m3, DeepSeek-V3's 1x128 activation and 128x128 weight
+    blocks. mxfp8: OCP MX, e4m3 in 1x32 blocks with e8m0 scales (bf16 GEMM on dequantised operands before
+    sm_100). See quantize/recipes.py."""
+    modules: tuple[str, ...] = ()
+    """Linears to convert, by name pattern ('*' within one name component, '**' across), e.g.
+    'layers.*.feed_forward.*'. Empty: every nn.Linear except the output head and MoE routers. A selected
+    Linear whose shape the recipe cannot block stays in high precision with a warning (an error if named exactly)."""
+    backend: Literal["auto", "emulated"] = "auto"
+    """auto: fp8 kernels on CUDA (torch._scaled_mm, Triton), quantise-dequantise-fp32 matmul on CPU. emulated:
+    the CPU path everywhere (a numerics reference)."""
+    experts: Literal["none", "fp8_rowwise", "fp8_blockwise"] = "none"
+    """The routed experts' grouped GEMMs (forward and backward) in fp8 by dist-moe's grouped_mm_fp8
+    (model.moe_impl=dist_moe): rowwise, or blockwise (expert and model widths multiples of 128)."""
+
+    def build(self) -> Any:
+        """The conversion pass over the model's Linears (quantize/convert.py), None for linear=none."""
+        if self.linear == "none":
+            return None
+        from .quantize import LinearConversion
+
+        return LinearConversion(self.linear, self.modules, backend=self.backend)
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """The whole configuration of a `titan-train` run (what a recipe returns), one section per field."""
 
@@ -547,6 +620,7 @@ class TrainConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
 
     def check(self) -> None:
         """The checks of each section that need nothing but the section (the layout's come with

@@ -20,9 +20,9 @@ reductions, which gloo needs, torch 2.14 divides twice.)
 
 FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
 `experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
-and their sigmoid gate, if any (called as modules), are their own units over the dense data-parallel
-mesh; the router gate, read directly in the MoE forward, is left out of FSDP (`ignored_params`) and kept
-whole on every rank.
+and their sigmoid gate, if any, and Muse Spark's pooling projections and expert norms (called as modules)
+are their own units over the dense data-parallel mesh; the router gate, read directly in the MoE
+forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
 """
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [model.get_submodule(n) for n in sorted(set(names), key=names.index)]
 
 
-def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "learned") -> list[str]:
+def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "learned",
+                 quantize: str = "none") -> list[str]:
     """Replace every MoE layer of the (meta) model by dist-moe's, with the same parameter names and
     shapes (tm.override checks them), so weights, init and checkpoints carry over. Returns their names."""
     replaced: list[str] = []
@@ -86,9 +87,8 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
             continue  # e.g. mtp.layer.moe on a model without multi-token prediction
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
-            _check_dist_moe_supports(fqn, old.config)
             config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha,
-                                             routing=routing)
+                                             routing=routing, quantize=quantize, **_dist_moe_options(fqn, old.config))
             with torch.device(old.router.gate.weight.device):
                 return config.build()
 
@@ -96,20 +96,30 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
     return replaced
 
 
-def _check_dist_moe_supports(fqn: str, moe_config: object) -> None:
-    """dist-moe's layer routes by softmax/sigmoid scores into plain SwiGLU experts without biases; gpt-oss's
-    and Muse Spark's and DeepSeek-V4's options would be dropped silently, so they stop here."""
-    plain_values = (("router_bias", False), ("expert_linear_bias", False), ("activation", None),
-                    ("router_logit_scale", 1.0), ("expert_pool_dim", None), ("pre_expert_norm", None),
-                    ("post_expert_norm", None), ("hash_vocab_size", None))
-    unsupported = [name for name, plain in plain_values if getattr(moe_config, name, plain) != plain]
-    score_func = getattr(moe_config, "score_func", "softmax")
-    if score_func in ("topk_softmax", "sqrtsoftplus"):
-        unsupported.append(f"score_func={score_func!r}")
+def _dist_moe_options(fqn: str, moe_config: object) -> dict[str, float | None]:
+    """dist-moe's fields for the options of titan-models' MoEConfig that it names otherwise: the clamp of a
+    clamped plain SwiGLU (DeepSeek-V4) and Muse Spark's zero-centred pre-expert and input-scaled post-expert
+    norms (their eps). Raises for the options it does not implement (gpt-oss's router bias, expert biases and
+    shifted activation, the top-k-softmax router; other norms), which would be dropped silently."""
+    from titan_models.components.norms import InputScaledRMSNormConfig, ZeroCenteredRMSNormConfig
+
+    unsupported = [name for name, plain in (("router_bias", False), ("expert_linear_bias", False))
+                   if getattr(moe_config, name, plain) != plain]
+    activation = getattr(moe_config, "activation", None)
+    if activation is not None and (activation.alpha, activation.up_shift) != (1.0, 0.0):
+        unsupported.append(f"activation={activation}")
+    if getattr(moe_config, "score_func", "softmax") == "topk_softmax":
+        unsupported.append("score_func='topk_softmax'")
+    options: dict[str, float | None] = {"swiglu_limit": None if activation is None else activation.limit}
+    for name, kind in (("pre_expert_norm", ZeroCenteredRMSNormConfig), ("post_expert_norm", InputScaledRMSNormConfig)):
+        norm = getattr(moe_config, name, None)
+        if norm is not None and type(norm) is not kind:
+            unsupported.append(f"{name}={norm}")
+        options[f"{name}_eps"] = None if norm is None else norm.eps
     if unsupported:
         raise ValueError(f"{fqn}: dist-moe's MoE layer does not implement {', '.join(unsupported)} "
-                         "(gpt-oss, Muse Spark, DeepSeek-V4); "
-                         "use model.moe_impl=titan with parallelism.ep=1")
+                         "(gpt-oss); use model.moe_impl=titan with parallelism.ep=1")
+    return options
 
 
 def split_dp_shard(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -174,8 +184,13 @@ class ExpertParallel:
         # hook, but the Transformer block adds the MoE output out of place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
         for moe in self.moes:
-            # the shared experts and their gate (Qwen3-Next / Qwen3.5) see every rank's tokens: dense units
-            for shared in (moe.shared_experts, getattr(moe, "shared_gate", None)):
+            # the shared experts and their gate (Qwen3-Next / Qwen3.5) and the pooling around the experts (Muse
+            # Spark) see every rank's tokens: dense units. The post-expert norm is shared by all experts and sees
+            # the rows of every rank's tokens that reach this rank's experts: over the dense mesh its gradient
+            # averaged over all data-parallel ranks is the whole one, as for the shared experts.
+            dense = ("shared_experts", "shared_gate", "pre_expert_proj", "pre_expert_norm", "post_expert_norm",
+                     "post_expert_proj")
+            for shared in (getattr(moe, name, None) for name in dense):
                 if shared is not None:
                     fully_shard(shared, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
             fully_shard(moe, mesh=expert_dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
@@ -275,8 +290,12 @@ def _count_tokens(moe: nn.Module, args, output) -> None:
 
 def prepare_moe_layers(model: nn.Module, config: TrainConfig) -> list[nn.Module]:
     """Swap in the configured MoE implementation (on the meta model) and return the MoE layers."""
+    experts = config.quantize.experts
     if resolve_moe_impl(config) == "dist_moe":
         # The trainer sums the microbatches' gradients, so each carries 1 / grad_accum_steps of the weight.
         use_dist_moe(model, aux_loss_alpha=config.model.moe_aux_loss_weight / config.training.grad_accum_steps,
-                     routing=config.model.moe_routing)
+                     routing=config.model.moe_routing, quantize=experts)
+    elif experts != "none":
+        raise ValueError(f"quantize.experts={experts} runs in dist-moe's experts; it needs model.moe_impl=dist_moe "
+                         f"(a MoE model), not {resolve_moe_impl(config)}")
     return moe_layers(model)

@@ -22,6 +22,10 @@ def check_run_fields(config: TrainConfig) -> None:
     if not (math.isfinite(norm) and norm >= 0):
         raise ValueError(f"training.max_grad_norm must be a finite number >= 0 (0 disables clipping), got {norm}")
     o = config.optimizer
+    if o.moment_dtype != "float32" and config.training.mixed_precision != "bf16_params":
+        raise ValueError(f"optimizer.moment_dtype={o.moment_dtype} applies to the master-weight AdamW of "
+                         "training.mixed_precision=bf16_params (other modes keep torch's AdamW, whose moments "
+                         f"follow the parameters' dtype); got mixed_precision={config.training.mixed_precision}")
     for name in ("lr", "eps", "weight_decay", "muon_lr"):
         value = getattr(o, name)
         if not (math.isfinite(value) and value >= 0):

@@ -91,8 +91,8 @@ def _accumulate_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tens
     if a.dtype == dtype:
         return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
     if a.is_cuda and _out_dtype_products:
-        try:
-            return torch.mm(a, b, out_dtype=dtype) if acc is None else torch.addmm(acc, a, b, out_dtype=dtype)
+        try:  # in place (out=acc): a second [V, d] fp32 buffer per chunk would add 1 GiB at a 128k vocabulary
+            return torch.mm(a, b, out_dtype=dtype) if acc is None else torch.addmm(acc, a, b, out_dtype=dtype, out=acc)
         except (RuntimeError, TypeError):
             _out_dtype_products = False
     if acc is None:
@@ -126,12 +126,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
                 compiled: bool, triton: bool, vocab_group: dist.ProcessGroup | None, logit_scale: float = 1.0,
-                logit_softcap: float | None = None) -> torch.Tensor:
+                logit_softcap: float | None = None, weight_grad_in_param_dtype: bool = False) -> torch.Tensor:
         # hidden [N, d], weight [V, d], labels [N] -> summed loss over non-ignored labels (fp32 scalar).
         # vocab_group: weight is this rank's rows [V / tp, d] of a vocabulary sharded over the group; the
         # loss is then the whole vocabulary's and the hidden states' gradient this rank's partial sum.
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums: fp32 (fp64 for fp64 inputs)
+        weight_acc = weight.dtype if weight_grad_in_param_dtype else acc  # the [V, d] gradient's running sum
         compute = _compute_dtype(hidden)
         # Products run explicitly in the compute dtype: an fp32 accumulation GEMM would be ~15x slower on GPUs.
         h_all, w = hidden.to(compute), weight.to(compute)
@@ -144,7 +145,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             chunk_fn = partial(_compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad, acc=acc)
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        grad_weight = None  # fp32 [V, d], summed over chunks
+        grad_weight = None  # [V, d] in weight_acc, summed over chunks
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 h = h_all[start:start + chunk]                           # [C, d]
@@ -157,9 +158,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 loss += chunk_loss
                 if need_grad:
                     grad_hidden[start:start + chunk] = grad @ w
-                    grad_weight = _accumulate_product(grad_weight, grad.t(), h, acc)
+                    grad_weight = _accumulate_product(grad_weight, grad.t(), h, weight_acc)
         if grad_weight is None and need_grad:  # no tokens at all
-            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            grad_weight = torch.zeros(weight.shape, dtype=weight_acc, device=weight.device)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -172,13 +173,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # scaled and cast to the weight's dtype (bf16 under mixed_precision=bf16_params) in one pass
         grad_weight = torch.mul(grad_weight, grad_loss,
                                 out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device))
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                chunk: int = 4096, compiled: bool = False, triton: bool = False,
                                vocab_group: dist.ProcessGroup | None = None, logit_scale: float = 1.0,
-                               logit_softcap: float | None = None) -> torch.Tensor:
+                               logit_softcap: float | None = None, weight_grad_in_param_dtype: bool = False
+                               ) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight.T, labels), ignoring IGNORE_INDEX labels.
     With `logit_scale` / `logit_softcap` the logits are `softcap * tanh(l * scale / softcap)` (Muse's head,
     titan-models' `Transformer.logits`).
@@ -192,11 +194,14 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     labels; each chunk's row maximum and exp / target sums are all-reduced (compiled and triton do not
     apply). Returns the whole vocabulary's loss on every rank; the gradient of `hidden` is this rank's
     partial sum (sum it over the group), that of `weight` this rank's rows.
+    weight_grad_in_param_dtype: sum the weight's gradient over the chunks in weight.dtype (each chunk's
+    product still accumulates in fp32 inside the GEMM) instead of fp32 (training.loss_weight_grad_dtype).
     """
     if chunk < 1:
         raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk}")
     return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk,
-                                          compiled, triton, vocab_group, logit_scale, logit_softcap)
+                                          compiled, triton, vocab_group, logit_scale, logit_softcap,
+                                          weight_grad_in_param_dtype)
 
 
 class CausalLMLoss(nn.Module):
@@ -213,11 +218,12 @@ class CausalLMLoss(nn.Module):
     """
 
     def __init__(self, model: nn.Module, *, chunk: int = 4096, context_factory: Callable | None = None,
-                 tp_group: dist.ProcessGroup | None = None, compiled: bool = False, triton: bool = False):
+                 tp_group: dist.ProcessGroup | None = None, compiled: bool = False, triton: bool = False,
+                 weight_grad_in_param_dtype: bool = False):
         """context_factory: document ids [b, s] -> the model's AttentionContext (document masking), None for
         none. tp_group: the tensor-parallel group the model is (to be) sharded over. compiled: fuse each loss
         chunk with torch.compile (compile.enabled). triton: on CUDA, the Triton loss kernel instead
-        (training.fused_kernels)."""
+        (training.fused_kernels). weight_grad_in_param_dtype: training.loss_weight_grad_dtype=param."""
         super().__init__()
         self.model = model
         self.chunk = chunk
@@ -225,11 +231,13 @@ class CausalLMLoss(nn.Module):
         self.tp_group = tp_group
         self.compiled = compiled
         self.triton = triton
+        self.weight_grad_in_param_dtype = weight_grad_in_param_dtype
 
     def with_model(self, model: nn.Module) -> CausalLMLoss:
         """The same loss over another model (a pipeline stage's share of this one)."""
         return CausalLMLoss(model, chunk=self.chunk, context_factory=self.context_factory, tp_group=self.tp_group,
-                            compiled=self.compiled, triton=self.triton)
+                            compiled=self.compiled, triton=self.triton,
+                            weight_grad_in_param_dtype=self.weight_grad_in_param_dtype)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, *, mtp_embeddings: torch.Tensor | None = None,
@@ -248,15 +256,15 @@ class CausalLMLoss(nn.Module):
         # Explicit positions: under sequence parallelism the embedding output holds only s / tp positions.
         if positions is None and not images:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(*tokens.shape[:2])
-        hidden = self.model.hidden_states(tokens, positions=positions, context=context, **images)  # [b, s, d]
-        main = self._output_loss(hidden, labels)
         if mtp_labels is None:
-            return main
+            hidden = self.model.hidden_states(tokens, positions=positions, context=context, **images)  # [b, s, d]
+            return self._output_loss(hidden, labels)
         if mtp_embeddings is None:
             mtp_embeddings = self.model.tok_embeddings(mtp_tokens)
-        rope = tuple(t.to(hidden.dtype) for t in self.model.rope(positions))
-        mtp_hidden = self.model.mtp(hidden, mtp_embeddings.to(hidden.dtype), rope, context=context)
-        return torch.stack([main, self._output_loss(mtp_hidden, mtp_labels)])
+        # the model runs its MTP module on what it reads (DeepSeek-V3: the final hidden state; V4: the streams)
+        hidden, mtp_hidden = self.model.hidden_states_with_mtp(tokens, mtp_embeddings, positions=positions,
+                                                               context=context)
+        return torch.stack([self._output_loss(hidden, labels), self._output_loss(mtp_hidden, mtp_labels)])
 
     def _output_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = self.model.output.weight
@@ -270,4 +278,5 @@ class CausalLMLoss(nn.Module):
             weight, vocab_group = weight.to_local(), self.tp_group  # [V / tp, d]: this rank's vocabulary rows
         return fused_linear_cross_entropy(hidden, weight, labels, chunk=self.chunk, compiled=self.compiled,
                                           triton=self.triton, vocab_group=vocab_group,
-                                          logit_scale=self.model.logit_scale, logit_softcap=self.model.logit_softcap)
+                                          logit_scale=self.model.logit_scale, logit_softcap=self.model.logit_softcap,
+                                          weight_grad_in_param_dtype=self.weight_grad_in_param_dtype)

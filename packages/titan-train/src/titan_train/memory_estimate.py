@@ -9,7 +9,8 @@ The bound counts only what a step must hold at once:
   for the gate and up projections), in the compute dtype; plus one layer's worth under full
   checkpointing (its recompute);
 - the loss chunk's fp32 logits and their gradient (chunk x vocab x 2);
-- fp32 parameters, gradients and AdamW's two moments (16 bytes a parameter), split over the ranks;
+- fp32 parameters, gradients and AdamW's two moments (16 bytes a parameter; 12 under bf16_params with
+  optimizer.moment_dtype=bfloat16: bf16 weight and gradient, fp32 master, bf16 moments), split over the ranks;
 - the global batch's token, label and document-id rows (int64), which every rank's loader builds.
 Real use is higher (attention workspaces, allocator slack, communication buffers), so refusing above
 the bound never refuses a run that would fit.
@@ -58,9 +59,16 @@ def estimate(config: TrainConfig, model_cfg, degrees: Degrees, *, device: torch.
     chunk = min(t.loss_chunk_size, tokens)
     loss = chunk * model_cfg.vocab_size * 4 * 2
     world = degrees.dp * degrees.cp * degrees.tp * degrees.pp
-    states = 16 * n_params // world
+    states = state_bytes_per_param(config, device) * n_params // world
     data = 3 * t.batch_size * (t.seq_len + 1) * 8
     return MemoryEstimate(activations=activations, loss=loss, states=states, data=data)
+
+
+def state_bytes_per_param(config: TrainConfig, device: torch.device) -> int:
+    """Weights, gradients and AdamW's moments a parameter holds: 16 bytes (fp32 everything, or bf16 weight and
+    gradient with fp32 master and moments), 12 with optimizer.moment_dtype=bfloat16 under bf16_params."""
+    bf16_moments = config.training.precision(device) == "bf16_params" and config.optimizer.moment_dtype == "bfloat16"
+    return 12 if bf16_moments else 16
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from .config import OptimizerConfig
 
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_MOMENT_DTYPES = _NS_DTYPES
 
 
 def build_optimizer(config: OptimizerConfig, model: nn.Module, *, device: torch.device,
@@ -43,7 +44,7 @@ def build_optimizer(config: OptimizerConfig, model: nn.Module, *, device: torch.
             from .master_adamw import MasterWeightAdamW
 
             return MasterWeightAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                                     param_dtype=param_dtype)
+                                     param_dtype=param_dtype, moment_dtype=_MOMENT_DTYPES[config.moment_dtype])
         return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **kernels)
     if config.name != "muon":
         raise ValueError(f"optimizer.name must be adamw or muon, got {config.name!r}")

@@ -100,6 +100,10 @@ class Parallelizer:
             raise ValueError("lora.targets: LoRA adapters compose with fully_shard FSDP and pipeline parallelism; "
                              "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
         self.remat_plan: dict | None = None  # activation_checkpoint.mode=remat: the plan's report
+        self.quantize = run.quantize.build()  # quantize.linear's conversion pass, or None
+        if self.quantize is not None and degrees.tp > 1:
+            raise ValueError(f"quantize.linear={run.quantize.linear} with parallelism.tp={degrees.tp} is not supported "
+                             "yet (the quantised GEMMs take whole weights, not DTensor shards); use parallelism.tp 1")
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -132,6 +136,8 @@ class Parallelizer:
             self.adapters.apply(model)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
+        if self.quantize is not None:  # after the MoE swap (it rebuilds those layers), before every wrapper
+            self.quantize.apply(model, partial=layout is not None)  # a pipeline rank holds some stages only
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu
@@ -139,6 +145,7 @@ class Parallelizer:
             use_fused_swiglu(model)
         loss = CausalLMLoss(
             model, chunk=t.loss_chunk_size, compiled=run.compile.uses_torch_compile, triton=fused,
+            weight_grad_in_param_dtype=t.loss_weight_grad_dtype == "param",
             context_factory=(lambda ids: tm.AttentionContext(document_ids=ids)) if document_masking else None,
             tp_group=self.mesh["tp"].get_group() if self.degrees.tp > 1 else None)
         # bf16_params: the model itself holds bf16 weights (the optimizer keeps the fp32 masters), no autocast.
@@ -198,12 +205,14 @@ class Parallelizer:
 
     def _apply_remat(self, model: nn.Module) -> None:
         """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank; the weights,
-        fp32 gradients and AdamW moments (16 bytes a parameter, sharded over FSDP) count against the budget."""
+        gradients and AdamW moments (16 bytes a parameter, 12 with bf16 moments; sharded over FSDP) count
+        against the budget."""
+        from .memory_estimate import state_bytes_per_param
         from .remat import apply_remat
 
         t, d = self.run.training, self.degrees
         shards = d.dp * d.cp if self.fsdp else 1
-        static = 16 * sum(p.numel() for p in model.parameters()) // shards
+        static = state_bytes_per_param(self.run, self.device) * sum(p.numel() for p in model.parameters()) // shards
         is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.remat_plan = apply_remat(model, self.run.activation_checkpoint,
                                       rows=t.batch_size // d.dp // t.grad_accum_steps, seq_len=t.seq_len // d.cp,

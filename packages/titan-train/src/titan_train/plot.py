@@ -86,16 +86,28 @@ def _panel(canvas: Canvas, top: int, bottom: int, series: list[tuple[list[tuple[
                 canvas.line((x + dx, y - 2), (x + dx, y + 2), color)
 
 
-def write_plot(metrics: Path, out: Path) -> None:
+Series = tuple[str, tuple[int, int, int]]  # (metric key in the records, line colour)
+
+
+def write_panels(metrics: Path, out: Path, panels: list[list[Series]], *, panel_height: int = HEIGHT // 2) -> None:
+    """A PNG of stacked panels over the steps of the jsonl records in `metrics`, top to bottom; each panel
+    draws its series (records without the key are skipped) scaled to the panel's own range."""
     records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
     def series(key: str) -> list[tuple[int, float]]:
         return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
     all_steps = [r["step"] for r in records] or [0]
     steps = (min(all_steps), max(all_steps))
-    canvas = Canvas(WIDTH, HEIGHT)
-    middle = HEIGHT // 2
-    _panel(canvas, MARGIN, middle - MARGIN // 2, [(series("loss"), BLUE), (series("eval_loss"), RED)], steps)
-    _panel(canvas, middle + MARGIN // 2, HEIGHT - MARGIN, [(series("tokens_per_s"), GREEN)], steps)
+    height = panel_height * len(panels)
+    canvas = Canvas(WIDTH, height)
+    for i, panel in enumerate(panels):
+        top = MARGIN if i == 0 else i * panel_height + MARGIN // 2
+        bottom = height - MARGIN if i == len(panels) - 1 else (i + 1) * panel_height - MARGIN // 2
+        _panel(canvas, top, bottom, [(series(key), color) for key, color in panel], steps)
     for x, step in ((MARGIN, steps[0]), (WIDTH - MARGIN - 4 * SCALE * len(str(steps[1])), steps[1])):
-        canvas.text(x, HEIGHT - MARGIN + 3, str(step))  # the first and last step, under the axes
+        canvas.text(x, height - MARGIN + 3, str(step))  # the first and last step, under the axes
     out.write_bytes(canvas.png())
+
+
+def write_plot(metrics: Path, out: Path) -> None:
+    """The training run's plot: loss (blue) and eval loss (red) above, tokens/s (green) below."""
+    write_panels(metrics, out, [[("loss", BLUE), ("eval_loss", RED)], [("tokens_per_s", GREEN)]])

@@ -239,7 +239,7 @@ def muse_spark_debug() -> TrainConfig:
 def deepseek_v4_debug() -> TrainConfig:
     """The main job with the debug DeepSeek-V4: 2 hyper-connection streams, heavily compressed (16 positions
     per entry) and compressed sparse (4, indexer top-8) attention beside a 16-token window, a hash-routed
-    then top-k MoE layers (titan-models' MoE: dist-moe implements neither, so ep stays 1)."""
+    then top-k MoE layers (titan-models' MoE; --parallelism.ep 2 --model.moe_impl dist_moe splits the experts)."""
     return _main_job_on("deepseek_v4", "runs/deepseek_v4_debug", moe_impl="titan")
 
 

@@ -31,7 +31,9 @@ def check_sharding_choices(config: TrainConfig, *, dp_replicate: int, tp: int, e
     """Combinations flexshard and Muon cannot run, refused before the model is built."""
     par, opt = config.parallelism, config.optimizer
     if par.fsdp_impl == "flexshard":
-        for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("ep", ep), ("pp", par.pp), ("cp", par.cp)):
+        # ep: the MoE layers are fully_shard units over their expert-data-parallel mesh first; flexshard
+        # shards the rest (attention, dense layers, routers, embeddings) over the data-parallel mesh.
+        for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", par.pp), ("cp", par.cp)):
             if value > 1:
                 raise ValueError(f"parallelism.fsdp_impl=flexshard shards over one data-parallel dimension; "
                                  f"parallelism.{name}={value} needs fsdp_impl=fully_shard")

@@ -100,6 +100,12 @@ class Trainer:
         torch.manual_seed(config.job.seed)  # rank 0's reference build drew from it: realign every rank
         self.optimizer = config.optimizer.build(self.model, device=device, param_dtype=self.parallelizer.param_dtype)
         self.scheduler = config.lr_schedule.build(self.optimizer, total_steps=t.steps)
+        self.graph_optimizer = None  # compile.graph_optimizer: the captured AdamW update runs instead of step()
+        if self.graph_step is not None and config.compile.graph_optimizer:
+            from .graph.build import build_graph_optimizer
+
+            self.graph_optimizer = build_graph_optimizer(config, self.optimizer, folder=self.folder,
+                                                         is_main=self.rank == 0, device=device)
         self.guard = NonFiniteGuard(self.optimizer, device)
         self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
         # the run folder is claimed before anything writes there
@@ -162,7 +168,7 @@ class Trainer:
             raise
         if self.checkpoints is not None:  # the last save's device-to-host copies overlapped this forward and backward
             self.checkpoints.before_optimizer_step()
-        self.optimizer.step()
+        (self.graph_optimizer or self.optimizer).step()
         self.parallel.expert_bias.update()  # after the step, as aux-loss-free balancing prescribes
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

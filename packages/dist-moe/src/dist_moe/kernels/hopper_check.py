@@ -38,7 +38,7 @@ SMEM_LIMIT = 232448  # bytes per block on H100/H200 (227 KiB)
 SM_SHARED = 233472  # bytes per SM (228 KiB)
 SM_REGISTERS = 65536
 MEMORY_BOUND = ("tile_map_kernel", "gather_rows_kernel", "swiglu_backward_kernel", "invert_slots_kernel",
-                "slot_sum_kernel")  # no GEMM: no wgmma expected
+                "slot_sum_kernel", "tile_amax_kernel", "quantize_tiles_kernel")  # no GEMM: no wgmma expected
 SPILL_LIMIT = 64  # bytes per thread of register spills tolerated (a warning below it)
 
 

@@ -64,6 +64,26 @@ class _InnerAttention(nn.Module):
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
         return f"scale={self.scale:.6g}{window}"
 
+    def prepare_mask(self, batch: int, seq: int, device: torch.device, context: AttentionContext | None) -> None:
+        """Build (and cache) this pattern's mask ahead of the blocks; see prepare_masks."""
+        if context is not None and context.document_ids is not None:
+            cached_dense_mask(seq, device, window=self.sliding_window, context=context)
+
+
+def prepare_masks(model: nn.Module, batch: int, seq: int, device: torch.device,
+                  context: AttentionContext | None) -> None:
+    """Build every attention pattern's mask before the first block runs. Built lazily inside a block,
+    the first block would create it in its forward and find it cached when recomputed under activation
+    checkpointing, and the recomputation would no longer match the forward it replays. Only training
+    forwards are checkpointed: without autograd (generation, evaluation) masks stay lazy."""
+    if not torch.is_grad_enabled():
+        return
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, _InnerAttention) and (type(module), module.sliding_window) not in seen:
+            seen.add((type(module), module.sliding_window))
+            module.prepare_mask(batch, seq, device, context)
+
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int | None,
            context: AttentionContext | None, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -142,6 +162,12 @@ class FlexAttention(_InnerAttention):
             out, aux = out
             out = fold_sinks(out, aux.lse, sinks)
         return out.transpose(1, 2)
+
+    def prepare_mask(self, batch: int, seq: int, device: torch.device, context: AttentionContext | None) -> None:
+        if device.type == "cuda":  # elsewhere the training forward takes the SDPA path (no flex backward)
+            block_mask(batch, seq, device, window=self.sliding_window, context=context)
+        else:
+            super().prepare_mask(batch, seq, device, context)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -17,6 +17,14 @@ cut by *position* within each packed document, and an entry is visible to a quer
 query's position has reached the window's last position, in the same document. So later tokens never
 change earlier outputs, for any starting position and with packed documents; for one 0-based
 document this is the reference's computation.
+
+Decode state: with `context.recurrent_states` set (a generator's dict, kept from prefill through decode)
+each layer keeps a `CompressedAttentionCache` there: its inputs and rotated keys=values by position slot.
+A call then attends from its new tokens over every slot up to their positions; the compressed entries
+(and the indexer's keys) are pooled again from the cached inputs on every call, so an entry appears as
+soon as its window completes. Slot = position: decode starts each row at position 0, and every slot up
+to a query's position holds that row's token (right padding of a prompt sits past it until decode
+overwrites it). Packed documents are not carried in decode state (refused).
 """
 from __future__ import annotations
 
@@ -140,16 +148,44 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(dim, num_heads, bias=False)
 
     def forward(self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                windows: Windows, entry_rope: RotaryEmbedding) -> torch.Tensor:
-        """-> [b, s, n] bool: the entries each query reads."""
+                windows: Windows, entry_rope: RotaryEmbedding, *, history: torch.Tensor | None = None,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [b, s, n] bool: the entries each query (a row of x) reads. Decode: the keys pool `history`
+        (the cached inputs that `windows` cuts) and `visible` [b, s, n] says which entries each query sees."""
         b, s, _ = x.shape
-        keys = self.compressor(x, windows, entry_rope)  # [b, n, d]
+        keys = self.compressor(x if history is None else history, windows, entry_rope)  # [b, n, d]
+        visible = windows.visible if visible is None else visible
         q = rotate_trailing_pairs(self.wq_b(q_residual).view(b, s, -1, self.head_dim), *rope)
         scores = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float())) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [b, s, h]
-        scores = (scores * weights[..., None]).sum(dim=2).masked_fill(~windows.visible, float("-inf"))
+        scores = (scores * weights[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
         chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
-        return torch.zeros_like(windows.visible).scatter(-1, chosen, True) & windows.visible
+        return torch.zeros_like(visible).scatter(-1, chosen, True) & visible
+
+
+@dataclass(frozen=True)
+class CompressedAttentionCache:
+    """One layer's decode state: x [b, L, dim] its inputs and kv [b, L, d] its rotated keys=values, by
+    position slot (L: one past the highest position written)."""
+
+    x: torch.Tensor
+    kv: torch.Tensor
+
+    @staticmethod
+    def written(cache: "CompressedAttentionCache | None", positions: torch.Tensor, x: torch.Tensor,
+                kv: torch.Tensor) -> "CompressedAttentionCache":
+        """`cache` (None: empty) with x [b, s, dim] and kv [b, s, d] stored at slots `positions` [b, s]."""
+        b, _, dim = x.shape
+        slots = int(positions.max()) + 1
+        if cache is None:
+            cache = CompressedAttentionCache(x=x.new_zeros(b, 0, dim), kv=kv.new_zeros(b, 0, kv.shape[-1]))
+        grow = max(slots - cache.x.shape[1], 0)
+        cache_x = F.pad(cache.x, (0, 0, 0, grow))
+        cache_kv = F.pad(cache.kv, (0, 0, 0, grow))
+        index = positions[..., None]
+        cache_x = cache_x.scatter(1, index.expand(-1, -1, dim), x)
+        cache_kv = cache_kv.scatter(1, index.expand(-1, -1, kv.shape[-1]), kv)
+        return CompressedAttentionCache(x=cache_x, kv=cache_kv)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -216,12 +252,11 @@ class CompressedAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, positions: torch.Tensor,
                 entry_rope: RotaryEmbedding, context: AttentionContext | None = None) -> torch.Tensor:
         """x [b, s, dim]; rope: this layer's (cos, sin) at `positions` [b, s]; entry_rope places entries."""
+        if context is not None and context.recurrent_states is not None:
+            return self._decode(x, rope, positions, entry_rope, context)
         b, s, _ = x.shape
         cfg = self.config
-        q_residual = self.q_norm(self.wq_a(x))
-        q = unweighted_rms_norm(self.wq_b(q_residual).view(b, s, -1, cfg.head_dim), cfg.norm_eps)
-        q = rotate_trailing_pairs(q, *rope)
-        kv = rotate_trailing_pairs(self.kv_norm(self.wkv(x)).unsqueeze(2), *rope)  # [b, s, 1, d]
+        q_residual, q, kv = self._project(x, rope)
         document_ids = None if context is None else context.document_ids
         mask = dense_mask(s, x.device, window=cfg.sliding_window, document_ids=document_ids).expand(b, 1, s, s)
         if self.compressor is not None:
@@ -230,9 +265,51 @@ class CompressedAttention(nn.Module):
             reads = windows.visible if self.indexer is None else self.indexer(x, q_residual, rope, windows, entry_rope)
             kv = torch.cat([kv, entries.unsqueeze(2)], dim=1)
             mask = torch.cat([mask, reads.unsqueeze(1)], dim=-1)
+        return self._attend(q, kv, mask, rope)
+
+    def _project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the query's low-rank residual [b, s, q_lora_rank], rotated queries [b, s, h, d], keys=values [b, s, 1, d])."""
+        b, s, _ = x.shape
+        cfg = self.config
+        q_residual = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(b, s, -1, cfg.head_dim), cfg.norm_eps)
+        q = rotate_trailing_pairs(q, *rope)
+        kv = rotate_trailing_pairs(self.kv_norm(self.wkv(x)).unsqueeze(2), *rope)  # [b, s, 1, d]
+        return q_residual, q, kv
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        """Attention of q [b, s, h, d] over kv [b, keys, 1, d] where mask [b, 1, s, keys], then the output path."""
+        cfg = self.config
+        b, s = q.shape[:2]
         out = eager_attention(q, kv, kv, scale=cfg.head_dim**-0.5, mask=mask, sinks=self.sinks())
         cos, sin = rope
         out = rotate_trailing_pairs(out, cos, -sin)  # values carried the keys' rotation: undo it per query
         grouped = out.reshape(b, s, cfg.o_groups, -1)
         weight = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("bsgi,goi->bsgo", grouped, weight).flatten(2))
+
+    def _decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                entry_rope: RotaryEmbedding, context: AttentionContext) -> torch.Tensor:
+        """The new tokens x [b, s, dim] at `positions` over this layer's cache (see the module docstring)."""
+        if context.document_ids is not None:
+            raise ValueError("DeepSeek-V4 attention keeps no decode state across packed documents "
+                             "(context.document_ids with recurrent_states); decode one document per row")
+        cfg = self.config
+        q_residual, q, kv = self._project(x, rope)
+        states = context.recurrent_states
+        cache = states[self] = CompressedAttentionCache.written(states.get(self), positions, x, kv.squeeze(2))
+        b, slots = cache.x.shape[:2]
+        slot, pos = torch.arange(slots, device=x.device), positions[:, :, None]
+        mask = ((slot <= pos) & (pos - slot < cfg.sliding_window))[:, None]  # [b, 1, s, L]
+        keys = cache.kv.unsqueeze(2)
+        if self.compressor is not None:
+            windows = Windows.of(slot.expand(b, slots), None, cfg.compress_rate)  # over every slot
+            visible = windows.visible.gather(1, pos.expand(-1, -1, windows.visible.shape[-1]))  # the queries' rows
+            entries = self.compressor(cache.x, windows, entry_rope)
+            reads = visible if self.indexer is None else self.indexer(x, q_residual, rope, windows, entry_rope,
+                                                                      history=cache.x, visible=visible)
+            keys = torch.cat([keys, entries.unsqueeze(2)], dim=1)
+            mask = torch.cat([mask, reads.unsqueeze(1)], dim=-1)
+        return self._attend(q, keys, mask, rope)

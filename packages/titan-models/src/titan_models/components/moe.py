@@ -188,12 +188,14 @@ class GroupedExperts(nn.Module):
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
-        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
-        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        # autocast does not cover _grouped_mm: fp32 master weights are cast as it would cast a Linear's
+        w1, w3, w2 = (w.to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
+        gate = torch._grouped_mm(x, w1, offs=offsets)
+        up = torch._grouped_mm(x, w3, offs=offsets)
         if self.w1_bias is not None:  # each row gets its expert's bias (output_size: no host sync)
             gate = gate + self.w1_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
             up = up + self.w3_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
-        out = torch._grouped_mm(self.activation(gate, up), self.w2.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(self.activation(gate, up).to(x.dtype), w2, offs=offsets)
         if self.w2_bias is not None:
             out = out + self.w2_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return out.type_as(x)

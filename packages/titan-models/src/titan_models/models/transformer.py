@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from titan_models.components.attention import prepare_masks
 from titan_models.components.rope import RotaryEmbedding
 from titan_models.context import AttentionContext
 from titan_models.parallel_plan import ParallelPlan
@@ -103,6 +104,7 @@ class Transformer(nn.Module):
             positions = torch.arange(seq, device=h.device).expand(batch, seq)
         # apply_rotary casts cos/sin to the activations' dtype: cast once here, not in every block.
         rope = tuple(t.to(h.dtype) for t in self.rope(positions))
+        prepare_masks(self.layers, h.shape[0], h.shape[1], h.device, context)
         for block in self.layers.values():
             h = block(h, rope, context=context)
         return (self.norm(h) if self.norm is not None else h), rope

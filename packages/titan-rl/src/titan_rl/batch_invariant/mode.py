@@ -12,9 +12,9 @@ from torch import nn
 from titan_models.components.ffn import FeedForward
 from titan_models.components.gated_deltanet import GatedDeltaNet
 from titan_models.components.moe import MoE
-from titan_models.components.norms import RMSNorm, ZeroCenteredRMSNorm
+from titan_models.components.norms import InputScaledRMSNorm, RMSNorm, ScalelessRMSNorm, ZeroCenteredRMSNorm
 
-from titan_rl.batch_invariant.moe import BatchInvariantMoE
+from titan_rl.batch_invariant.moe import BatchInvariantMoE, unsupported_features
 from titan_rl.batch_invariant.modules import (
     BatchInvariantAttention, BatchInvariantFeedForward, BatchInvariantLinear, BatchInvariantRMSNorm,
 )
@@ -27,8 +27,8 @@ def is_batch_invariant(model: nn.Module) -> bool:
 def batch_invariant(model: nn.Module) -> nn.Module:
     """Switch `model` (in place) to batch-invariant computation and return it. Idempotent.
 
-    Raises ValueError for models with LayerNorm or group-limited MoE routing (not provided in
-    batch-invariant form).
+    Raises ValueError for models with LayerNorm, linear attention or MoE features without a
+    batch-invariant form (see BatchInvariantMoE).
     """
     if is_batch_invariant(model):
         return model
@@ -36,15 +36,27 @@ def batch_invariant(model: nn.Module) -> nn.Module:
     if not isinstance(layers, nn.ModuleDict):
         raise TypeError(f"batch_invariant() expects a titan-models Transformer (with .layers); got {type(model).__name__}")
     names = dict(model.named_modules())
-    unsupported = sorted(n for n, m in names.items() if isinstance(m, nn.LayerNorm) or
-                         (isinstance(m, MoE) and m.config.n_group > 1))
+    unsupported = sorted(n for n, m in names.items() if isinstance(m, nn.LayerNorm))
     if unsupported:
-        raise ValueError(f"batch_invariant() supports RMSNorm models whose MoE layers (if any) route without "
-                         f"expert groups; found unsupported modules {unsupported[:4]}")
-    linear = sorted(n for n, m in names.items() if isinstance(m, (GatedDeltaNet, ZeroCenteredRMSNorm)))
+        raise ValueError(f"batch_invariant() supports RMSNorm models; found LayerNorm modules {unsupported[:4]}")
+    linear = sorted(n for n, m in names.items() if isinstance(m, GatedDeltaNet))
     if linear:
         raise ValueError("batch_invariant() does not support linear-attention models (Gated DeltaNet, zero-centred "
                          f"norms: no fixed-order kernels yet); found {linear[:4]}")
+    norms = sorted(n for n, m in names.items()
+                   if isinstance(m, (ZeroCenteredRMSNorm, ScalelessRMSNorm, InputScaledRMSNorm)))
+    if norms:
+        # Muse Glimmer / Spark: besides these norms, the attention's sigmoid output gate and the tanh soft-cap are
+        # inline torch calls this mode cannot swap (elementwise kernels may round vector tails by batch shape)
+        raise ValueError("batch_invariant() has no fixed-order kernels for zero-centred, scaleless or input-scaled "
+                         "norms, nor for the inline sigmoid output gate and tanh soft-cap beside them (Muse "
+                         f"Glimmer / Spark); found {norms[:4]}")
+    moe = {n: unsupported_features(m.config) for n, m in names.items() if isinstance(m, MoE)}
+    moe = {n: features for n, features in moe.items() if features}
+    if moe:
+        name, features = next(iter(moe.items()))
+        raise ValueError(f"batch_invariant() does not provide these MoE features of {name}: {', '.join(features)}; "
+                         "supported: softmax, sigmoid and top-k-softmax routing, expert groups, shared experts")
     # Order matters: MoE layers first (they keep their router, experts and shared experts), then
     # FeedForward (it takes over its own w1/w2/w3), then the remaining modules.
     for name, module in names.items():

@@ -5,14 +5,26 @@ titan-models' MoE is already token-wise in exact arithmetic; what varies with th
 the router and expert GEMMs change kernels with their row counts (here `ops.matmul`, fixed tiles),
 softmax/sigmoid and silu round their vector tails differently (here exp-based forms), and the top-k
 contributions of a token are summed by `index_add_` in whatever order (here: in the token's own
-choice order, as elementwise adds). Group-limited routing (n_group > 1) is not provided.
+choice order, as elementwise adds). Group-limited routing (n_group > 1, DeepSeek-V3) is per token
+too: each group's score is its best two experts' scores added elementwise, the kept groups and the
+experts are exact top-k selections of one token's row, so no rounding depends on the batch.
 """
 from __future__ import annotations
 
 import torch
+from titan_models.components.moe import MoEConfig
 from torch import nn
 
 from titan_rl.batch_invariant import ops, torch_ops
+
+
+def unsupported_features(config: MoEConfig) -> list[str]:
+    """The features of an MoE layer that this module does not compute (empty: it can replace the layer)."""
+    return [what for what, used in (
+        (f"score_func={config.score_func!r}", config.score_func == "sqrtsoftplus"),
+        ("hash routing (hash_vocab_size)", config.hash_vocab_size is not None),
+        ("pooled experts (expert_pool_dim)", config.expert_pool_dim is not None),
+        ("router_logit_scale", config.router_logit_scale != 1.0)) if used]
 
 
 def _sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -24,9 +36,9 @@ class BatchInvariantMoE(nn.Module):
 
     def __init__(self, old: nn.Module) -> None:
         super().__init__()
-        if old.config.n_group > 1:
-            raise ValueError("batch_invariant() does not provide group-limited MoE routing (n_group > 1)")
-        self.config = old.config
+        cfg = old.config
+        assert not unsupported_features(cfg), "batch_invariant() checks the MoE layers before replacing any"
+        self.config = cfg
         self.router, self.experts, self.shared_experts = old.router, old.experts, old.shared_experts
         self.shared_gate = getattr(old, "shared_gate", None)  # Qwen3-Next / Qwen3.5's sigmoid gate
         self.register_buffer("expert_bias", old.expert_bias)
@@ -41,11 +53,25 @@ class BatchInvariantMoE(nn.Module):
             experts = (logits + self.expert_bias).topk(cfg.top_k, dim=-1).indices   # sorted: a fixed order
             return torch_ops.softmax(logits.gather(1, experts)) * cfg.route_scale, experts
         scores = torch_ops.softmax(logits) if cfg.score_func == "softmax" else _sigmoid(logits)
-        experts = (scores + self.expert_bias).topk(cfg.top_k, dim=-1).indices
+        choice = scores + self.expert_bias
+        if cfg.n_group > 1:
+            choice = self._limit_to_groups(choice)
+        experts = choice.topk(cfg.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if cfg.norm_topk_prob:
             weights = weights / (torch_ops.tree_sum(weights, keepdim=True) + 1e-20)
         return weights * cfg.route_scale, experts
+
+    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with the experts outside each token's `topk_group` best groups set to -inf; a
+        group's score is the sum of its two best experts' (titan-models' Router, DeepSeek-V3)."""
+        cfg = self.config
+        grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)      # [T, G, E/G]
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values              # [T, G, 2 or 1]
+        group_scores = best[..., 0] if best.shape[-1] == 1 else best[..., 0] + best[..., 1]
+        top_groups = group_scores.topk(cfg.topk_group, dim=-1).indices             # [T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         ex = self.experts

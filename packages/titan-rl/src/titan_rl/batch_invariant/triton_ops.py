@@ -181,18 +181,22 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, sink_ptr, S, L, HQ, G, scale, window,
                       sqb, sqs, sqh, skb, skl, skh, svb, svl, svh, sob, sos, soh, spb,
-                      D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):
+                      D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):
+    # D_PAD / DV_PAD: the head widths rounded up to powers of two (tl.arange's); the extra columns load zeros
+    # (MLA's q/k width is not one: DeepSeek-V3 debug 48), which add nothing to the dot products.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
     hk = h // G
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dcol = tl.arange(0, D)
-    vcol = tl.arange(0, DV)
+    dcol = tl.arange(0, D_PAD)
+    vcol = tl.arange(0, DV_PAD)
+    d_ok, v_ok = dcol < D, vcol < DV
     row_ok = rows < S
-    q = tl.load(q_ptr + b * sqb + rows[:, None] * sqs + h * sqh + dcol[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + b * sqb + rows[:, None] * sqs + h * sqh + dcol[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)
     pos = tl.load(pos_ptr + b * spb + rows, mask=row_ok, other=0)
     limit = tl.minimum(pos, tl.load(kvlen_ptr + b) - 1)  # slot j is visible iff j <= limit
     hi = tl.minimum(tl.max(tl.where(row_ok, limit, 0), axis=0) + 1, L)
@@ -202,12 +206,14 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, sink_ptr, 
     lo = tl.maximum(first, 0) // BLOCK_N * BLOCK_N
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, DV_PAD), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         slots = n0 + tl.arange(0, BLOCK_N)
         in_range = slots < L
-        k = tl.load(k_ptr + b * skb + slots[None, :] * skl + hk * skh + dcol[:, None], mask=in_range[None, :], other=0.0)
-        v = tl.load(v_ptr + b * svb + slots[:, None] * svl + hk * svh + vcol[None, :], mask=in_range[:, None], other=0.0)
+        k = tl.load(k_ptr + b * skb + slots[None, :] * skl + hk * skh + dcol[:, None],
+                    mask=in_range[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + b * svb + slots[:, None] * svl + hk * svh + vcol[None, :],
+                    mask=in_range[:, None] & v_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=PRECISION) * scale
         visible = (slots[None, :] <= limit[:, None]) & in_range[None, :] & (pos[:, None] - slots[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
@@ -226,7 +232,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, sink_ptr, 
         acc = acc * alpha[:, None]
     out = acc / l[:, None]
     tl.store(o_ptr + b * sob + rows[:, None] * sos + h * soh + vcol[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+             mask=row_ok[:, None] & v_ok[None, :])
 
 
 class _Attention(torch.autograd.Function):
@@ -246,7 +252,9 @@ class _Attention(torch.autograd.Function):
                                 window if window is not None else 2**30,
                                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                                pos.stride(0), D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(q.dtype),
+                                pos.stride(0), D=d, DV=dv, D_PAD=max(16, triton.next_power_of_2(d)),
+                                DV_PAD=max(16, triton.next_power_of_2(dv)), BLOCK_M=bm, BLOCK_N=bn,
+                                PRECISION=_precision(q.dtype),
                                 HAS_SINKS=sinks is not None, num_warps=4)
         ctx.save_for_backward(q, k, v, q_positions, kv_len, sinks)
         ctx.scale, ctx.window = scale, window
@@ -267,5 +275,5 @@ class _Attention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor, scale: float,
               kv_len: torch.Tensor | None = None, window: int | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as torch_ops.attention (head dims must be powers of two, >= 16)."""
+    """Same contract as torch_ops.attention (any head widths: padded to powers of two inside the kernel)."""
     return _Attention.apply(q, k, v, q_positions, kv_len, scale, window, sinks)

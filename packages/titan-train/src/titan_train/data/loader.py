@@ -43,7 +43,7 @@ class Batch:
 
     def image_inputs(self) -> dict[str, torch.Tensor]:
         """The model's pixel_values / image_grid_thw for these rows (empty without images)."""
-        if not self.images:
+        if not self.images or not any(len(g) for _, g in self.images):  # no row here holds an image
             return {}
         return {"pixel_values": torch.cat([p for p, _ in self.images]),
                 "image_grid_thw": torch.cat([g for _, g in self.images])}

@@ -7,6 +7,7 @@ from typing import Callable
 
 from ..config import TrainConfig
 from .capture import GraphStep
+from .optimizer_graph import GraphAdamW
 from .passes import resolve_pass
 
 
@@ -24,6 +25,12 @@ def check_graph_mode(run: TrainConfig, degrees, device) -> None:
     if device.type == "cuda" and run.training.fused_kernels:
         raise ValueError("compile.mode=graph on CUDA needs training.fused_kernels=false: the Triton loss and SwiGLU "
                          "kernels are launched outside torch's dispatcher, so tracing cannot record them")
+    if run.compile.graph_optimizer and run.optimizer.name != "adamw":
+        raise ValueError(f"compile.graph_optimizer captures AdamW only; optimizer.name={run.optimizer.name} "
+                         "runs eager (set compile.graph_optimizer=false)")
+    if run.compile.graph_optimizer and run.training.mixed_precision == "bf16_params":
+        raise ValueError("compile.graph_optimizer does not capture MasterWeightAdamW (training.mixed_precision="
+                         "bf16_params: its update is a Triton kernel launched outside torch's dispatcher)")
     for spec in run.compile.graph_passes:
         resolve_pass(spec)  # unknown names fail before the model is built
 
@@ -32,3 +39,11 @@ def build_graph_step(run: TrainConfig, loss_module, *, folder: Path, is_main: bo
                      autocast: Callable[[], contextlib.AbstractContextManager]) -> GraphStep:
     dump = folder / "graph" if run.compile.dump_graph and is_main else None
     return GraphStep(loss_module, passes=run.compile.graph_passes, dump_folder=dump, autocast=autocast)
+
+
+def build_graph_optimizer(run: TrainConfig, optimizer, *, folder: Path, is_main: bool, device) -> GraphAdamW | None:
+    """compile.graph_optimizer: the captured AdamW update (None: optimizer.step() runs eager)."""
+    if not run.compile.graph_optimizer:
+        return None
+    dump = folder / "graph" if run.compile.dump_graph and is_main else None
+    return GraphAdamW(optimizer, device=device, dump_folder=dump)

@@ -12,7 +12,8 @@ Under FSDP (fully_shard) the collectives stay eager around the graph: its hooks 
 graph sees unsharded parameters (all-gathered before the first microbatch, DTensor.full_tensor) and
 returns unsharded gradients, which are all-reduced and averaged over the shard group (what FSDP's
 reduce-scatter computes; with 2 ranks the same bits, since a / 2 + b / 2 = (a + b) / 2 exactly) and
-each rank keeps its dim-0 shard as the DTensor gradient. The optimizer update stays eager.
+each rank keeps its dim-0 shard as the DTensor gradient. The optimizer update stays eager unless
+compile.graph_optimizer captures it (optimizer_graph.py).
 """
 from __future__ import annotations
 
@@ -144,8 +145,10 @@ def _fsdp_hooks_off(root: nn.Module):
 
 
 def op_counts(gm: fx.GraphModule) -> dict[str, int]:
-    """call_function nodes per op (aten overloads by name), most frequent first."""
-    counts = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    """call_function nodes per op (aten overloads by name) and call_module nodes per module type (as
+    "module TYPE"), most frequent first."""
+    counts = Counter(str(n.target) if n.op == "call_function" else f"module {type(gm.get_submodule(n.target)).__name__}"
+                     for n in gm.graph.nodes if n.op in ("call_function", "call_module"))
     return dict(counts.most_common())
 
 
@@ -155,4 +158,7 @@ def write_graph(gm: fx.GraphModule, folder: Path, *, tag: str) -> None:
     (folder / f"{tag}.py").write_text(gm.print_readable(print_output=False, include_stride=True))
     counts = op_counts(gm)
     lines = [f"{count:6d}  {op}" for op, count in counts.items()]
+    for name, module in gm.named_children():  # fused submodules (fuse_pointwise's chains): their ops
+        if hasattr(module, "ops"):
+            lines.append(f"{name}: {len(module.ops)} ops: {', '.join(module.ops)}")
     (folder / f"{tag}_ops.txt").write_text(f"{sum(counts.values())} op nodes\n" + "\n".join(lines) + "\n")

@@ -137,3 +137,6 @@ def sink_allocations(gm: fx.GraphModule) -> fx.GraphModule:
         if position[target] - position[node] < 1e-6:  # gaps halve with each move before one node
             position = {n: float(j) for j, n in enumerate(gm.graph.nodes)}
     return gm
+
+
+from . import fuse_pointwise as _fuse_pointwise  # noqa: E402,F401  (registers fuse_pointwise; it uses _writes)

@@ -101,7 +101,9 @@ class _Attention(TorchFunctionMode):
             self.recorder.in_attention = False
         q, k, v = args[:3]
         lse_bytes = out.numel() // out.shape[-1] * 4
-        flops = sdpa_flop_count(q.shape, k.shape, v.shape)
+        # enable_gqa: keys/values carry fewer heads; the FLOPs are those of the heads broadcast to q's
+        k_shape, v_shape = ((*t.shape[:-3], q.shape[-3], *t.shape[-2:]) for t in (k, v))
+        flops = sdpa_flop_count(q.shape, k_shape, v_shape)
         self.recorder.current.ops.append(OpRecord("attention", _bytes(out) + lse_bytes, int(flops)))
         return out
 

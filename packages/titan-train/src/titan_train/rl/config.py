@@ -28,7 +28,8 @@ class RLJobConfig:
 @dataclass(kw_only=True)
 class PolicyConfig:
     family: str = "llama3"
-    """A titan-models family (dense: batch-invariant mode and the generators run dense models)."""
+    """A titan-models family. The built-in generator and batch-invariant mode run dense and MoE ones (qwen3
+    debug_moe, deepseek_v3 debug: recipes rl_sorting_qwen3_moe, rl_sorting_deepseek_v3), not linear attention."""
     flavor: str = "debug"
     """A flavor of that family."""
     num_layers: int = 2
@@ -87,7 +88,10 @@ class RLAlgorithmConfig:
     clip_high: float | None = None
     """Ratio clip at 1 + clip_high (None: the algorithm's own: 0.2, dapo 0.28, gspo 4e-4)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to the policy as RL starts (0: no reference model)."""
+    """Weight of the k3 KL to the policy as RL starts in the loss (0: no KL term)."""
+    track_kl: bool = True
+    """Keep the policy as RL starts as a reference even when kl_coef is 0, so every step logs the KL to it
+    (one more frozen copy and forward per step); with kl_coef > 0 there is always a reference."""
     tis_cap: float = 2.0
     """Truncated importance sampling cap for generator mismatch and stale samples (0 disables)."""
 

@@ -35,7 +35,7 @@ from .config import RLConfig
 from .disaggregated import Roles, generator_dtype, make_roles, remote_rollouts, serve_generator
 from .policy import build_copy, build_policy, export_weights, initial_weights, share_full_state
 from .pretrain import policy_model_config, pretrain
-from .report import MetricsFile, RLProgress, text_plot, write_curve
+from .report import MetricsFile, RLProgress, text_plot, write_curve, write_curve_png
 from .rollouts import DisaggregatedRollouts, GlobalBatch, ShardedRollouts, greedy_eval
 from .update import PolicyUpdate
 
@@ -202,7 +202,7 @@ class RLJob:
                                          dtype=generator_dtype(c, self.model_cfg.dtype))
             generator = _make_generator(c, generator_model, self.tokenizer.pad_id)
         reference = (build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
-                     if c.algorithm.kl_coef > 0 else None)
+                     if c.algorithm.kl_coef > 0 or c.algorithm.track_kl else None)
         del weights
         t = c.training
         optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -292,6 +292,7 @@ class RLJob:
         last = sum(r["reward_mean"] for r in curve[-k:]) / k
         print(text_plot([r["reward_mean"] for r in curve], label="sampled reward"), flush=True)
         write_curve(self.folder / "rl_curve.csv", curve)
+        write_curve_png(self.folder / "rl_metrics.jsonl", self.folder / "rl_curve.png")
         summary = {
             "reward_first_steps": first, "reward_last_steps": last, "steps_averaged": k,
             "eval_reward": {str(s): r for s, r in result.evals.items()},
@@ -303,5 +304,5 @@ class RLJob:
         evaluated = (f"; greedy reward on {c.eval.problems} held-out problems {evals[0][1]:.3f} -> {evals[-1][1]:.3f}"
                      if len(evals) > 1 else "")
         self._say(f"done, {len(curve)} steps in {result.seconds:.0f} s: sampled reward {first:.3f} (first {k} "
-                  f"steps) -> {last:.3f} (last {k}){evaluated}; curve in {self.folder / 'rl_curve.csv'}, every "
-                  f"metric in {self.folder / 'rl_metrics.jsonl'}")
+                  f"steps) -> {last:.3f} (last {k}){evaluated}; curve in {self.folder / 'rl_curve.csv'} and "
+                  f"rl_curve.png, every metric in {self.folder / 'rl_metrics.jsonl'}")

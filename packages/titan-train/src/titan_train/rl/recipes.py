@@ -6,10 +6,13 @@ from collections.abc import Callable
 
 from ..recipes import register_recipe
 from .config import (
+    EvalConfig,
     GeneratorConfig,
+    PolicyConfig,
     RLAlgorithmConfig,
     RLConfig,
     RLJobConfig,
+    RLStepConfig,
     RolloutConfig,
 )
 
@@ -32,3 +35,33 @@ def rl_sorting_async() -> RLConfig:
         rollout=RolloutConfig(max_policy_lag=1),
         generator=GeneratorConfig(batch_invariant=True),
     )
+
+
+def _moe_policy(family: str, flavor: str, folder: str) -> RLConfig:
+    """The main RL job on a MoE debug policy (2 layers), batch-invariant: the trainer's logprobs equal the
+    generator's bitwise (routing included), so logprob_mismatch_max is 0 at every on-policy step."""
+    return RLConfig(job=RLJobConfig(folder=folder), policy=PolicyConfig(family=family, flavor=flavor),
+                    generator=GeneratorConfig(batch_invariant=True))
+
+
+@register_recipe("rl_sorting_qwen3_moe", registry=RL_RECIPES)
+def rl_sorting_qwen3_moe() -> RLConfig:
+    """GRPO on sorting with Qwen3-MoE's debug policy (2 MoE layers of 8 experts, top-2), batch-invariant."""
+    return _moe_policy("qwen3", "debug_moe", "runs/rl_sorting_qwen3_moe")
+
+
+@register_recipe("rl_sorting_deepseek_v3", registry=RL_RECIPES)
+def rl_sorting_deepseek_v3() -> RLConfig:
+    """GRPO on sorting with DeepSeek-V3's debug policy (MLA; a dense layer, then 8 experts in 2 groups with one
+    group kept per token, sigmoid scores, a shared expert), batch-invariant."""
+    return _moe_policy("deepseek_v3", "debug", "runs/rl_sorting_deepseek_v3")
+
+
+@register_recipe("rl_sorting_stable", registry=RL_RECIPES)
+def rl_sorting_stable() -> RLConfig:
+    """300 GRPO steps on sorting (the 1.8M debug Llama, CPU, one thread) with a KL term to the pretrained policy
+    and two minibatches per batch (so the clip acts): the reward rises while the KL and the entropy stay
+    bounded; every stability metric per step, rl_curve.png at the end."""
+    return RLConfig(job=RLJobConfig(folder="runs/rl_sorting_stable", device="cpu"),
+                    algorithm=RLAlgorithmConfig(kl_coef=0.1), training=RLStepConfig(steps=300, minibatches=2),
+                    eval=EvalConfig(interval=50))

@@ -1,5 +1,6 @@
 """What an RL job shows and saves (rank 0): a progress line per step, `rl_metrics.jsonl` (every metric of
-every step, written as it goes), the curve as `rl_curve.csv`, `rl_summary.json`, and a text plot."""
+every step, written as it goes), the curve as `rl_curve.csv` and `rl_curve.png`, `rl_summary.json`, and a text
+plot."""
 from __future__ import annotations
 
 import csv
@@ -8,8 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+from ..plot import BLUE, GREEN, GREY, RED, write_panels
+
 # The curve's columns: what a reader wants to plot, in this order (every metric is in rl_metrics.jsonl).
-CURVE_COLUMNS = ("step", "reward_mean", "reward_std", "eval_reward", "kl", "loss", "staleness", "dropped_samples",
+CURVE_COLUMNS = ("step", "reward_mean", "reward_std", "eval_reward", "kl", "entropy", "clip_frac", "loss", "staleness",
+                 "dropped_samples",
                  "logprob_mismatch_max", "completion_len", "gen_tokens_per_s", "train_tokens_per_s", "seconds")
 
 
@@ -35,7 +39,8 @@ class RLProgress:
         eta = elapsed / max(step, 1) * (self.total - step)
         evaluated = f"  eval {eval_reward:.3f}" if eval_reward is not None else ""
         line = (f"[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}  reward {m['reward_mean']:.3f}"
-                f"{evaluated}  kl {m['kl']:.1e}  mismatch {m['logprob_mismatch_max']:.1e}  stale {int(m['staleness'])}"
+                f"{evaluated}  kl {m['kl']:.1e}  entropy {m.get('entropy', 0.0):.2f}"
+                f"  mismatch {m['logprob_mismatch_max']:.1e}  stale {int(m['staleness'])}"
                 f"  dropped {int(m['dropped_samples_total'])}  gen {_rate(m['gen_tokens_per_s'])} tok/s"
                 f"  train {_rate(m['train_tokens_per_s'])} tok/s  {elapsed:.0f}s (eta {eta:.0f}s)")
         self.stream.write("\r\033[K" + line if self.tty else line + "\n")
@@ -69,6 +74,13 @@ def write_curve(path: Path, curve: list[dict[str, float]]) -> None:
         writer.writeheader()
         for record in curve:
             writer.writerow({k: record.get(k, "") for k in CURVE_COLUMNS})
+
+
+def write_curve_png(metrics: Path, out: Path) -> None:
+    """The run's stability at a glance, each panel on its own scale: sampled reward (blue) with the held-out
+    greedy reward (red); KL to the reference (red); entropy (green); clip fraction (grey)."""
+    write_panels(metrics, out, [[("reward_mean", BLUE), ("eval_reward", RED)], [("kl", RED)], [("entropy", GREEN)],
+                                [("clip_frac", GREY)]], panel_height=160)
 
 
 def text_plot(values: list[float], *, height: int = 8, width: int = 60, label: str = "reward") -> str:

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs
+from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs, token_logprobs_and_entropy
 
 from ..grad_norm import clip_by_total_norm
 
-# policy_loss metrics that are token means over the rank's slice; combined over ranks weighted by tokens.
-TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncated_frac", "kl")
+# token means over the rank's slice (policy_loss's, and the policy's entropy); combined over ranks weighted by tokens.
+TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncated_frac", "kl", "entropy")
 
 
 class PolicyUpdate:
@@ -35,7 +35,8 @@ class PolicyUpdate:
                  minibatches: int = 1, max_grad_norm: float = 1.0, temperature: float = 1.0, pad_id: int,
                  reference: nn.Module | None = None, group: dist.ProcessGroup | None = None) -> None:
         """temperature: the sampling temperature (logprobs are of softmax(logits / T); 0 (greedy) means 1).
-        reference: the frozen policy of the KL term (needed when loss.kl_coef > 0).
+        reference: the frozen policy of the KL term (needed when loss.kl_coef > 0); given with kl_coef 0, the KL
+          to it is measured ("kl") but not trained on.
         group: the ranks the policy is sharded over (None: all; the trainer ranks under disaggregated generation)."""
         if loss.kl_coef > 0 and reference is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
@@ -64,7 +65,7 @@ class PolicyUpdate:
         slices = self._slices(samples, advantages)
         with torch.no_grad():  # PPO's "old" policy: the batch's start (one update per batch: the current one)
             olds = [self._logprobs(self.policy, b) if self.minibatches > 1 else None for _, b, _ in slices]
-            refs = [self._logprobs(self.reference, b) if self.loss.kl_coef > 0 and b is not None else None
+            refs = [self._logprobs(self.reference, b) if self.reference is not None and b is not None else None
                     for _, b, _ in slices]
 
         totals: dict[str, float] = {}
@@ -73,7 +74,10 @@ class PolicyUpdate:
         trained_tokens = 0
         for (tokens, batch, scale), old, ref in zip(slices, olds, refs):
             self.optimizer.zero_grad(set_to_none=True)
-            logp = self._logprobs(self.policy, batch)
+            if batch is None:
+                logp = self._logprobs(self.policy, batch)
+            else:
+                logp, entropy = token_logprobs_and_entropy(self.policy, batch.tokens, temperature=self.temperature)
             # what each rank adds to this minibatch's global values: loss, token-mean metrics (x tokens)
             contribution = torch.zeros(1 + len(TOKEN_MEAN_METRICS), device=self.device)
             if batch is None:
@@ -86,6 +90,7 @@ class PolicyUpdate:
                     mismatch += torch.stack([diff.sum(), batch.mask.sum()])
                 out = policy_loss(self.loss, logprobs=logp, advantages=batch.advantages, mask=batch.mask,
                                   old_logprobs=old, behavior_logprobs=batch.behavior_logprobs, ref_logprobs=ref)
+                out.metrics["entropy"] = float((entropy * batch.mask).sum() / batch.mask.sum().clamp_min(1))
                 (out.loss * scale).backward()
                 local_tokens = float(batch.mask.sum())
                 contribution[0] = out.loss.detach() * scale / self.world

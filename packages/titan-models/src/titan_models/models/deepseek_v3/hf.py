@@ -5,17 +5,15 @@ store it: as decoder layer `num_hidden_layers` (`enorm`, `hnorm`, `eh_proj`, the
 tensors, `shared_head.norm`), plus copies of the embedding (`embed_tokens`) and output
 (`shared_head.head`). `from_hf` builds the MTP module when those tensors are present.
 
-Kimi K2.x (`Kimi_K25ForConditionalGeneration`, model type `kimi_k25`: Kimi-K2.5/K2.6) is this text
-model inside an image-text checkpoint: the decoder under `language_model.model.layers.*` and the head
-as `language_model.lm_head.weight` (the release layout; transformers 5.20's `save_pretrained` writes
-`language_model.model.blocks.*`, reversing its vision `blocks -> layers` rename on every name: both load),
-the text settings in `text_config`, and the vision tower (`vision_tower.*`, `mm_projector.*`;
-transformers writes one norm as `model.mm_projector.*`) beside them, which from_hf leaves for the vision
-work and lists in a warning. The head is tied as transformers resolves it: by the top-level
-`tie_word_embeddings` (default True), whatever `text_config` says, except that a checkpoint storing
-its own head keeps it (transformers declines to tie an embedding and a head both present with
-different values; equal values give the same logits either way). `to_hf` writes the text-only
-`DeepseekV3ForCausalLM`.
+Kimi K2.x (`Kimi_K25ForConditionalGeneration`, model type `kimi_k25`) is this text model inside an
+image-text checkpoint; its family (titan_models.models.kimi_k25) converts it with a subclass of this
+converter, which reads the text part through the Kimi branches here: the decoder under
+`language_model.model.layers.*` and the head as `language_model.lm_head.weight` (the release layout;
+transformers 5.20's `save_pretrained` writes `language_model.model.blocks.*`, reversing its vision
+`blocks -> layers` rename on every name: both load), the text settings in `text_config`. The head is tied
+as transformers resolves it: by the top-level `tie_word_embeddings` (default True), whatever `text_config`
+says, except that a checkpoint storing its own head keeps it (transformers declines to tie an embedding and
+a head both present with different values; equal values give the same logits either way).
 """
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ from titan_models.hf.converter import Converter, dtype_name, require, rms_eps
 from titan_models.hf.names import DENSE_LAYER, MLA, MOE, NoHFName, hf_names, layer_names
 from titan_models.hf.rope_config import read_rope, write_rope
 from titan_models.models.deepseek_v3.model import DeepSeekV3Config
-from titan_models.registry import TinyHFCase
 
 _LAYER_MAP = {k: v for k, v in DENSE_LAYER.items() if not k.startswith("attention.")} | MLA | MOE | {
     "moe.expert_bias": "mlp.gate.e_score_correction_bias"}
@@ -47,7 +44,6 @@ _KIMI_LAYOUTS = (("language_model.model.layers.", {"model.": "language_model.mod
                  ("language_model.model.blocks.", {"model.layers.": "language_model.model.blocks.",
                                                    "model.": "language_model.model.",
                                                    "lm_head.": "language_model.lm_head."}))
-_KIMI_VISION = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
 
 
 def _is_kimi(hf: dict[str, Any]) -> bool:
@@ -55,7 +51,7 @@ def _is_kimi(hf: dict[str, Any]) -> bool:
 
 
 class DeepSeekV3Converter(Converter):
-    architectures = ("DeepseekV3ForCausalLM", _KIMI_K25)
+    architectures = ("DeepseekV3ForCausalLM",)
     config_type = DeepSeekV3Config
 
     def config_from_hf(self, hf: dict[str, Any], tensor_names: set[str]) -> DeepSeekV3Config:
@@ -139,9 +135,6 @@ class DeepSeekV3Converter(Converter):
                 return prefixes
         return super().checkpoint_prefixes(tensor_names)
 
-    def reported(self, config: DeepSeekV3Config, hf_name: str) -> bool:
-        return hf_name.startswith(_KIMI_VISION)  # a Kimi K2.x vision tower
-
     def ignorable(self, config: DeepSeekV3Config, hf_name: str) -> bool:
         # The MTP layer's copies of the embedding and output duplicate the main model's.
         copies = "|".join(re.escape(c) for c in _MTP_COPIES)
@@ -170,19 +163,4 @@ TINY_HF_CONFIGS = {
                                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                        "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
-    # Kimi K2.x: the text model inside an image-text checkpoint, beside a one-block vision tower; the
-    # text config's tie_word_embeddings=False is overridden by the composite's default (tied). q_lora_rank
-    # is set: transformers 5.20 saves a full-rank `self_attn.q_proj` as `self_wqkv` (its vision rename
-    # reversed), a name no checkpoint has. The image/video placeholder ids lie outside the vocabulary:
-    # transformers embeds placeholder tokens as token 0 when no image comes with them.
-    "kimi-k25-composite": TinyHFCase(
-        config={"model_type": "kimi_k25", "architectures": ["Kimi_K25ForConditionalGeneration"],
-                "text_config": _TINY | {"model_type": "deepseek_v3", "q_lora_rank": 24, "tie_word_embeddings": False,
-                                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-                "vision_config": {"patch_size": 4, "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2,
-                                  "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32,
-                                  "intermediate_size": 64},
-                "projection_hidden_size": 32, "image_token_id": 130, "video_token_id": 131,
-                "vision_start_token_id": 132, "vision_end_token_id": 133},
-        auto_class="AutoModelForImageTextToText", written_as="DeepseekV3ForCausalLM"),
 }

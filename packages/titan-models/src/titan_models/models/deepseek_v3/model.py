@@ -17,13 +17,13 @@ from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig, YarnRopeScaling
 from titan_models.context import AttentionContext
-from titan_models.model_config import ModelConfigBase
+from titan_models.model_config import LatentAttentionHeads, ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import ParallelPlan, decoder_plan
 
 
 @dataclass(kw_only=True)
-class DeepSeekV3Config(ModelConfigBase):
+class DeepSeekV3Config(LatentAttentionHeads, ModelConfigBase):
     family: ClassVar[str] = "deepseek_v3"
 
     vocab_size: int
@@ -48,14 +48,6 @@ class DeepSeekV3Config(ModelConfigBase):
     attention: AttentionBackend = "sdpa"
     dtype: torch.dtype = torch.float32
 
-    @property
-    def num_kv_heads(self) -> int:  # MLA expands its latent into keys and values for every head
-        return self.num_heads
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense
 
@@ -64,10 +56,7 @@ class DeepSeekV3Config(ModelConfigBase):
 
     def mla(self) -> MLAConfig:
         scale = self.rope_scaling.softmax_scale_factor() if self.rope_scaling is not None else 1.0
-        return MLAConfig(num_heads=self.num_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
-                         qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                         v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave,
-                         softmax_scale_factor=scale, backend=self.attention)
+        return self.latent_attention(rope_interleave=self.rope_interleave, softmax_scale_factor=scale)
 
     def _block(self, i: int) -> TransformerBlock:
         mlp = ({"moe": self.moe.build(self.dim)} if self.is_moe_layer(i)
@@ -80,13 +69,17 @@ class DeepSeekV3Config(ModelConfigBase):
                           interleaved=self.rope_interleave)
         with default_dtype(self.dtype):
             blocks = [self._block(i) for i in range(self.num_layers)]
-            model = DeepSeekV3Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
-                                          norm=self.norm.build(self.dim), rope=rope.build(),
-                                          tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
+            model = self._transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
+                                      norm=self.norm.build(self.dim), rope=rope.build(),
+                                      tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan())
             if self.mtp:
                 model.mtp = MultiTokenPrediction(dim=self.dim, norm=self.norm,
                                                  block=self._block(max(self.num_layers, self.first_k_dense)))
         return model
+
+    def _transformer(self, **kwargs) -> "DeepSeekV3Transformer":
+        """The model class around the blocks (Kimi K2.x adds its vision tower here)."""
+        return DeepSeekV3Transformer(**kwargs)
 
     def parallel_plan(self) -> ParallelPlan:
         # the latent projections and norms see the gathered sequence whole on every tp rank
@@ -153,9 +146,16 @@ class DeepSeekV3Transformer(Transformer):
         causal, affects no other position. Keeping length s lets the same positions and attention
         context (document masks) serve both passes.
         """
+        next_embeddings = self.tok_embeddings(tokens.roll(-1, dims=1))
+        hidden, mtp_hidden = self.hidden_states_with_mtp(tokens, next_embeddings, positions=positions, context=context)
+        return self.output(hidden), self.output(mtp_hidden)
+
+    def hidden_states_with_mtp(self, tokens: torch.Tensor, next_embeddings: torch.Tensor, *,
+                               positions: torch.Tensor | None = None, context: AttentionContext | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final normed hidden states [b, s, dim], the MTP module's [b, s, dim]) without the output projection
+        (for chunked losses); next_embeddings [b, s, dim]: the embedding of token i + 1 at position i."""
         if self.mtp is None:
             raise ValueError("this model was built without an MTP module (DeepSeekV3Config.mtp=False)")
         hidden, rope = self._trunk(tokens, positions, context)
-        next_embeddings = self.tok_embeddings(tokens.roll(-1, dims=1))
-        mtp_hidden = self.mtp(hidden, next_embeddings, rope, context=context)
-        return self.output(hidden), self.output(mtp_hidden)
+        return hidden, self.mtp(hidden, next_embeddings.to(hidden.dtype), rope, context=context)

@@ -6,6 +6,6 @@ from titan_models.registry import Family, register
 
 FAMILY = register(Family(
     name="deepseek_v4", config_type=DeepSeekV4Config, flavors=FLAVORS, published_sizes=PUBLISHED_PARAMS,
-    hf=DeepSeekV4Converter(), tiny_hf_configs=TINY_HF_CONFIGS, kv_cache_generation=False))
+    hf=DeepSeekV4Converter(), tiny_hf_configs=TINY_HF_CONFIGS))
 
 __all__ = ["FAMILY", "FLAVORS", "MLP_KINDS", "DeepSeekV4Config", "DeepSeekV4Converter", "deepseek_v4_moe"]

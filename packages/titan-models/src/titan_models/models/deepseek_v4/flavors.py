@@ -19,11 +19,11 @@ FLAVORS: dict[str, DeepSeekV4Config] = {
     "Flash": DeepSeekV4Config(
         vocab_size=_VOCAB, dim=4096, num_layers=43, num_heads=64, head_dim=512, q_lora_rank=1024, o_groups=8,
         o_lora_rank=1024, index_topk=512, moe=deepseek_v4_moe(num_experts=256, top_k=6, expert_dim=2048),
-        num_mtp_layers=1),
+        mtp=True),
     "Pro": DeepSeekV4Config(
         vocab_size=_VOCAB, dim=7168, num_layers=61, num_heads=128, head_dim=512, q_lora_rank=1536, o_groups=16,
         o_lora_rank=1024, index_topk=1024, moe=deepseek_v4_moe(num_experts=384, top_k=6, expert_dim=3072),
-        num_mtp_layers=1),
+        mtp=True),
 }
 
 # DeepSeek's model cards: V4-Flash 284B total / 13B activated, V4-Pro 1.6T / 49B (MTP excluded).

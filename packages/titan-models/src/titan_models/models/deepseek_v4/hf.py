@@ -5,8 +5,11 @@ norm,wo_a,wo_b,attn_sink}`, `...attn.compressor.{wkv,wgate,ape,norm}`, `...attn.
 compressor.*}`, `...ffn.gate.{weight,bias,tid2eid}`, `...ffn.experts.E.w1/w2/w3`, `...hc_attn_*`, `...hc_ffn_*`,
 `model.embed_tokens.weight`, `model.norm.weight`, `model.hc_head.hc_*`, `head.weight`); DeepSeek's release
 has the same names without the prefix, with `embed.weight`, `norm.weight`, `hc_head_{fn,base,scale}` at the
-top and its MTP modules under `mtp.*` (reported, not loaded: the MTP block is not built yet). from_hf reads
-either; to_hf writes transformers' layout.
+top. The MTP module is DeepSeek's `mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_{fn,base,scale}}` with a block
+under the layers' names (`mtp.0.attn.*`, `mtp.0.ffn.*`, `mtp.0.hc_attn_*`, ...); transformers drops `mtp.*` on
+load, so to_hf writes it as `model.mtp.0.*` beside transformers' layout (read back by from_hf, ignored by
+transformers). A checkpoint with MTP tensors builds the module (`mtp=True`) when its config declares
+`num_nextn_predict_layers` >= 1. from_hf reads either layout; to_hf writes transformers' layout.
 """
 from __future__ import annotations
 
@@ -37,6 +40,20 @@ _LAYER_MAP = {
     **{f"moe.shared_experts.{w}.weight": f"ffn.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")},
 }
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_MTP_OWN = {"mtp.enorm.weight": "enorm.weight", "mtp.hnorm.weight": "hnorm.weight", "mtp.e_proj.weight": "e_proj.weight",
+            "mtp.h_proj.weight": "h_proj.weight", "mtp.norm.weight": "norm.weight", "mtp.hc_head.fn": "hc_head_fn",
+            "mtp.hc_head.base": "hc_head_base", "mtp.hc_head.scale": "hc_head_scale"}
+_MTP_NAME = re.compile(r"(?:model\.)?mtp\.(\d+)\..+")
+
+
+def _read_mtp(hf: dict[str, Any], tensor_names: set[str]) -> bool:
+    """Whether to build the MTP module: the checkpoint holds `mtp.0.*` tensors and its config declares them."""
+    modules = {int(m[1]) for n in tensor_names if (m := _MTP_NAME.fullmatch(n))}
+    declared = hf.get("num_nextn_predict_layers", 0) or 0
+    if modules and (modules != {0} or declared > 1):
+        raise ValueError(f"config.json field num_nextn_predict_layers={declared} with MTP modules {sorted(modules)} "
+                         "is not supported; supported: one module (mtp.0.*) or none")
+    return bool(modules) and declared >= 1
 
 
 def _read_ropes(hf: dict[str, Any], head_dim: int) -> tuple[int, float, float, Any]:
@@ -105,7 +122,7 @@ class DeepSeekV4Converter(Converter):
             hc_eps=hf.get("hc_eps", 1e-6), norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=main_theta,
             compress_rope_theta=compress_theta, compress_rope_scaling=scaling,
             max_seq_len=hf.get("max_position_embeddings", 1048576),
-            num_mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0,
+            mtp=_read_mtp(hf, tensor_names),
             tie_embeddings=hf.get("tie_word_embeddings", False))
 
     def config_to_hf(self, config: DeepSeekV4Config) -> dict[str, Any]:
@@ -134,28 +151,22 @@ class DeepSeekV4Converter(Converter):
             "rope_parameters": {"main": {"rope_type": "default", "rope_theta": config.rope_theta,
                                          "partial_rotary_factor": rotary},
                                 "compress": {**compress, "partial_rotary_factor": rotary}},
-            "max_position_embeddings": config.max_seq_len, "num_nextn_predict_layers": config.num_mtp_layers,
+            "max_position_embeddings": config.max_seq_len, "num_nextn_predict_layers": 1 if config.mtp else 0,
             "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu", "dtype": dtype_name(config.dtype),
         }
 
     def hf_names(self, config: DeepSeekV4Config, name: str) -> list[str]:
         if name in _TOP_LEVEL:
             return [_TOP_LEVEL[name]]
+        if name in _MTP_OWN:
+            return ["model.mtp.0." + _MTP_OWN[name]]
+        if name.startswith("mtp.layer."):
+            return _layer_names(config, "model.mtp.0.", name.removeprefix("mtp.layer."), "moe", name)
         match = _LAYER.fullmatch(name)
         if match is None:
             raise NoHFName(name)
-        layer, rest = int(match[1]), match[2]
-        prefix = f"model.layers.{layer}."
-        if rest == "moe.expert_bias":  # the top-k router's selection bias; hash layers have none
-            return [] if config.resolved_mlp_layer_types[layer] == "hash_moe" else [prefix + "ffn.gate.bias"]
-        if rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
-            w = rest.rpartition(".")[2]
-            return [f"{prefix}ffn.experts.{e}.{w}.weight" for e in range(config.moe.num_experts)]
-        if rest in _LAYER_MAP:
-            return [prefix + _LAYER_MAP[rest]]
-        if rest.startswith("attention."):
-            return [prefix + "attn." + rest.removeprefix("attention.")]
-        raise NoHFName(name)
+        layer = int(match[1])
+        return _layer_names(config, f"model.layers.{layer}.", match[2], config.resolved_mlp_layer_types[layer], name)
 
     @staticmethod
     def _release(present: set[str]) -> bool:
@@ -174,7 +185,21 @@ class DeepSeekV4Converter(Converter):
         return files.get(_RELEASE_TOP_LEVEL[name])
 
     def reported(self, config: DeepSeekV4Config, hf_name: str) -> bool:
-        return hf_name.startswith(("mtp.", "model.mtp."))
+        return not config.mtp and _MTP_NAME.fullmatch(hf_name) is not None  # a model built without the module
+
+
+def _layer_names(config: DeepSeekV4Config, prefix: str, rest: str, mlp_kind: str, name: str) -> list[str]:
+    """The HF names of block tensor `rest` (relative to the block) under `prefix`; `name` for the error."""
+    if rest == "moe.expert_bias":  # the top-k router's selection bias; hash layers have none
+        return [] if mlp_kind == "hash_moe" else [prefix + "ffn.gate.bias"]
+    if rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
+        w = rest.rpartition(".")[2]
+        return [f"{prefix}ffn.experts.{e}.{w}.weight" for e in range(config.moe.num_experts)]
+    if rest in _LAYER_MAP:
+        return [prefix + _LAYER_MAP[rest]]
+    if rest.startswith("attention."):
+        return [prefix + "attn." + rest.removeprefix("attention.")]
+    raise NoHFName(name)
 
 
 _TINY = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 128, "hidden_size": 32,

@@ -2,7 +2,7 @@
 key=value head with sliding-window, compressed-sparse (indexer top-k) and heavily-compressed layers
 (`layer_types`), hash-routed then top-k MoE layers (`mlp_layer_types`, sqrt-softplus scores, clamped
 SwiGLU experts and shared expert), RoPE on the trailing dims as interleaved pairs, with its own
-(YaRN-scaled) RoPE for the compressed layers."""
+(YaRN-scaled) RoPE for the compressed layers, and an optional multi-token-prediction (MTP) module."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,7 +65,7 @@ class DeepSeekV4Config(SharedHeadDim, ModelConfigBase):
     compress_rope_theta: float = 160000.0
     compress_rope_scaling: YarnRopeScaling | None = field(default_factory=_default_compress_yarn)
     max_seq_len: int = 1048576
-    num_mtp_layers: int = 0  # MTP modules in the checkpoint (not built yet: loading reports them)
+    mtp: bool = False  # one multi-token-prediction module (the releases ship one: num_nextn_predict_layers 1)
     tie_embeddings: bool = False
     attention: AttentionBackend = "eager"  # sinks and compressed entries: the eager path only
     dtype: torch.dtype = torch.float32
@@ -128,10 +128,13 @@ class DeepSeekV4Config(SharedHeadDim, ModelConfigBase):
         with default_dtype(self.dtype):
             blocks = [DeepSeekV4Block(self, kind, mlp) for kind, mlp in
                       zip(self.resolved_layer_types, self.resolved_mlp_layer_types)]
-            return DeepSeekV4Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
-                                         norm=RMSNorm(self.dim, eps=self.norm_eps), rope=main.build(),
-                                         compress_rope=compress.build(), tie_embeddings=self.tie_embeddings,
-                                         parallel_plan=self.parallel_plan())
+            model = DeepSeekV4Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
+                                          norm=RMSNorm(self.dim, eps=self.norm_eps), rope=main.build(),
+                                          compress_rope=compress.build(), tie_embeddings=self.tie_embeddings,
+                                          parallel_plan=self.parallel_plan())
+            if self.mtp:
+                model.mtp = DeepSeekV4MultiTokenPrediction(self)
+            return model
 
     def parallel_plan(self) -> ParallelPlan:
         """Expert parallelism for the routed experts and a pipeline cut point before every layer; no tensor
@@ -140,6 +143,9 @@ class DeepSeekV4Config(SharedHeadDim, ModelConfigBase):
         also need the replicated projections feeding them (wq_a, wkv, compressors) to get whole-gradient
         handling the trainer's styles do not give, so any degree > 1 is refused, naming num_kv_heads=1."""
         plan = decoder_plan(num_layers=self.num_layers, attention={}, dense=False, moe=True)
+        if self.mtp:
+            plan = dataclasses.replace(plan, experts=plan.experts + ("mtp.layer.moe.experts",),
+                                       moe=plan.moe + ("mtp.layer.moe",))
         return dataclasses.replace(plan, tensor_parallel={}, tp_divides={"num_kv_heads": 1})
 
 
@@ -179,10 +185,42 @@ class DeepSeekV4Block(nn.Module):
         return merge_streams(streams, self.moe(self.ffn_norm(collapsed), token_ids=token_ids), post, comb)
 
 
+class DeepSeekV4MultiTokenPrediction(nn.Module):
+    """DeepSeek-V4's MTP module (depth 1): from the main model's streams after its last block (before its
+    `hc_head`) at position i and the embedding of token i + 1, predict token i + 2:
+
+        streams' = layer(h_proj(hnorm(streams)) + e_proj(enorm(embed(t[i+1]))))   -> norm(hc_head(streams'))
+
+    each stream normed and projected alone, the projected embedding added to every stream; `layer` is a
+    sliding-window (uncompressed) attention + top-k MoE block of the main model's shapes; the module has its
+    own `hc_head`. It shares the embedding table and output projection with the main model. Names and wiring
+    follow DeepSeek's release (`mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*,attn.*,ffn.*}`) as inference
+    engines apply it; transformers 5.20 does not build V4's MTP (it drops `mtp.*` on load)."""
+
+    def __init__(self, config: DeepSeekV4Config):
+        super().__init__()
+        self.enorm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.hnorm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.e_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.h_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.layer = DeepSeekV4Block(config, "sliding_attention", "moe")
+        self.hc_head = HyperHead(config.dim, streams=config.hc_mult, eps=config.hc_eps, norm_eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+
+    def forward(self, streams: torch.Tensor, next_embeddings: torch.Tensor, ropes: dict, *, positions: torch.Tensor,
+                entry_rope: RotaryEmbedding, context: AttentionContext | None = None) -> torch.Tensor:
+        """streams [b, s, hc_mult, dim], next_embeddings [b, s, dim] -> normed hidden states [b, s, dim]."""
+        h = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_embeddings)).unsqueeze(2)
+        h = self.layer(h, ropes, positions=positions, token_ids=None, entry_rope=entry_rope, context=context)
+        return self.norm(self.hc_head(h))
+
+
 class DeepSeekV4Transformer(Transformer):
     """Transformer whose residual is `hc_mult` streams: the embedding is copied into each, the blocks
     mix them, `hc_head` collapses them before the final norm. A pipeline stage without embeddings takes
-    streams [b, s, hc_mult, dim] (hash layers then need `token_ids=`)."""
+    streams [b, s, hc_mult, dim] (hash layers then need `token_ids=`). With `mtp` (a module the config
+    builds), `hidden_states_with_mtp` / `forward_with_mtp` also run the MTP module; `forward` is the main
+    model only."""
 
     def __init__(self, *, compress_rope: RotaryEmbedding, **kwargs):
         super().__init__(**kwargs)
@@ -190,15 +228,46 @@ class DeepSeekV4Transformer(Transformer):
         self.compress_rope = compress_rope
         self.hc_head: HyperHead | None = HyperHead(config.dim, streams=config.hc_mult, eps=config.hc_eps,
                                                    norm_eps=config.norm_eps)
+        self.mtp: DeepSeekV4MultiTokenPrediction | None = None
 
     def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "DeepSeekV4Transformer":
         stage = super().pipeline_stage(layer_names, first=first, last=last)
         stage.compress_rope = self.compress_rope
         stage.hc_head = self.hc_head if last else None
+        stage.mtp = None  # a pipeline's last stage takes it (titan-train's pipeline hands it over)
         return stage
 
     def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None, context: AttentionContext | None,
                token_ids: torch.Tensor | None = None):
+        h, ropes, _ = self._streams(tokens, positions, context, token_ids)
+        if self.norm is None:
+            return h, ropes["main"]
+        return self.norm(self.hc_head(h)), ropes["main"]
+
+    def hidden_states_with_mtp(self, tokens: torch.Tensor, next_embeddings: torch.Tensor, *,
+                               positions: torch.Tensor | None = None, context: AttentionContext | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final normed hidden states [b, s, dim], the MTP module's [b, s, dim]); next_embeddings [b, s, dim]
+        hold the embedding of token i + 1 at position i (see DeepSeekV3Transformer.forward_with_mtp for the
+        targets and the wrap-around filler at the last position)."""
+        if self.mtp is None:
+            raise ValueError("this model was built without an MTP module (DeepSeekV4Config.mtp=False)")
+        streams, ropes, positions = self._streams(tokens, positions, context)
+        hidden = self.norm(self.hc_head(streams))
+        mtp_hidden = self.mtp(streams, next_embeddings.to(streams.dtype), ropes, positions=positions,
+                              entry_rope=self.compress_rope, context=context)
+        return hidden, mtp_hidden
+
+    def forward_with_mtp(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+                         context: AttentionContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [b, s, vocab], mtp_logits [b, s, vocab]) where mtp_logits[:, i] predicts tokens[:, i + 2]."""
+        next_embeddings = self.tok_embeddings(tokens.roll(-1, dims=1))
+        hidden, mtp_hidden = self.hidden_states_with_mtp(tokens, next_embeddings, positions=positions, context=context)
+        return self.output(hidden), self.output(mtp_hidden)
+
+    def _streams(self, tokens: torch.Tensor, positions: torch.Tensor | None, context: AttentionContext | None,
+                 token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """(the streams after the last block, the main and compress RoPE tables, the positions used)."""
         if self.tok_embeddings is not None:
             token_ids = tokens
             h = self.tok_embeddings(tokens).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
@@ -211,6 +280,4 @@ class DeepSeekV4Transformer(Transformer):
         for block in self.layers.values():
             h = block(h, ropes, positions=positions, token_ids=token_ids, entry_rope=self.compress_rope,
                       context=context)
-        if self.norm is None:
-            return h, ropes["main"]
-        return self.norm(self.hc_head(h)), ropes["main"]
+        return h, ropes, positions

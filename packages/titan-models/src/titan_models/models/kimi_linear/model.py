@@ -25,7 +25,7 @@ from titan_models.components.mla import MLAConfig
 from titan_models.components.moe import MoEConfig
 from titan_models.components.norms import NormConfig, RMSNormConfig
 from titan_models.components.rope import RopeConfig
-from titan_models.model_config import ModelConfigBase
+from titan_models.model_config import LatentAttentionHeads, ModelConfigBase
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, ParallelPlan, decoder_plan
 
@@ -46,7 +46,7 @@ def default_layer_types(num_layers: int) -> tuple[str, ...]:
 
 
 @dataclass(kw_only=True)
-class KimiLinearConfig(ModelConfigBase):
+class KimiLinearConfig(LatentAttentionHeads, ModelConfigBase):
     family: ClassVar[str] = "kimi_linear"
 
     vocab_size: int
@@ -72,14 +72,6 @@ class KimiLinearConfig(ModelConfigBase):
     tie_embeddings: bool = False
     attention: AttentionBackend = "sdpa"
     dtype: torch.dtype = torch.float32
-
-    @property
-    def num_kv_heads(self) -> int:  # MLA expands its latent into keys and values for every head
-        return self.num_heads
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def layer_kinds(self) -> tuple[str, ...]:
         if self.layer_types is None:
@@ -121,9 +113,7 @@ class KimiLinearConfig(ModelConfigBase):
             decay_per_channel=True, gate_rank=self.linear_head_dim, output_gate="sigmoid")
 
     def mla(self) -> MLAConfig:
-        return MLAConfig(num_heads=self.num_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
-                         qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                         v_head_dim=self.v_head_dim, rope=False, backend=self.attention)
+        return self.latent_attention(rope=False)  # Kimi Linear's MLA has no RoPE
 
     def _block(self, i: int, kind: str) -> TransformerBlock:
         mixer = self.kimi_delta_attention() if kind == LINEAR_ATTENTION else self.mla()

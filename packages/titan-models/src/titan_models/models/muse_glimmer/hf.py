@@ -3,7 +3,9 @@ maps Muse to) <-> MuseGlimmerConfig. `MuseConverter` is what Muse Spark's conver
 
 The text model sits under `model.language_model.*` beside `model.vision_tower.*`, `model.vision_adapter.*`
 and `model.vision_projection.*` (Spark: also `model.audio_tower.*`), with `lm_head.weight` at the top and
-the text settings in `text_config`. from_hf loads the text model and lists the towers' tensors in a
+the text settings in `text_config`. Muse Glimmer: from_hf loads the vision tower, adapter and projection
+when the folder holds them (`MuseGlimmerConfig.vision`; names as transformers keeps them, written whole);
+otherwise, and for Spark's towers, it loads the text model and lists the towers' tensors in a
 warning; the composite's other fields (tower sub-configs, image token ids) are kept in the config's
 `hf_multimodal` so that to_hf writes the same composite config (with the text weights only: transformers
 then initialises the towers). Per-layer `layer_rope_theta`: 0 marks a NoPE layer, other values are
@@ -18,6 +20,7 @@ from titan_models.hf.converter import Converter, check_field_types, dtype_name, 
 from titan_models.hf.names import DENSE_LAYER, NoHFName
 from titan_models.hf.rope_config import read_rope
 from titan_models.models.muse_glimmer.model import LAYER_TYPES, MuseGlimmerConfig, MuseTextConfig
+from titan_models.models.muse_glimmer.vision import MuseVisionConfig
 from titan_models.registry import TinyHFCase
 
 MUSE_LAYER = DENSE_LAYER | {
@@ -140,10 +143,79 @@ class MuseGlimmerConverter(MuseConverter):
     def config_from_hf(self, hf: dict[str, Any], tensor_names: set[str]) -> MuseGlimmerConfig:
         text, fields = self.text_fields(hf)
         require(text, "hidden_activation", ("silu",), "silu")
-        return MuseGlimmerConfig(**fields, ffn_dim=text["intermediate_size"])
+        # the tower is built for a composite config whose folder holds it (or when no folder is given)
+        towers = not tensor_names or _has_tower(tensor_names)
+        vision = _vision_from_hf(hf, fields) if text is not hf and hf.get("vision_config") and towers else None
+        return MuseGlimmerConfig(**fields, ffn_dim=text["intermediate_size"], vision=vision,
+                                 image_token_id=hf.get("image_token_id", 200092) if vision else None,
+                                 video_token_id=hf.get("video_token_id", 200091) if vision else None)
 
     def config_to_hf(self, config: MuseGlimmerConfig) -> dict[str, Any]:
-        return self.composite(config, self.text_to_hf(config) | {"hidden_activation": "silu"}, {})
+        hf = self.composite(config, self.text_to_hf(config) | {"hidden_activation": "silu"}, {})
+        return hf if config.vision is None else hf | _vision_to_hf(config)
+
+    def hf_names(self, config: Any, name: str) -> list[str]:
+        if name.startswith("visual."):
+            return [vision_hf_name(name.removeprefix("visual."))]
+        names = super().hf_names(config, name)
+        if config.vision is None:
+            return names
+        # with the tower, names are written whole (the tower's `model.*` must not move under the decoder's prefix)
+        return [n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n for n in names]
+
+    def checkpoint_prefixes(self, tensor_names: set[str]) -> dict[str, str]:
+        return {"model.": "model."} if _has_tower(tensor_names) else super().checkpoint_prefixes(tensor_names)
+
+    def written_text_prefix(self, config: Any) -> str:
+        return "model." if config.vision is not None else super().written_text_prefix(config)
+
+
+def _has_tower(tensor_names: set[str]) -> bool:
+    return any(n.startswith("model.vision_tower.") for n in tensor_names)
+
+
+def _vision_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> MuseVisionConfig:
+    vision = hf["vision_config"]
+    check_field_types(vision, "config.json field vision_config")
+    require(vision, "hidden_act", ("gelu",), "gelu")
+    require(hf, "projector_hidden_act", ("gelu",), "gelu")
+    side = vision.get("pos_emb_height", 32)
+    if vision.get("pos_emb_width", 32) != side:
+        raise ValueError(f"config.json fields vision_config.pos_emb_height={side} and pos_emb_width="
+                         f"{vision.get('pos_emb_width', 32)} must be equal (transformers reads a square table)")
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"config.json field vision_config.rope_parameters.rope_type={rope['rope_type']!r} is not "
+                         "supported; supported: ['axial']")
+    dim, merge, depth = vision.get("hidden_size", 1536), vision.get("merge_size", 2), vision.get("num_hidden_layers", 50)
+    if hf.get("out_hidden_size", 6144) != dim * merge**2:
+        raise ValueError(f"config.json field out_hidden_size={hf.get('out_hidden_size', 6144)} must be "
+                         f"vision_config.hidden_size * merge_size**2 = {dim * merge**2}")
+    layer_types = vision.get("layer_types")
+    full = None if layer_types is None else tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+    return MuseVisionConfig(
+        depth=depth, dim=dim, ffn_dim=vision.get("intermediate_size", 8960),
+        num_heads=vision.get("num_attention_heads", 16), adapter_dim=hf.get("projector_hidden_size", 4096),
+        out_dim=text["dim"], patch_size=vision.get("patch_size", 14), patch_temporal=vision.get("patch_temporal", 2),
+        pos_emb_size=side, merge_size=merge, full_attention_layers=full,
+        rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=float(vision.get("layer_norm_eps", 1e-5)),
+        text_norm_eps=text["rms_norm_eps"])
+
+
+def _vision_to_hf(config: MuseGlimmerConfig) -> dict[str, Any]:
+    v = config.vision
+    full = set(v.resolved_full_attention_layers())
+    kept = (config.hf_multimodal or {}).get("vision_config") or {}
+    vision = kept | {
+        "patch_size": v.patch_size, "pos_emb_height": v.pos_emb_size, "pos_emb_width": v.pos_emb_size,
+        "num_attention_heads": v.num_heads, "num_hidden_layers": v.depth, "hidden_size": v.dim,
+        "intermediate_size": v.ffn_dim, "hidden_act": "gelu", "patch_temporal": v.patch_temporal,
+        "merge_size": v.merge_size, "layer_norm_eps": v.norm_eps,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+        "layer_types": ["full_attention" if i in full else "window_attention" for i in range(v.depth)]}
+    return {"vision_config": vision, "out_hidden_size": v.dim * v.merge_size**2, "projector_hidden_size": v.adapter_dim,
+            "projector_hidden_act": "gelu", "image_token_id": config.image_token_id,
+            "video_token_id": config.video_token_id}
 
 
 def scale_lm_head(factor: float):
@@ -181,3 +253,27 @@ TINY_HF_CONFIGS = {
                 **TINY_MULTIMODAL},
         auto_class="AutoModelForImageTextToText", prepare=scale_lm_head(30.0)),
 }
+
+
+_VISION_TOP = {"patch_embed.weight": "model.vision_tower.patch_embedder.patch_embedding.weight",
+               "pos_embed.weight": "model.vision_tower.patch_embedder.position_embedding_table.weight",
+               "pre_norm.weight": "model.vision_tower.ln_pre.weight", "pre_norm.bias": "model.vision_tower.ln_pre.bias",
+               "post_norm.weight": "model.vision_tower.ln_post.weight",
+               "post_norm.bias": "model.vision_tower.ln_post.bias",
+               "adapter_w1.weight": "model.vision_adapter.fc1.weight",
+               "adapter_w2.weight": "model.vision_adapter.fc2.weight",
+               "projection.weight": "model.vision_projection.weight"}
+_VISION_BLOCK = {"attention_norm": "norm1", "attention.wq": "attn.q_proj", "attention.wk": "attn.k_proj",
+                 "attention.wv": "attn.v_proj", "attention.wo": "attn.proj", "ffn_norm": "norm2", "w1": "mlp.fc1",
+                 "w2": "mlp.fc2"}
+_VISION_BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def vision_hf_name(name: str) -> str:
+    """The HF name of a MuseVisionTower tensor (the model's `visual.` prefix removed)."""
+    if name in _VISION_TOP:
+        return _VISION_TOP[name]
+    match = _VISION_BLOCK_NAME.fullmatch(name)
+    if match is None or match[2] not in _VISION_BLOCK:
+        raise NoHFName(name)
+    return f"model.vision_tower.layers.{match[1]}.{_VISION_BLOCK[match[2]]}.{match[3]}"

@@ -11,14 +11,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from titan_models.components.attention import AttentionBackend, AttentionConfig
+from titan_models.components.attention import AttentionBackend, AttentionConfig, prepare_masks
+from titan_models.components.image_tokens import check_image_tokens
 from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.layer_types import FULL_ATTENTION, check_layer_types
 from titan_models.components.norms import (
     NormConfig, RMSNormConfig, ScalelessRMSNormConfig, ZeroCenteredRMSNormConfig,
 )
 from titan_models.components.rope import RopeConfig
+from titan_models.context import AttentionContext
 from titan_models.model_config import ModelConfigBase, SharedHeadDim
+from titan_models.models.muse_glimmer.vision import MuseVisionConfig, MuseVisionTower
 from titan_models.models.transformer import Transformer, TransformerBlock, default_dtype
 from titan_models.parallel_plan import GQA_ATTENTION, ParallelPlan, decoder_plan
 
@@ -100,9 +103,10 @@ class MuseTextConfig(SharedHeadDim, ModelConfigBase):
     def centred_norm(self, eps: float | None = None) -> ZeroCenteredRMSNormConfig:
         return ZeroCenteredRMSNormConfig(eps=self.rms_norm_eps if eps is None else eps)
 
-    def transformer(self, blocks: list[TransformerBlock]) -> Transformer:
-        """The decoder around `blocks`: normed embeddings, plain final norm, scaled and soft-capped logits."""
-        return Transformer(config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
+    def transformer(self, blocks: list[TransformerBlock], *, model_type: type = Transformer, **extra) -> Transformer:
+        """The decoder around `blocks`: normed embeddings, plain final norm, scaled and soft-capped logits
+        (`model_type` and `extra`: a subclass with more modules, Glimmer's vision tower)."""
+        return model_type(**extra, config=self, vocab_size=self.vocab_size, dim=self.dim, blocks=blocks,
                            norm=RMSNormConfig(eps=self.rms_norm_eps).build(self.dim),
                            rope=RopeConfig(dim=self.head_dim, theta=self.rope_theta).build(),
                            tie_embeddings=self.tie_embeddings, parallel_plan=self.parallel_plan(),
@@ -117,6 +121,11 @@ MUSE_ATTENTION = GQA_ATTENTION | {"wg": "colwise"}
 class MuseGlimmerConfig(MuseTextConfig):
     family: ClassVar[str] = "muse_glimmer"
 
+    # the vision tower, adapter and projection (None: the text model only)
+    vision: MuseVisionConfig | None = None
+    image_token_id: int | None = None  # needed with `vision`
+    video_token_id: int | None = None  # embedded as token 0 like image tokens; videos are not taken yet
+
     @property
     def moe(self) -> None:  # every layer is dense
         return None
@@ -125,6 +134,9 @@ class MuseGlimmerConfig(MuseTextConfig):
         super()._validate()
         if self.ffn_dim < 1:
             raise ValueError(f"ffn_dim must be positive, got {self.ffn_dim}")
+        if self.vision is not None and (self.vision.out_dim != self.dim or self.image_token_id is None):
+            raise ValueError(f"MuseGlimmerConfig: with a vision tower, vision.out_dim={self.vision.out_dim} must equal "
+                             f"dim={self.dim} and image_token_id (got {self.image_token_id}) must be set")
 
     def build(self) -> Transformer:
         self._validate()
@@ -137,11 +149,61 @@ class MuseGlimmerConfig(MuseTextConfig):
                                        feed_forward=FeedForwardConfig(hidden_dim=self.ffn_dim).build(self.dim),
                                        post_ffn_norm=post.build(self.dim))
                       for i in range(self.num_layers)]
-            return self.transformer(blocks)
+            if self.vision is None:
+                return self.transformer(blocks)
+            return self.transformer(blocks, model_type=MuseGlimmerTransformer, visual=self.vision.build())
 
     def parallel_plan(self) -> ParallelPlan:
         plan = decoder_plan(num_layers=self.num_layers, attention=MUSE_ATTENTION)
         # post-branch norms sit between a rowwise projection's local output and the residual sum: whole weights
         # computed on each rank's sequence shard ("replicate", gradients summed over the TP ranks)
         tp = plan.tensor_parallel | {"layers.*.post_attention_norm": "replicate", "layers.*.post_ffn_norm": "replicate"}
+        if self.vision is not None:  # the tower is small beside the decoder: every rank keeps it whole
+            tp |= {"visual": "replicate"}
         return dataclasses.replace(plan, tensor_parallel=tp)
+
+
+class MuseGlimmerTransformer(Transformer):
+    """Muse Glimmer with its vision tower: calls also take `pixel_values` [patches, patch_dim] and
+    `image_grid_thw` [images, 3]; each image's tokens replace, in order, the `image_token_id` tokens (placeholders
+    embedded as token 0 first, as transformers does). Without images the call is the text model's, bitwise."""
+
+    def __init__(self, *, visual: MuseVisionTower, **kwargs):
+        super().__init__(**kwargs)
+        self.visual = visual
+
+    def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+                context: AttentionContext | None = None, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.hidden_states(tokens, positions=positions, context=context, pixel_values=pixel_values,
+                               image_grid_thw=image_grid_thw)
+        return self.logits(self.output(h)) if self.output is not None else h
+
+    def hidden_states(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+                      context: AttentionContext | None = None, pixel_values: torch.Tensor | None = None,
+                      image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        if pixel_values is None and image_grid_thw is None:
+            return self._trunk(tokens, positions, context)[0]  # the text model's path
+        if pixel_values is None or image_grid_thw is None:
+            raise ValueError("pass pixel_values and image_grid_thw together (both or neither)")
+        if self.tok_embeddings is None:
+            raise ValueError("images go to the first pipeline stage (the one holding tok_embeddings)")
+        cfg = self.config
+        is_image = tokens == cfg.image_token_id
+        check_image_tokens(is_image, image_grid_thw, cfg.vision.merge_size)
+        image_tokens = self.visual(pixel_values, image_grid_thw)
+        placeholder = is_image | (tokens == cfg.video_token_id)
+        h = self.embedding_norm(self.tok_embeddings(tokens.masked_fill(placeholder, 0)))
+        h = h.masked_scatter(is_image[..., None], image_tokens.to(h.dtype))
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], h.shape[1])
+        rope = tuple(t.to(h.dtype) for t in self.rope(positions))
+        prepare_masks(self.layers, h.shape[0], h.shape[1], h.device, context)
+        for block in self.layers.values():
+            h = block(h, rope, context=context)
+        return self.norm(h) if self.norm is not None else h
+
+    def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "MuseGlimmerTransformer":
+        stage = super().pipeline_stage(layer_names, first=first, last=last)
+        stage.visual = self.visual if first else None  # images enter with the embeddings
+        return stage

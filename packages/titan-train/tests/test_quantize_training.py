@@ -1,0 +1,250 @@
+"""quantize.linear in the trainer: which Linears the pass converts, a short CPU training run per recipe
+against the unquantised one, and composition with compile, activation checkpointing, checkpoints and FSDP.
+
+Loss bound. On the tiny job (fp32 on CPU, 10 AdamW steps on the stdlib text, loss 6.5 -> 4.2) every recipe
+stays within 1% of the fp32 run at every step. Where that comes from: e4m3 rounds each operand with
+relative error <= 2^-4 (rms ~2^-4 / sqrt(3) ~ 3.6%, independent across elements), which the GEMMs' sums over
+256-768 terms average down to ~0.2% per output; what reaches the loss after 10 steps has measured <= 0.3%
+(mxfp8, the coarsest). 1% leaves a 3x margin and is still far below a broken recipe (a gradient in the wrong
+scale, a transposed block layout) that moves the loss by tens of percent within a few steps. The run must also
+differ from fp32 (> 1e-6): the conversion really happened.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import titan_models as tm
+from titan_train import train
+from titan_train.quantize import LinearConversion, QuantizedLinear
+
+STEPS = {"training.steps": "10"}
+
+
+def _meta(family: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return tm.flavor(family, "debug").build()
+
+
+def test_default_selection_leaves_out_the_head_and_the_routers():
+    llama = _meta("llama3")
+    names = LinearConversion("fp8_rowwise").apply(llama)
+    linears = [n for n, m in llama.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert "output" not in names and type(llama.output) is torch.nn.Linear
+    assert sorted(names) == sorted(n for n in linears if n != "output") and len(names) == 4 * 7
+    assert all(isinstance(llama.get_submodule(n), QuantizedLinear) for n in names)
+    deepseek = _meta("deepseek_v3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        names = LinearConversion("fp8_rowwise").apply(deepseek)
+    assert not any("router" in n for n in names) and "layers.1.moe.shared_experts.w1" in names
+    routers = [m for n, m in deepseek.named_modules() if "router" in n and isinstance(m, torch.nn.Linear)]
+    assert routers and all(type(m) is torch.nn.Linear for m in routers)
+
+
+def test_unblockable_shapes_stay_in_high_precision_with_a_warning():
+    """deepseek_v3 debug: wq [192 x 256], wkv_a [80 x 256], wkv_b [256 x 64] are not 128-blockable."""
+    model = _meta("deepseek_v3")
+    with pytest.warns(UserWarning, match=r"layers\.0\.attention\.wkv_a \[80 x 256\]"):
+        names = LinearConversion("fp8_blockwise").apply(model)
+    assert type(model.layers["0"].attention.wkv_a) is torch.nn.Linear
+    assert "layers.0.attention.wo" in names and "layers.0.attention.wq" not in names
+    with pytest.raises(ValueError, match="wkv_a.*divisible by 128"):  # named exactly: refused
+        LinearConversion("fp8_blockwise", ("layers.0.attention.wkv_a",)).apply(_meta("deepseek_v3"))
+
+
+def test_patterns_select_by_name_and_bad_patterns_are_refused():
+    model = _meta("llama3")
+    names = LinearConversion("mxfp8", ("layers.*.feed_forward.*", "**.wo")).apply(model)
+    assert sorted(names) == sorted([f"layers.{i}.feed_forward.w{j}" for i in range(4) for j in (1, 2, 3)]
+                                   + [f"layers.{i}.attention.wo" for i in range(4)])
+    assert type(model.layers["0"].attention.wq) is torch.nn.Linear
+    with pytest.raises(ValueError, match="matches no nn.Linear"):
+        LinearConversion("mxfp8", ("layers.*.mlp.*",)).apply(_meta("llama3"))
+    with pytest.raises(ValueError, match="not an nn.Linear"):
+        LinearConversion("mxfp8", ("layers.0.attention",)).apply(_meta("llama3"))
+    with pytest.raises(ValueError, match="output head"):
+        LinearConversion("mxfp8", ("output",)).apply(_meta("llama3"))
+    with pytest.raises(ValueError, match="allowed none, fp8_tensorwise"):
+        LinearConversion("fp4")
+
+
+def test_dist_moe_layers_keep_their_converted_shared_experts(tmp_path, jobs):
+    """model.moe_impl=dist_moe rebuilds each MoE layer: the pass runs after that swap, so the shared experts of
+    dist-moe's layer are the converted ones (and its router is not)."""
+    from titan_train.trainer import Trainer
+
+    config = jobs.tiny(tmp_path, **{"model.family": "deepseek_v3", "model.flavor": "debug", "training.steps": "1",
+                                    "model.moe_impl": "dist_moe", "quantize.linear": "fp8_rowwise"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Trainer(config, torch.device("cpu")).model
+    moe = model.layers["1"].moe
+    assert type(moe).__module__.startswith("dist_moe")
+    assert isinstance(moe.shared_experts.w1, QuantizedLinear) and type(moe.router.gate) is torch.nn.Linear
+
+
+def test_fp8_experts_train_like_the_unquantised_experts(tmp_path, jobs):
+    """quantize.experts: dist-moe's routed experts run their grouped GEMMs in fp8 (CPU: its emulation of the
+    same fp8 values). Qwen3-MoE debug, 6 steps: within 1% of the unquantised experts at every step (the bound
+    of the module docstring) and different from them (the experts really were quantised)."""
+    job = {"model.family": "qwen3", "model.flavor": "debug_moe", "model.moe_impl": "dist_moe", "training.steps": "6"}
+    plain = train(jobs.tiny(tmp_path / "plain", **job)).losses
+    fp8 = train(jobs.tiny(tmp_path / "fp8", **job, **{"quantize.experts": "fp8_rowwise"})).losses
+    for step in plain:
+        assert fp8[step] == pytest.approx(plain[step], rel=1e-2), (step, fp8, plain)
+    assert max(abs(fp8[s] - plain[s]) for s in plain) > 1e-6
+    with pytest.raises(ValueError, match="quantize.experts=fp8_rowwise runs in dist-moe's experts"):
+        train(jobs.tiny(tmp_path / "titan", **{**job, "model.moe_impl": "titan", "quantize.experts": "fp8_rowwise"}))
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(tmp_path_factory, jobs):
+    return train(jobs.tiny(tmp_path_factory.mktemp("fp32"), **STEPS)).losses
+
+
+@pytest.fixture(scope="module")
+def rowwise_losses(tmp_path_factory, jobs):
+    return train(jobs.tiny(tmp_path_factory.mktemp("rowwise"), **STEPS, **{"quantize.linear": "fp8_rowwise"})).losses
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8"])
+def test_training_loss_tracks_the_unquantised_run(recipe, fp32_losses, rowwise_losses, tmp_path, jobs):
+    losses = rowwise_losses if recipe == "fp8_rowwise" else train(
+        jobs.tiny(tmp_path, **STEPS, **{"quantize.linear": recipe})).losses
+    assert sorted(losses) == sorted(fp32_losses)
+    assert losses[10] < losses[1] - 1.5  # it learns
+    gaps = {step: abs(losses[step] - ref) / ref for step, ref in fp32_losses.items()}
+    assert max(gaps.values()) <= 0.01, gaps
+    assert max(gaps.values()) > 1e-6, "the run equals fp32: nothing was quantised"
+
+
+def test_bf16_autocast_run_tracks_the_bf16_run(tmp_path, jobs):
+    steps = {"training.steps": "4", "training.mixed_precision": "bf16"}
+    bf16 = train(jobs.tiny(tmp_path / "bf16", **steps)).losses
+    fp8 = train(jobs.tiny(tmp_path / "fp8", **steps, **{"quantize.linear": "fp8_blockwise"})).losses
+    for step, ref in bf16.items():
+        assert fp8[step] == pytest.approx(ref, rel=0.01), (fp8, bf16)
+
+
+def test_composes_with_activation_checkpointing(rowwise_losses, tmp_path, jobs):
+    """Recomputing the blocks in backward gives the eager quantised run's losses (the same ops again)."""
+    losses = train(jobs.tiny(tmp_path, **STEPS, **{"activation_checkpoint.mode": "full",
+                                                   "quantize.linear": "fp8_rowwise"})).losses
+    for step, ref in rowwise_losses.items():
+        assert losses[step] == pytest.approx(ref, rel=1e-6), (step, losses, rowwise_losses)
+
+
+def test_compiles_in_one_graph_with_the_eager_numbers():
+    """torch.compile(fullgraph=True) traces a converted block (the autograd.Function, its recipe and the
+    quantisation) without a graph break; aot_eager runs the traced forward and backward with eager's values.
+    (The trainer's compile.mode=blocks also compiles its loss with inductor, a C++ build per test on CPU: this
+    checks the tracing on the block alone, with the blockwise recipe: ~15 s of tracing on this CPU.)"""
+    recipe = "fp8_blockwise"
+    torch._dynamo.reset()
+    block = tm.flavor("llama3", "debug").build().layers["0"].feed_forward
+    LinearConversion(recipe, ("w1", "w2", "w3")).apply(block)
+    x = torch.randn(2, 40, 256, requires_grad=True)
+    eager_y = block(x)
+    eager_grads = torch.autograd.grad(eager_y.square().sum(), [x, block.w1.weight, block.w2.weight])
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    grads = torch.autograd.grad(y.square().sum(), [x, block.w1.weight, block.w2.weight])
+    torch.testing.assert_close(y, eager_y, rtol=1e-6, atol=1e-7)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _stored(folder, step: int) -> dict[str, tuple]:
+    """name -> (dtype, shape) of every tensor rank 0 wrote in checkpoint `step`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch_checkpointing import LocalStorage
+    from torch_checkpointing.reader import StepReader
+
+    with ThreadPoolExecutor(1) as pool:
+        reader = StepReader(LocalStorage(str(folder / "checkpoints")), step, verify=False, io_pool=pool, world_size=1)
+        entries = [reader.stored(0, name) for name in reader.record(0)["stored"]]
+        return {entry.name: (entry.dtype, entry.shape) for entry in entries}
+
+
+def test_checkpoints_hold_the_same_entries_as_an_unquantised_run(tmp_path, jobs):
+    save = {"training.steps": "2", "checkpoint.interval": "2", "checkpoint.async_save": "false"}
+    train(jobs.tiny(tmp_path / "plain", **save))
+    train(jobs.tiny(tmp_path / "fp8", **save, **{"quantize.linear": "fp8_blockwise"}))
+    plain, fp8 = _stored(tmp_path / "plain", 2), _stored(tmp_path / "fp8", 2)
+    assert plain == fp8 and any("feed_forward.w1" in name for name in fp8)
+    assert not any(dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for dtype, _ in fp8.values())
+
+
+FSDP_JOB = {"training.steps": "4", "quantize.linear": "fp8_rowwise"}
+
+
+@pytest.fixture(scope="module")
+def rowwise_4_steps(tmp_path_factory, jobs):
+    losses = train(jobs.tiny(tmp_path_factory.mktemp("rowwise4"), **FSDP_JOB)).losses
+    unquantised = train(jobs.tiny(tmp_path_factory.mktemp("fp32_4"), **{**FSDP_JOB, "quantize.linear": "none"})).losses
+    # control: the tolerance below tells a quantised run from an unconverted one
+    assert max(abs(losses[s] - unquantised[s]) / unquantised[s] for s in losses) > 3e-4, (losses, unquantised)
+    return losses
+
+
+@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "fully_shard"},
+                                    {"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "flexshard"},
+                                    {"parallelism.pp": "2"}], ids=["fully_shard", "flexshard", "pp2"])
+def test_parallel_runs_on_two_ranks_follow_the_single_process_run(layout, rowwise_4_steps, tmp_path, jobs):
+    """FSDP: rank-sharded weights are gathered whole before each quantised GEMM, so the two-rank run is the
+    one-process run up to the order of gradient sums (fp32, ~1e-7), which a quantisation step can turn into an
+    e4m3 rounding flip of a few elements: 1e-4 relative over 4 steps still separates that from a wrong gradient
+    or an unconverted model (the fixture checks the quantised run departs from fp32 by more; the loss falls by ~2).
+    PP2: each rank converts the Linears of its own stages (the pass runs on the rank's part of the model).
+    Two spawned ranks on a shared 2-core machine: ~70 s each, mostly start-up."""
+    config = jobs.tiny(tmp_path, **FSDP_JOB, **layout)
+    curve = jobs.on_ranks(config, 2)
+    assert sorted(curve) == sorted(rowwise_4_steps)
+    for step, ref in rowwise_4_steps.items():
+        assert curve[step] == pytest.approx(ref, rel=1e-4), (step, curve, rowwise_4_steps)
+
+
+def test_the_benchmark_script_runs_on_cpu(tmp_path):
+    """tools/bench/fp8/bench.py on the tiny flavor (its GPU figures come from the H200 run): it trains each
+    variant and prints the markdown table (~30 s: a fresh process building two Trainers)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path))
+    out = subprocess.run([sys.executable, str(root / "tools/bench/fp8/bench.py"), "--device", "cpu", "--flavors",
+                          "tiny", "--variants", "bf16,fp8_blockwise", "--compile", "false", "--steps", "2"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| fp8_blockwise |" in out.stdout and "| bf16 |" in out.stdout
+    assert (tmp_path / "fp8_bench.json").is_file()
+
+
+# Open bug, measured on the H200 (torch 2.11, 2026-12-01): with compiled blocks and bf16_params, the
+# tensorwise, rowwise and MX recipes start at bf16's loss (6.442 vs 6.442) but learn far slower (step 4:
+# 5.67 vs 3.68); blockwise, whose GEMM is an opaque custom op, tracks bf16. The CPU (eager) runs track fp32.
+# strict: the test fails once the bug is fixed, so the mark cannot outlive it.
+_COMPILED_BUG = pytest.mark.xfail(strict=True, reason="open: traced fp8 GEMMs learn slower under compiled blocks")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fp8 kernels in training)")
+@pytest.mark.parametrize("recipe", [pytest.param("fp8_tensorwise", marks=_COMPILED_BUG),
+                                    pytest.param("fp8_rowwise", marks=_COMPILED_BUG), "fp8_blockwise",
+                                    pytest.param("mxfp8", marks=_COMPILED_BUG)])
+def test_gpu_compiled_training_tracks_bf16(recipe, tmp_path, jobs):
+    """On the GPU kernels, bf16 parameters and compiled blocks: 10 steps within 2% of the bf16 run (bf16's own
+    rounding, 2^-9 per operation, comes on top of the CPU bound above)."""
+    job = {"job.device": "cuda", "training.steps": "10", "training.mixed_precision": "bf16_params",
+           "compile.mode": "blocks"}
+    bf16 = train(jobs.tiny(tmp_path / "bf16", **job)).losses
+    torch._dynamo.reset()
+    fp8 = train(jobs.tiny(tmp_path / "fp8", **job, **{"quantize.linear": recipe})).losses
+    for step, ref in bf16.items():
+        assert fp8[step] == pytest.approx(ref, rel=0.02), (step, fp8, bf16)
+    assert fp8[10] < fp8[1] - 1.5
