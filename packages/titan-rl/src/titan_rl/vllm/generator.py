@@ -1,6 +1,7 @@
 """VLLMGenerator: the Generator interface over a vLLM engine running titan-models' definition."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -19,8 +20,11 @@ from titan_rl.vllm.plugin import architectures
 from titan_rl.vllm.support import check_servable
 
 
-def _load_titan_weights(worker, weights: dict[str, torch.Tensor]) -> int:
-    """Runs inside the vLLM worker (collective_rpc): hands the tensors to the model's load_weights."""
+def _load_titan_weights(worker, payload: bytes) -> int:
+    """Runs inside the vLLM worker (collective_rpc): hands the tensors to the model's load_weights.
+    They come as torch.save bytes: a worker in another process (the multiprocessing engine) gets the
+    arguments through vLLM's msgpack, which returns tensors nested in a dict as lists."""
+    weights = torch.load(io.BytesIO(payload), weights_only=True)
     model = worker.model_runner.model
     return len(model.load_weights(weights.items()))
 
@@ -52,6 +56,14 @@ class VLLMGenerator:
         if arch not in titan_arch:
             raise ValueError(f"no titan vLLM architecture for {arch}; supported: {sorted(titan_arch)}")
         os.environ["TITAN_RL_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        if torch.distributed.is_initialized():
+            # A generator rank of disaggregated generation: an in-process engine would build vLLM's groups
+            # on this process's torch.distributed world (trainer ranks included), so the engine runs in a
+            # process of its own, spawned (a forked one would inherit this process group). update_weights
+            # then sends _load_titan_weights (our function) to that process, which needs pickle.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         dtype = next(model.parameters()).dtype
         llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, hf_overrides={"architectures": [titan_arch[arch]]},
                   dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=True,
@@ -66,9 +78,11 @@ class VLLMGenerator:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
         weights = {k: v.detach().to("cpu") for k, v in state_dict.items()}
+        payload = io.BytesIO()
+        torch.save(weights, payload)
         with self._lock:
             if weights:
-                self.llm.collective_rpc(_load_titan_weights, args=(weights,))
+                self.llm.collective_rpc(_load_titan_weights, args=(payload.getvalue(),))
             self.policy_version = version
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:

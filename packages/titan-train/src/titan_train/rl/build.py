@@ -59,15 +59,22 @@ def validate(config: RLConfig, *, world_size: int) -> None:
             raise ValueError(f"{name} must be >= 0, got {value}")
     if 0 < config.algorithm.tis_cap < 1:
         raise ValueError(f"algorithm.tis_cap={config.algorithm.tis_cap}: the cap must be >= 1 (or 0 to disable)")
-    if config.rollout.prompts_per_step % world_size:
+    generators = config.generator.ranks
+    if not 0 <= generators < world_size or (generators and world_size < 2):
+        raise ValueError(f"generator.ranks={generators} with {world_size} rank(s): must be 0 (colocated) or leave "
+                         "at least one of the world's ranks to train (run under torchrun with more ranks)")
+    makers = generators or world_size
+    if config.rollout.prompts_per_step % makers:
+        who = "generator ranks (generator.ranks)" if generators else "ranks"
         raise ValueError(f"rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible by the "
-                         f"number of ranks ({world_size}): each rank generates an equal share of the prompts")
+                         f"number of {who} ({makers}): each generates an equal share of the prompts")
     if config.pretrain.steps and config.pretrain.batch_size % world_size:
         raise ValueError(f"pretrain.batch_size={config.pretrain.batch_size} must be divisible by the number of "
                          f"ranks ({world_size})")
     if config.generator.kind == "vllm":
-        if world_size > 1:
-            raise ValueError("generator.kind=vllm runs in one process here; use generator.kind=builtin under torchrun")
+        if world_size > 1 and not generators:
+            raise ValueError("generator.kind=vllm runs in one process, or on generator ranks (generator.ranks > 0) "
+                             "with an engine each; use generator.ranks or generator.kind=builtin under torchrun")
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("generator.kind=vllm needs vLLM, which is not installed: install titan-rl[vllm] "
                              "(tools/vllm-env/run.sh builds such an environment) or use generator.kind=builtin")

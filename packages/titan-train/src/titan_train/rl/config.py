@@ -101,8 +101,9 @@ class RolloutConfig:
     prompts_per_step: int = 8
     """Prompts (groups) per RL step, over all ranks: each rank generates an equal share."""
     max_policy_lag: int = 0
-    """0: synchronous, on-policy. k > 0: generation runs in a background thread while the policy trains,
-    from weights at most k versions old (older batches are dropped and counted)."""
+    """0: synchronous, on-policy. k > 0: generation runs in a background thread (on generator ranks: ahead
+    of the trainer) while the policy trains, from weights at most k versions old (generator ranks wait rather
+    than run further ahead; older batches are dropped and counted)."""
     max_new_tokens: int = 8
     """Completion length cap."""
     temperature: float = 1.0
@@ -113,9 +114,18 @@ class RolloutConfig:
 class GeneratorConfig:
     kind: Literal["builtin", "vllm"] = "builtin"
     """builtin: titan-rl's KV-cache generator on the same definition; vllm: our definition inside vLLM
-    (needs `titan-rl[vllm]`, one process)."""
+    (needs `titan-rl[vllm]`; one process, or one engine per generator rank with generator.ranks > 0)."""
     batch_invariant: bool = False
     """Trainer and generator compute with titan-rl's fixed-order kernels: their logprobs agree bitwise."""
+    ranks: int = 0
+    """Disaggregated generation: the last `ranks` of the world's ranks only generate (each a data-parallel
+    generator, TP1, with its own full model and engine), the others only train (FSDP over them). Rollouts
+    stream to the trainer; after each update the weights go to the generators by broadcast on a group of
+    their own, in the generator's dtype, with the staleness bound of rollout.max_policy_lag. 0: every rank
+    trains and generates (a generator inside each trainer process)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The generator's compute dtype, which is also the weights' dtype on the wire (auto: the policy's).
+    bfloat16 under an fp32 policy: the generator gets the bf16 rounding of the masters (no bitwise logprobs)."""
 
 
 @dataclass(kw_only=True)

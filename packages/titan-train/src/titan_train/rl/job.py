@@ -5,6 +5,11 @@ Per step: every rank generates its share of the prompts with its generator (Shar
 gather the same global batch, compute group advantages (and DAPO's dynamic sampling) from it, update the
 FSDP-sharded policy on their slices (PolicyUpdate), and hand each generator the full new weights
 (export_weights) with a version bump.
+
+With generator.ranks = G > 0 the last G ranks only generate and the others only train (disaggregated.py):
+rollouts stream from the generator ranks, and after each update the trainer's full weights go to them by
+broadcast on a group of their own. Every step's metrics split its time into rollout_seconds (making, or
+waiting for, the rollouts), train_seconds and weight_sync_seconds.
 """
 from __future__ import annotations
 
@@ -27,10 +32,11 @@ from ..model_setup import model_config
 from ..process_group import process_group, select_device
 from .build import make_algorithm, make_sampling, make_task, validate
 from .config import RLConfig
-from .policy import build_copy, build_policy, export_weights, initial_weights
+from .disaggregated import Roles, generator_dtype, make_roles, remote_rollouts, serve_generator
+from .policy import build_copy, build_policy, export_weights, initial_weights, share_full_state
 from .pretrain import policy_model_config, pretrain
 from .report import MetricsFile, RLProgress, text_plot, write_curve, write_curve_png
-from .rollouts import GlobalBatch, ShardedRollouts, greedy_eval
+from .rollouts import DisaggregatedRollouts, GlobalBatch, ShardedRollouts, greedy_eval
 from .update import PolicyUpdate
 
 
@@ -55,11 +61,15 @@ def run_rl(config: RLConfig) -> RLResult:
         return RLJob(config, device).run()
 
 
-def _make_generator(config: RLConfig, model: torch.nn.Module, pad_id: int) -> titan_rl.Generator:
+def _make_generator(config: RLConfig, model: torch.nn.Module, pad_id: int, *, seed: int | None = None
+                    ) -> titan_rl.Generator:
+    """The generator on `model` (a vLLM engine is started in this process; seed: its sampling seed, None:
+    job.seed)."""
     if config.generator.kind == "vllm":  # validate() checked that vLLM is installed
         from titan_rl.vllm.generator import VLLMGenerator
 
-        return VLLMGenerator.from_model(model, batch_invariant=config.generator.batch_invariant, seed=config.job.seed)
+        return VLLMGenerator.from_model(model, batch_invariant=config.generator.batch_invariant,
+                                        seed=config.job.seed if seed is None else seed)
     return titan_rl.BuiltinGenerator(model, pad_id=pad_id)
 
 
@@ -95,15 +105,28 @@ class RLJob:
             result.pretrain_losses = pre.losses
         else:
             full = initial_weights(self.model_cfg, seed=c.policy.init_seed)
-        policy, generator, update, rollouts = self._build(full)
+        roles = make_roles(c.generator.ranks) if c.generator.ranks else None
+        if roles is not None and not roles.is_trainer:
+            del full
+            # each generator rank its own engine, sampling its own stream (as torch's seed per rank below)
+            serve_generator(self, roles, lambda model: _make_generator(c, model, self.tokenizer.pad_id,
+                                                                       seed=c.job.seed * 1000 + self.rank))
+            result.seconds = time.perf_counter() - began
+            return result
+        policy, generator, update, rollouts = self._build(full, roles)
         del full
         t = c.training
+        eval_group = roles.trainer_group if roles is not None else None
 
         def evaluate(step: int) -> float | None:
+            nonlocal generator
             if not c.eval.problems:
                 return None
+            if roles is not None:  # the generators are elsewhere: a local copy of the policy answers
+                generator = self._eval_generator(generator, policy, step)
             reward = greedy_eval(task=self.task, generator=generator, tokenizer=self.tokenizer,
-                                 problems=c.eval.problems, max_new_tokens=c.rollout.max_new_tokens, seed=c.job.seed)
+                                 problems=c.eval.problems, max_new_tokens=c.rollout.max_new_tokens, seed=c.job.seed,
+                                 group=eval_group)
             result.evals[step] = reward
             return reward
 
@@ -114,13 +137,15 @@ class RLJob:
         metrics_file = MetricsFile(self.folder) if self.rank == 0 else None
         progress = RLProgress(t.steps, enabled=self.rank == 0 and c.metrics.progress,
                               log_interval=c.metrics.log_interval)
-        version, dropped_total, rl_began = generator.policy_version, 0, time.perf_counter()
+        version, dropped_total, rl_began = 0, 0, time.perf_counter()
         try:
             for step in range(1, t.steps + 1):
                 step_began = time.perf_counter()
                 m = self._step(rollouts, update, version)
                 version += 1
-                generator.update_weights(export_weights(policy), version=version)
+                sync_began = time.perf_counter()
+                rollouts.publish(policy, version)
+                m["weight_sync_seconds"] = time.perf_counter() - sync_began
                 dropped_total += int(m["dropped_samples"])
                 m |= {"step": step, "dropped_samples_total": dropped_total,
                       "step_seconds": time.perf_counter() - step_began, "seconds": time.perf_counter() - rl_began}
@@ -147,20 +172,35 @@ class RLJob:
         n_params = tm.count_params(self.model_cfg).total
         self._say(f"{c.algorithm.name} on {c.env.task}, {c.policy.family} {c.policy.flavor} with "
                   f"{self.model_cfg.num_layers} layers ({n_params / 1e6:.1f}M parameters) on {self.device.type}, "
-                  f"{self.world} rank(s){' (FSDP)' if self.world > 1 else ''}; pretraining {c.pretrain.steps} steps, "
+                  f"{self._layout()}; pretraining {c.pretrain.steps} steps, "
                   f"then {c.training.steps} RL steps of {c.rollout.prompts_per_step} prompts x "
                   f"{c.algorithm.group_size} samples; output in {self.folder}")
 
-    def _build(self, full: dict[str, torch.Tensor]):
-        """The policy (sharded), each rank's generator (full weights), the KL reference, the update and the
-        rollouts, from the initial weights `full`."""
+    def _layout(self) -> str:
+        generators = self.config.generator.ranks
+        if not generators:
+            return f"{self.world} rank(s){' (FSDP)' if self.world > 1 else ''}"
+        trainers = self.world - generators
+        return (f"{trainers} trainer rank(s){' (FSDP)' if trainers > 1 else ''} + {generators} generator rank(s) "
+                f"({self.config.generator.kind}, {self.config.generator.dtype} weights)")
+
+    def _build(self, full: dict[str, torch.Tensor], roles: Roles | None):
+        """The policy (sharded), each rank's generator (full weights; None on the trainer ranks of disaggregated
+        generation, whose generators are elsewhere), the update and the rollouts, from the initial weights
+        `full` (rank 0's)."""
         c = self.config
         torch.manual_seed(c.job.seed * 1000 + self.rank)  # rollouts sample different tokens on each rank
         invariant = c.generator.batch_invariant
-        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant)
+        group = roles.trainer_group if roles is not None else None
+        if roles is not None:
+            full = share_full_state(self.model_cfg, full, group=group, src=roles.leader, device=self.device)
+        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant, group=group)
         weights = export_weights(policy)
-        generator_model = build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
-        generator = _make_generator(c, generator_model, self.tokenizer.pad_id)
+        generator = None
+        if roles is None:
+            generator_model = build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant,
+                                         dtype=generator_dtype(c, self.model_cfg.dtype))
+            generator = _make_generator(c, generator_model, self.tokenizer.pad_id)
         reference = (build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
                      if c.algorithm.kl_coef > 0 or c.algorithm.track_kl else None)
         del weights
@@ -169,16 +209,35 @@ class RLJob:
                                       weight_decay=t.weight_decay)
         update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
                               max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
-                              pad_id=self.tokenizer.pad_id, reference=reference)
+                              pad_id=self.tokenizer.pad_id, reference=reference, group=group)
+        if roles is not None:
+            rollouts = DisaggregatedRollouts(remote_rollouts(c, roles, self.device))
+            rollouts.publish(policy, 0)  # the generators start from the initial weights, through the same path
+            return policy, generator, update, rollouts
         rollouts = ShardedRollouts(make_env=lambda: SingleTurn(self.task), generator=generator,
                                    tokenizer=self.tokenizer, sampling=self.sampling,
                                    group_size=self.algorithm.group_size, groups_per_step=c.rollout.prompts_per_step,
                                    max_policy_lag=c.rollout.max_policy_lag, seed=c.job.seed)
         return policy, generator, update, rollouts
 
-    def _step(self, rollouts: ShardedRollouts, update: PolicyUpdate, version: int) -> dict[str, float]:
+    def _eval_generator(self, generator: titan_rl.BuiltinGenerator | None, policy: torch.nn.Module,
+                        version: int) -> titan_rl.BuiltinGenerator:
+        """The trainer ranks' own built-in generator for greedy evaluation under disaggregated generation, made
+        on first use and given the policy's current weights (a collective of the trainer ranks)."""
+        weights = export_weights(policy)
+        if generator is None:
+            model = build_copy(self.model_cfg, weights, device=self.device,
+                               batch_invariant=self.config.generator.batch_invariant,
+                               dtype=generator_dtype(self.config, self.model_cfg.dtype))
+            return titan_rl.BuiltinGenerator(model, pad_id=self.tokenizer.pad_id, policy_version=version)
+        generator.update_weights(weights, version=version)
+        return generator
+
+    def _step(self, rollouts: ShardedRollouts | DisaggregatedRollouts, update: PolicyUpdate,
+              version: int) -> dict[str, float]:
         """One RL step's rollouts, advantages and update (a collective: every rank runs it alike)."""
         algo = self.algorithm
+        began = time.perf_counter()
         batch = rollouts.get(version)
         dropped = batch.dropped_samples
         rewards, advantages, keep = self._advantages(batch)
@@ -188,6 +247,7 @@ class RLJob:
             batch = rollouts.get(version)
             dropped += batch.dropped_samples
             rewards, advantages, keep = self._advantages(batch)
+        rollout_seconds = time.perf_counter() - began
         train_samples, train_advantages = [], []
         for j in range(rewards.shape[0]):
             if keep[j]:
@@ -203,13 +263,16 @@ class RLJob:
             "filtered_groups": float((~keep).sum()), "refills": float(refills),
             "gen_tokens_per_s": batch.generated_tokens / max(batch.generation_seconds, 1e-9),
             "completion_len": sum(len(s.completion) for s in samples) / len(samples),
-            "policy_version": float(version),
+            "policy_version": float(version), "rollout_seconds": rollout_seconds,
+            "generation_seconds": batch.generation_seconds,
         }
+        began = time.perf_counter()
         if train_samples:
             m |= update(train_samples, train_advantages)
         else:
             m |= {"loss": 0.0, "kl": 0.0, "train_tokens_per_s": 0.0, "logprob_mismatch_max": 0.0,
                   "logprob_mismatch_mean": 0.0, "trained_samples": 0.0}
+        m["train_seconds"] = time.perf_counter() - began
         return m
 
     def _advantages(self, batch: GlobalBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,11 +9,13 @@ and therefore happens before sharding, which tracks parameters by their owning m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import titan_rl
@@ -31,23 +33,39 @@ def initial_weights(model_cfg, *, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_policy(model_cfg, full_state: dict[str, torch.Tensor], *, device: torch.device,
-                 batch_invariant: bool) -> nn.Module:
+                 batch_invariant: bool, group: dist.ProcessGroup | None = None) -> nn.Module:
     """The trainable policy: FSDP-sharded over all ranks when there are several, holding `full_state`
-    (rank 0's full weights; broadcast to the others' shards)."""
+    (rank 0's full weights; broadcast to the others' shards). With `group` (the trainer ranks of
+    disaggregated generation): sharded over that group, whose ranks all hold `full_state` (share_full_state)."""
     model = build_on_meta(model_cfg)
     if batch_invariant:
         titan_rl.batch_invariant(model)
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1:
+        mesh = (init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",)) if group is None
+                else DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp_shard",)))
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
     model.init_buffers()  # buffers (RoPE frequencies) are computed, not loaded: to_empty left them uninitialised
+    broadcast = world > 1 and group is None  # torch's broadcast_from_rank0 runs on the default group only
     set_model_state_dict(model, full_state,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed))
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast))
     return model
+
+
+def share_full_state(model_cfg, full_state: dict[str, torch.Tensor], *, group: dist.ProcessGroup, src: int,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """Rank `src`'s full weights on every rank of `group` (broadcast tensor by tensor, on `device`)."""
+    shapes = build_on_meta(model_cfg).state_dict()
+    out = {}
+    for name, meta in shapes.items():
+        tensor = (full_state[name].to(device) if dist.get_rank() == src
+                  else torch.empty(meta.shape, dtype=meta.dtype, device=device))
+        dist.broadcast(tensor, src=src, group=group)
+        out[name] = tensor
+    return out
 
 
 def export_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
@@ -55,13 +73,17 @@ def export_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
 
 
-def build_copy(model_cfg, weights: dict[str, torch.Tensor], *, device: torch.device,
-               batch_invariant: bool) -> nn.Module:
-    """An unsharded, frozen model holding `weights` (a generator's model, the KL reference)."""
+def build_copy(model_cfg, weights: dict[str, torch.Tensor] | None, *, device: torch.device,
+               batch_invariant: bool, dtype: torch.dtype | None = None) -> nn.Module:
+    """An unsharded, frozen model holding `weights` (a generator's model, the KL reference), in `dtype`
+    (None: the config's). weights None: uninitialised, for a generator whose weights arrive by message."""
+    if dtype is not None:
+        model_cfg = dataclasses.replace(model_cfg, dtype=dtype)  # the parameters' dtype; buffers keep theirs
     model = build_on_meta(model_cfg).to_empty(device=device)
     model.init_buffers()
     if batch_invariant:
         titan_rl.batch_invariant(model)
-    with torch.no_grad():
-        model.load_state_dict(weights)
+    if weights is not None:
+        with torch.no_grad():
+            model.load_state_dict(weights)
     return model.requires_grad_(False)

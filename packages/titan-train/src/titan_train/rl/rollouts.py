@@ -6,6 +6,10 @@ built from the seed `job.seed * 1_000_003 + g`, so the problems a step sees do n
 of ranks. With max_policy_lag > 0 every rank runs titan-rl's AsyncRollouts (background generation,
 stale batches dropped); ranks may then drop different batches, so before a step they compare which
 batch they hold, and those behind skip forward (counted as dropped) until all hold the same one.
+
+Disaggregated (generator.ranks > 0): generator j of G makes share j of each batch (`rollout_share`, the same
+problems as above) on its own rank, and the trainer ranks get the batches through titan_rl.RemoteRollouts
+(`DisaggregatedRollouts`).
 """
 from __future__ import annotations
 
@@ -14,9 +18,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from titan_rl import AsyncRollouts, Generator, RolloutBatch, Sample, SamplingConfig, Tokenizer, collect_rollouts
+from titan_rl import (
+    AsyncRollouts,
+    Generator,
+    RemoteRollouts,
+    RolloutBatch,
+    Sample,
+    SamplingConfig,
+    Tokenizer,
+    collect_rollouts,
+    full_tensors,
+)
 from titan_rl.envs import Environment, SingleTurn, Task
+
+from .policy import export_weights
 
 SEED_STRIDE = 1_000_003            # as titan_rl.RLLoop: seed * stride + group index
 EVAL_SEED_BASE = 10**12            # evaluation problems come from seeds far past any training group
@@ -31,19 +48,30 @@ class GlobalBatch:
     dropped_samples: int           # dropped since the previous batch, over all ranks (stale or skipped)
 
 
-def _rank_world() -> tuple[int, int]:
+def _rank_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def _all_gather(value):
-    rank, world = _rank_world()
+def _all_gather(value, group: dist.ProcessGroup | None = None):
+    rank, world = _rank_world(group)
     if world == 1:
         return [value]
     out = [None] * world
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
+
+
+def rollout_share(*, batch_index: int, rank: int, world: int, make_env: Callable[[], Environment],
+                  generator: Generator, tokenizer: Tokenizer, sampling: SamplingConfig, group_size: int,
+                  groups_per_step: int, seed: int) -> RolloutBatch:
+    """Generator `rank` of `world`'s share of batch `batch_index` (its groups, numbered globally)."""
+    share = groups_per_step // world
+    mine = batch_index * groups_per_step + rank * share
+    seeds = [seed * SEED_STRIDE + g for g in range(mine, mine + share)]
+    return collect_rollouts(make_env=make_env, seeds=seeds, group_size=group_size, generator=generator,
+                            tokenizer=tokenizer, sampling=sampling, first_group=mine)
 
 
 class ShardedRollouts:
@@ -62,11 +90,10 @@ class ShardedRollouts:
 
     def _produce(self, first_group: int) -> RolloutBatch:
         """This rank's share of the batch whose groups start at `first_group` (a global group number)."""
-        mine = first_group + self.rank * self.share
-        seeds = [self.seed * SEED_STRIDE + g for g in range(mine, mine + self.share)]
-        return collect_rollouts(make_env=self.make_env, seeds=seeds, group_size=self.group_size,
-                                generator=self.generator, tokenizer=self.tokenizer, sampling=self.sampling,
-                                first_group=mine)
+        return rollout_share(batch_index=first_group // self.groups_per_step, rank=self.rank, world=self.world,
+                             make_env=self.make_env, generator=self.generator, tokenizer=self.tokenizer,
+                             sampling=self.sampling, group_size=self.group_size,
+                             groups_per_step=self.groups_per_step, seed=self.seed)
 
     def _batch_index(self, batch: RolloutBatch) -> int:
         return min(s.group for s in batch.samples) // self.groups_per_step
@@ -92,15 +119,44 @@ class ShardedRollouts:
                            generation_seconds=max(part.seconds for part, _ in parts),
                            dropped_samples=sum(d for _, d in parts))
 
+    def publish(self, policy: nn.Module, version: int) -> None:
+        """Hand each rank's generator the policy's full weights (a collective over the policy's ranks)."""
+        self.generator.update_weights(export_weights(policy), version=version)
+
     def close(self) -> None:
         self.local.close()
 
 
+class DisaggregatedRollouts:
+    """The trainer ranks' rollouts under disaggregated generation (titan_rl.RemoteRollouts): batches come
+    from the generator ranks, the weights go back to them (`publish`, every trainer rank) in their dtype."""
+
+    def __init__(self, remote: RemoteRollouts) -> None:
+        self.remote = remote
+        self._version = 0
+
+    def get(self, trainer_version: int) -> GlobalBatch:
+        batch = self.remote.get(trainer_version)
+        samples = sorted((s for part in batch.parts for s in part.samples), key=lambda s: s.group)
+        return GlobalBatch(samples=samples, policy_version=batch.policy_version,
+                           generated_tokens=sum(part.generated_tokens for part in batch.parts),
+                           generation_seconds=max(part.seconds for part in batch.parts),
+                           dropped_samples=batch.dropped_samples)
+
+    def publish(self, policy: nn.Module, version: int) -> None:
+        self.remote.publish(full_tensors(policy), version=version)
+        self._version = version
+
+    def close(self) -> None:
+        self.remote.close(version=self._version)
+
+
 @torch.no_grad()
 def greedy_eval(*, task: Task, generator: Generator, tokenizer: Tokenizer, problems: int, max_new_tokens: int,
-                seed: int) -> float:
-    """Mean reward of greedy answers to `problems` held-out problems, split over the ranks (a collective)."""
-    rank, world = _rank_world()
+                seed: int, group: dist.ProcessGroup | None = None) -> float:
+    """Mean reward of greedy answers to `problems` held-out problems, split over the ranks of `group`
+    (a collective of them; None: all ranks)."""
+    rank, world = _rank_world(group)
     indices = torch.arange(problems).tensor_split(world)[rank].tolist()
     total = 0.0
     if indices:
@@ -111,4 +167,4 @@ def greedy_eval(*, task: Task, generator: Generator, tokenizer: Tokenizer, probl
         for env, out in zip(envs, generator.generate(prompts, sampling)):
             text = tokenizer.decode([t for t in out.tokens if t != tokenizer.eos_id])
             total += env.step(text).reward
-    return sum(_all_gather(total)) / max(problems, 1)
+    return sum(_all_gather(total, group)) / max(problems, 1)

@@ -33,18 +33,20 @@ TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncat
 class PolicyUpdate:
     def __init__(self, *, policy: nn.Module, optimizer: torch.optim.Optimizer, loss: PolicyLossConfig,
                  minibatches: int = 1, max_grad_norm: float = 1.0, temperature: float = 1.0, pad_id: int,
-                 reference: nn.Module | None = None) -> None:
+                 reference: nn.Module | None = None, group: dist.ProcessGroup | None = None) -> None:
         """temperature: the sampling temperature (logprobs are of softmax(logits / T); 0 (greedy) means 1).
         reference: the frozen policy of the KL term (needed when loss.kl_coef > 0); given with kl_coef 0, the KL
-          to it is measured ("kl") but not trained on."""
+          to it is measured ("kl") but not trained on.
+        group: the ranks the policy is sharded over (None: all; the trainer ranks under disaggregated generation)."""
         if loss.kl_coef > 0 and reference is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
         self.policy, self.optimizer, self.loss, self.reference = policy, optimizer, loss, reference
         self.minibatches, self.max_grad_norm, self.pad_id = minibatches, max_grad_norm, pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(policy.parameters()).device
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
 
     def _logprobs(self, model: nn.Module, batch: TrainBatch | None) -> torch.Tensor:
         if batch is None:  # an empty slice: join the collectives with a throwaway row
@@ -98,7 +100,7 @@ class PolicyUpdate:
             grad_norm = self._clip()
             self.optimizer.step()
             if self.world > 1:
-                dist.all_reduce(contribution)
+                dist.all_reduce(contribution, group=self.group)
             totals["loss"] = totals.get("loss", 0.0) + float(contribution[0])
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
             for j, name in enumerate(TOKEN_MEAN_METRICS):
@@ -126,9 +128,9 @@ class PolicyUpdate:
         """The update's metrics: minibatch means, and the behaviour mismatch and throughput over all ranks."""
         counts = torch.tensor([float(trained_tokens)], device=self.device)
         if self.world > 1:
-            dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
-            dist.all_reduce(mismatch)
-            dist.all_reduce(counts)
+            dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(mismatch, group=self.group)
+            dist.all_reduce(counts, group=self.group)
         seconds = time.perf_counter() - start
         metrics = {k: v / max(minibatches, 1) for k, v in totals.items()}
         metrics |= {"logprob_mismatch_max": float(mismatch_max),

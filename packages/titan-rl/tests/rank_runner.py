@@ -1,0 +1,28 @@
+"""Starting gloo ranks from test files with the spawn start method.
+
+pytest imports test files under names a spawned child cannot import, so a rank function is sent by its
+file and name and the child loads that file itself (this module is importable in the children because
+the test puts this folder on sys.path, which spawn hands on).
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _run_from_file(rank: int, path: str, name: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # the machine is shared; one thread per rank also keeps runs reproducible
+    spec = importlib.util.spec_from_file_location(f"titan_rl_rank_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    getattr(module, name)(rank, *args)
+
+
+def spawn_ranks(fn: Callable, nprocs: int, args: tuple) -> None:
+    """fn(rank, *args) on `nprocs` spawned processes; fn is a module-level function of a test file."""
+    mp.start_processes(_run_from_file, args=(fn.__code__.co_filename, fn.__name__, args), nprocs=nprocs,
+                       start_method="spawn")
