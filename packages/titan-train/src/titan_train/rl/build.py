@@ -6,6 +6,7 @@ import importlib.util
 
 import titan_rl
 from titan_rl.envs import ArithmeticTask, CountdownTask, SortingTask, Task
+from titan_rl.envs.function_tasks import FunctionTask
 
 from .config import EnvConfig, RLAlgorithmConfig, RLConfig, RolloutConfig
 
@@ -18,6 +19,8 @@ def make_task(env: EnvConfig) -> Task:
         return SortingTask(min_length=env.min_length, max_length=env.max_length)
     if env.task == "arithmetic":
         return ArithmeticTask(max_operand=env.max_operand, ops=env.ops)
+    if env.task == "code":
+        return FunctionTask()  # the training split; the job evaluates on the held-out one
     return CountdownTask(num_numbers=env.num_numbers, max_number=env.max_number)
 
 
@@ -31,9 +34,11 @@ def make_algorithm(config: RLAlgorithmConfig) -> titan_rl.AlgorithmConfig:
     return ALGORITHMS[config.name](**overrides)
 
 
-def make_sampling(config: RolloutConfig, *, eos_id: int) -> titan_rl.SamplingConfig:
+def make_sampling(config: RolloutConfig, *, eos_id: int,
+                  stop_sequences: tuple[tuple[int, ...], ...] = ()) -> titan_rl.SamplingConfig:
+    """stop_sequences: token ids of the strings that end a turn of a multi-turn episode."""
     return titan_rl.SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                   top_p=config.top_p, stop_token_ids=(eos_id,))
+                                   top_p=config.top_p, stop_token_ids=(eos_id,), stop_sequences=stop_sequences)
 
 
 def validate(config: RLConfig, *, world_size: int) -> None:
@@ -42,7 +47,7 @@ def validate(config: RLConfig, *, world_size: int) -> None:
         "pretrain.batch_size": config.pretrain.batch_size, "pretrain.seq_len": config.pretrain.seq_len,
         "pretrain.examples": config.pretrain.examples, "rollout.prompts_per_step": config.rollout.prompts_per_step,
         "training.steps": config.training.steps, "training.minibatches": config.training.minibatches,
-        "metrics.log_interval": config.metrics.log_interval,
+        "metrics.log_interval": config.metrics.log_interval, "env.max_turns": config.env.max_turns,
     }
     for name, value in positive.items():
         if value < 1:

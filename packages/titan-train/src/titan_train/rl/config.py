@@ -44,8 +44,9 @@ class PolicyConfig:
 
 @dataclass(kw_only=True)
 class EnvConfig:
-    task: Literal["sorting", "arithmetic", "countdown"] = "sorting"
-    """The verifiable-reward task (titan_rl.envs): prompts, reference answers and the reward."""
+    task: Literal["sorting", "arithmetic", "countdown", "code"] = "sorting"
+    """The verifiable-reward task (titan_rl.envs): prompts, reference answers and the reward. code: write
+    a small list function from examples, with a sandboxed python tool, scored by hidden tests (multi-turn)."""
     min_length: int = 3
     """sorting: fewest digits to sort."""
     max_length: int = 3
@@ -58,6 +59,8 @@ class EnvConfig:
     """countdown: numbers given per puzzle."""
     max_number: int = 25
     """countdown: largest number given."""
+    max_turns: int = 3
+    """code: turns per episode (python tool calls, then the answer; an episode without an answer scores 0)."""
 
 
 @dataclass(kw_only=True)

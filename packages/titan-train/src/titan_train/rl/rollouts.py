@@ -9,6 +9,7 @@ batch they hold, and those behind skip forward (counted as dropped) until all ho
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from titan_rl import AsyncRollouts, Generator, RolloutBatch, Sample, SamplingConfig, Tokenizer, collect_rollouts
-from titan_rl.envs import Environment, SingleTurn, Task
+from titan_rl.envs import Environment
 
 SEED_STRIDE = 1_000_003            # as titan_rl.RLLoop: seed * stride + group index
 EVAL_SEED_BASE = 10**12            # evaluation problems come from seeds far past any training group
@@ -49,13 +50,13 @@ def _all_gather(value):
 class ShardedRollouts:
     def __init__(self, *, make_env: Callable[[], Environment], generator: Generator, tokenizer: Tokenizer,
                  sampling: SamplingConfig, group_size: int, groups_per_step: int, max_policy_lag: int,
-                 seed: int) -> None:
+                 seed: int, max_turns: int = 1) -> None:
         self.rank, self.world = _rank_world()
         assert groups_per_step % self.world == 0, "validate() checks rollout.prompts_per_step against the world size"
         self.share = groups_per_step // self.world
         self.groups_per_step = groups_per_step
         self.make_env, self.generator, self.tokenizer = make_env, generator, tokenizer
-        self.sampling, self.group_size, self.seed = sampling, group_size, seed
+        self.sampling, self.group_size, self.seed, self.max_turns = sampling, group_size, seed, max_turns
         self._skipped = 0
         self._dropped_seen = 0
         self.local = AsyncRollouts(self._produce, max_policy_lag=max_policy_lag, groups_per_batch=groups_per_step)
@@ -66,7 +67,7 @@ class ShardedRollouts:
         seeds = [self.seed * SEED_STRIDE + g for g in range(mine, mine + self.share)]
         return collect_rollouts(make_env=self.make_env, seeds=seeds, group_size=self.group_size,
                                 generator=self.generator, tokenizer=self.tokenizer, sampling=self.sampling,
-                                first_group=mine)
+                                max_turns=self.max_turns, first_group=mine)
 
     def _batch_index(self, batch: RolloutBatch) -> int:
         return min(s.group for s in batch.samples) // self.groups_per_step
@@ -97,18 +98,17 @@ class ShardedRollouts:
 
 
 @torch.no_grad()
-def greedy_eval(*, task: Task, generator: Generator, tokenizer: Tokenizer, problems: int, max_new_tokens: int,
-                seed: int) -> float:
-    """Mean reward of greedy answers to `problems` held-out problems, split over the ranks (a collective)."""
+def greedy_eval(*, make_env: Callable[[], Environment], generator: Generator, tokenizer: Tokenizer, problems: int,
+                sampling: SamplingConfig, seed: int, max_turns: int = 1) -> float:
+    """Mean reward of greedy episodes (`sampling` at temperature 0) on `problems` held-out problems, split
+    over the ranks (a collective). Multi-turn episodes get their tool answers as in training."""
     rank, world = _rank_world()
     indices = torch.arange(problems).tensor_split(world)[rank].tolist()
     total = 0.0
     if indices:
-        envs = [SingleTurn(task) for _ in indices]
-        prompts = [tokenizer.encode(env.reset(seed=EVAL_SEED_BASE + seed * SEED_STRIDE + i))
-                   for env, i in zip(envs, indices)]
-        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,))
-        for env, out in zip(envs, generator.generate(prompts, sampling)):
-            text = tokenizer.decode([t for t in out.tokens if t != tokenizer.eos_id])
-            total += env.step(text).reward
+        greedy = dataclasses.replace(sampling, temperature=0.0, seed=None)
+        seeds = [EVAL_SEED_BASE + seed * SEED_STRIDE + i for i in indices]
+        batch = collect_rollouts(make_env=make_env, seeds=seeds, group_size=1, generator=generator,
+                                 tokenizer=tokenizer, sampling=greedy, max_turns=max_turns)
+        total = sum(s.reward for s in batch.samples)
     return sum(_all_gather(total)) / max(problems, 1)
