@@ -7,6 +7,7 @@ import importlib.util
 import titan_rl
 from titan_rl.envs import ArithmeticTask, CountdownTask, SortingTask, Task
 from titan_rl.envs.function_tasks import FunctionTask
+from titan_rl.envs.retrieval import KeyValueRetrievalTask
 
 from .config import EnvConfig, RLAlgorithmConfig, RLConfig, RolloutConfig
 
@@ -19,6 +20,8 @@ def make_task(env: EnvConfig) -> Task:
         return SortingTask(min_length=env.min_length, max_length=env.max_length)
     if env.task == "arithmetic":
         return ArithmeticTask(max_operand=env.max_operand, ops=env.ops)
+    if env.task == "retrieval":
+        return KeyValueRetrievalTask(context_chars=env.context_chars)
     if env.task == "code":
         return FunctionTask()  # the training split; the job evaluates on the held-out one
     return CountdownTask(num_numbers=env.num_numbers, max_number=env.max_number)
@@ -48,6 +51,7 @@ def validate(config: RLConfig, *, world_size: int) -> None:
         "pretrain.examples": config.pretrain.examples, "rollout.prompts_per_step": config.rollout.prompts_per_step,
         "training.steps": config.training.steps, "training.minibatches": config.training.minibatches,
         "metrics.log_interval": config.metrics.log_interval, "env.max_turns": config.env.max_turns,
+        "training.context_parallel": config.training.context_parallel,
     }
     for name, value in positive.items():
         if value < 1:
@@ -70,6 +74,12 @@ def validate(config: RLConfig, *, world_size: int) -> None:
     if config.pretrain.steps and config.pretrain.batch_size % world_size:
         raise ValueError(f"pretrain.batch_size={config.pretrain.batch_size} must be divisible by the number of "
                          f"ranks ({world_size})")
+    cp = config.training.context_parallel
+    if cp > 1 and world_size % cp:
+        raise ValueError(f"training.context_parallel={cp} must divide the number of ranks ({world_size})")
+    if cp > 1 and config.generator.batch_invariant:
+        raise ValueError("training.context_parallel > 1 runs ring attention, which has no batch-invariant kernel: "
+                         "use generator.batch_invariant=false")
     if config.generator.kind == "vllm":
         if world_size > 1:
             raise ValueError("generator.kind=vllm runs in one process here; use generator.kind=builtin under torchrun")

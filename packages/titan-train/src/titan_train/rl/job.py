@@ -26,6 +26,7 @@ from ..model_setup import model_config
 from ..process_group import process_group, select_device
 from .build import make_algorithm, make_sampling, validate
 from .config import RLConfig
+from .context_parallel_logprobs import context_parallel_group
 from .episodes import make_episodes
 from .policy import build_copy, build_policy, export_weights, initial_weights
 from .pretrain import policy_model_config, pretrain
@@ -159,7 +160,8 @@ class RLJob:
         c = self.config
         torch.manual_seed(c.job.seed * 1000 + self.rank)  # rollouts sample different tokens on each rank
         invariant = c.generator.batch_invariant
-        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant)
+        cp_group = context_parallel_group(c.training.context_parallel)
+        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant, cp_group=cp_group)
         weights = export_weights(policy)
         generator_model = build_copy(self.model_cfg, weights, device=self.device, batch_invariant=invariant)
         generator = _make_generator(c, generator_model, self.tokenizer.pad_id)
@@ -171,7 +173,7 @@ class RLJob:
                                       weight_decay=t.weight_decay)
         update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
                               max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
-                              pad_id=self.tokenizer.pad_id, reference=reference)
+                              pad_id=self.tokenizer.pad_id, reference=reference, cp_group=cp_group)
         rollouts = ShardedRollouts(make_env=self.episodes.make_env, generator=generator,
                                    tokenizer=self.tokenizer, sampling=self.sampling,
                                    group_size=self.algorithm.group_size, groups_per_step=c.rollout.prompts_per_step,

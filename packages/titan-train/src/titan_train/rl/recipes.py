@@ -83,3 +83,20 @@ def rl_code() -> RLConfig:
         training=RLStepConfig(steps=30, lr=5e-4),
         eval=EvalConfig(problems=64, interval=10),
     )
+
+
+@register_recipe("rl_long_context", registry=RL_RECIPES)
+def rl_long_context() -> RLConfig:
+    """Long-context retrieval (the value of one key among 4k tokens of key=value pairs) with the update's
+    sequences split over 2 context-parallel ranks: `torchrun --nproc-per-node 2 -m titan_train rl --recipe
+    rl_long_context` (a 1-layer debug Llama, CPU). Pretrained on solved problems first, as every RL job."""
+    return RLConfig(
+        job=RLJobConfig(folder="runs/rl_long_context", device="cpu"),
+        policy=PolicyConfig(num_layers=1),
+        env=EnvConfig(task="retrieval", context_chars=4096),
+        pretrain=PretrainConfig(steps=20, batch_size=4, seq_len=4608, lr=3e-3, warmup_steps=3, examples=200),
+        algorithm=RLAlgorithmConfig(name="grpo", group_size=4),
+        rollout=RolloutConfig(prompts_per_step=2, max_new_tokens=4),
+        training=RLStepConfig(steps=20, lr=3e-4, context_parallel=2),
+        eval=EvalConfig(problems=8, interval=10),
+    )
