@@ -131,3 +131,61 @@ def test_rl_code_recipe_is_a_multi_turn_code_job():
     config = RL_RECIPES["rl_code"]()
     assert config.env.task == "code" and config.env.max_turns >= 2 and config.pretrain.steps > 0
     assert config.job.device == "cpu"
+
+
+class HalfRight(ScriptedPolicy):
+    """Even samples of a batch write the prompt's reference program, odd ones a wrong one."""
+
+    def __init__(self) -> None:
+        super().__init__([solve, "def f(x):return x"])
+
+
+@needs_isolation
+def test_the_update_moves_the_policy_towards_programs_that_pass_hidden_tests():
+    """A deterministic quantity instead of a sampled reward: on fixed episodes (half the programs right,
+    scored by the hidden tests in the sandbox), five GRPO updates of the job's PolicyUpdate make each passing
+    episode more likely against its failing twin by a margin (nats) far above rounding.
+    (The reward curve of the whole job is measured in titan-rl's README.)"""
+    import titan_models as tm
+    from titan_rl import SamplingConfig, collect_rollouts, grpo
+    from titan_rl.envs import SandboxConfig
+    from titan_rl.envs.function_tasks import FunctionTask, code_exec_env
+    from titan_train.rl.update import PolicyUpdate
+
+    torch.manual_seed(0)
+    task = FunctionTask(sandbox=SandboxConfig(cpu_seconds=1, wall_seconds=3.0, memory_bytes=256 * 2**20))
+    samples = collect_rollouts(make_env=lambda: code_exec_env(task, max_turns=2), seeds=[0, 1, 2, 3], group_size=2,
+                               generator=HalfRight(), tokenizer=TOK, sampling=SamplingConfig(), max_turns=2).samples
+    rewards = torch.tensor([s.reward for s in samples]).view(-1, 2)
+    assert bool((rewards[:, 0] > rewards[:, 1]).all()), rewards  # the reference passes more hidden tests
+    algorithm = grpo(group_size=2)
+    advantages = algorithm.advantages(rewards)[0].flatten().tolist()
+    config = tm.llama3.Llama3Config(vocab_size=TOK.vocab_size, dim=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                    ffn_dim=128, max_seq_len=512)
+    with torch.device("meta"):
+        policy = config.build()
+    policy.to_empty(device="cpu")
+    policy.init_weights(seed=0)
+    for s in samples:  # on-policy behaviour logprobs: the ratio starts at 1
+        with torch.no_grad():
+            logp = titan_rl_logprobs(policy, s)
+        s.behavior_logprobs = logp
+    update = PolicyUpdate(policy=policy, optimizer=torch.optim.AdamW(policy.parameters(), lr=3e-3), loss=algorithm.loss,
+                          pad_id=TOK.pad_id)
+    before = [float(titan_rl_logprobs(policy, s) @ torch.tensor(s.loss_mask, dtype=torch.float32)) for s in samples]
+    for _ in range(5):
+        update(samples, advantages)
+    after = [float(titan_rl_logprobs(policy, s) @ torch.tensor(s.loss_mask, dtype=torch.float32)) for s in samples]
+    # Per group: how much more likely the passing episode became than the failing one (their shared
+    # prefix, the same tokens after the same context, cancels out).
+    margin = [(after[i] - after[i + 1]) - (before[i] - before[i + 1]) for i in range(0, len(samples), 2)]
+    assert all(m > 2.0 for m in margin), margin
+
+
+def titan_rl_logprobs(policy, sample) -> torch.Tensor:
+    """The policy's logprobs of a sample's completion tokens (the model's and the tool's alike)."""
+    from titan_rl import token_logprobs
+
+    tokens = torch.tensor([sample.prompt + sample.completion])
+    with torch.no_grad():
+        return token_logprobs(policy, tokens)[0, len(sample.prompt) - 1:]
