@@ -3,9 +3,9 @@
 Every cp rank holds the same samples. Each one runs the policy (whose attention is titan-train's
 RingAttention over `group`, `apply_context_parallel`) on its share of every sequence in the load-balanced
 layout of context_parallel.py, with those tokens' global positions, and gets the logprobs of the tokens
-that follow them. The shares are all-gathered with autograd (`torch.distributed.nn.functional.all_gather`)
-into the full [B, S-1] logprobs, so the policy loss is computed on whole sequences, exactly as on one
-process, identically on every cp rank.
+that follow them. The shares are all-gathered with autograd (`_GatherShares`) into the full [B, S-1]
+logprobs, so the policy loss is computed on whole sequences, exactly as on one process, identically on
+every cp rank.
 
 Gradients: the gather's backward sums what all cp ranks' (identical) losses send back to a rank's share,
 so each rank's parameter gradient is cp x the gradient of the loss through its own tokens (and, through
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 from titan_rl import logprobs_from_logits
@@ -40,8 +39,26 @@ def cp_token_logprobs(model: nn.Module, tokens: torch.Tensor, *, group: dist.Pro
     positions = index.expand(batch, -1)
     logits = model(inputs.index_select(1, index), positions=positions)
     local = logprobs_from_logits(logits, labels.index_select(1, index), temperature=temperature)  # [B, S_pad / cp]
-    shares = dist_fn.all_gather(local.contiguous(), group=group)
-    return unshard_sequence(list(shares), cp)[:, :seq - 1]
+    shares = _GatherShares.apply(local, group)
+    return unshard_sequence(list(shares.unbind(0)), cp)[:, :seq - 1]
+
+
+class _GatherShares(torch.autograd.Function):
+    """Every cp rank's share [B, s] stacked [cp, B, s]; the backward sums the gradient over the ranks
+    (an all-reduce, which every backend has, gloo included) and keeps this rank's share of it."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        shares = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shares, local.contiguous(), group=group)
+        return torch.stack(shares)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
 
 
 def context_parallel_group(cp: int) -> dist.ProcessGroup | None:
