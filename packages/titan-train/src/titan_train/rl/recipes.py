@@ -79,9 +79,9 @@ def rl_code() -> RLConfig:
         env=EnvConfig(task="code", max_turns=2),
         pretrain=PretrainConfig(steps=100, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=5, examples=4000),
         algorithm=RLAlgorithmConfig(name="grpo", group_size=8),
-        rollout=RolloutConfig(prompts_per_step=4, max_new_tokens=56, temperature=0.7),
+        rollout=RolloutConfig(prompts_per_step=8, max_new_tokens=56, temperature=0.7),
         training=RLStepConfig(steps=20, lr=5e-4),
-        eval=EvalConfig(problems=32, interval=5),
+        eval=EvalConfig(problems=64, interval=10),
     )
 
 
