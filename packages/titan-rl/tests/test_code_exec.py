@@ -151,3 +151,20 @@ def test_gradients_do_not_depend_on_tool_output_logprobs(algorithm):
     assert tool_positions.any()
     _, corrupted = grads(corrupt=True)
     assert all(torch.equal(a, b) for a, b in zip(clean, corrupted))
+
+
+def test_python_tool_memoises_what_the_code_decides_but_not_a_wall_timeout(monkeypatch):
+    """A timeout under load must not become the code's permanent answer (the policy would see it in every
+    later episode running that code); what the code itself decides is run once."""
+    import titan_rl.envs.python_tool as python_tool
+    from titan_rl.envs import SandboxResult
+
+    outcomes = iter([SandboxResult(status="wall_timeout", returncode=None, stdout="", stderr=""),
+                     SandboxResult(status="ok", returncode=0, stdout="3\n", stderr="")])
+    calls = []
+    monkeypatch.setattr(python_tool, "run_sandboxed", lambda code, config: calls.append(code) or next(outcomes))
+    monkeypatch.setattr(python_tool, "_MEMO", {})
+    tool = PythonTool(config=FAST)
+    assert tool("print(1 + 2)") == "error: wall_timeout"
+    assert tool("print(1 + 2)") == "3\n" and tool("print(1 + 2)") == "3\n"
+    assert len(calls) == 2  # run again after the timeout, then remembered
