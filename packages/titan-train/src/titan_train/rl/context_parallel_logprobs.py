@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from titan_rl import logprobs_from_logits
@@ -28,6 +29,13 @@ def cp_token_logprobs(model: nn.Module, tokens: torch.Tensor, *, group: dist.Pro
                       temperature: float = 1.0) -> torch.Tensor:
     """tokens [B, S] (right-padded, the same on every cp rank) -> logprobs [B, S-1] of tokens[:, 1:], as
     `titan_rl.token_logprobs` on one process; differentiable through every rank's share."""
+    return cp_token_logprobs_and_entropy(model, tokens, group=group, pad_id=pad_id, temperature=temperature)[0]
+
+
+def cp_token_logprobs_and_entropy(model: nn.Module, tokens: torch.Tensor, *, group: dist.ProcessGroup,
+                                  pad_id: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cp_token_logprobs` and the entropy [B, S-1] of each next-token distribution (detached), as
+    `titan_rl.token_logprobs_and_entropy` on one process."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     batch, seq = tokens.shape
     padded = -(-seq // (2 * cp)) * (2 * cp)  # the layout cuts the sequence into 2 * cp equal chunks
@@ -36,11 +44,15 @@ def cp_token_logprobs(model: nn.Module, tokens: torch.Tensor, *, group: dist.Pro
     full[:, :seq] = tokens
     inputs, labels = full[:, :padded], full[:, 1:]
     index = local_indices(rank, cp, padded, tokens.device)
-    positions = index.expand(batch, -1)
-    logits = model(inputs.index_select(1, index), positions=positions)
-    local = logprobs_from_logits(logits, labels.index_select(1, index), temperature=temperature)  # [B, S_pad / cp]
+    logits = model(inputs.index_select(1, index), positions=index.expand(batch, -1))  # [B, S_pad / cp, V]
+    local = logprobs_from_logits(logits, labels.index_select(1, index), temperature=temperature)
+    with torch.no_grad():
+        scaled = logits.float() / (temperature if temperature not in (0.0, 1.0) else 1.0)
+        logp = F.log_softmax(scaled, dim=-1)
+        local_entropy = -(logp.exp() * logp).sum(-1)
+        entropy = unshard_sequence(list(_GatherShares.apply(local_entropy, group).unbind(0)), cp)[:, :seq - 1]
     shares = _GatherShares.apply(local, group)
-    return unshard_sequence(list(shares.unbind(0)), cp)[:, :seq - 1]
+    return unshard_sequence(list(shares.unbind(0)), cp)[:, :seq - 1], entropy
 
 
 class _GatherShares(torch.autograd.Function):

@@ -25,7 +25,7 @@ from torch import nn
 from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs, token_logprobs_and_entropy
 
 from ..grad_norm import clip_by_total_norm
-from .context_parallel_logprobs import cp_token_logprobs
+from .context_parallel_logprobs import cp_token_logprobs, cp_token_logprobs_and_entropy
 
 # token means over the rank's slice (policy_loss's, and the policy's entropy); combined over ranks weighted by tokens.
 TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncated_frac", "kl", "entropy")
@@ -83,6 +83,9 @@ class PolicyUpdate:
             self.optimizer.zero_grad(set_to_none=True)
             if batch is None:
                 logp = self._logprobs(self.policy, batch)
+            elif self.cp_group is not None:
+                logp, entropy = cp_token_logprobs_and_entropy(self.policy, batch.tokens, group=self.cp_group,
+                                                              pad_id=self.pad_id, temperature=self.temperature)
             else:
                 logp, entropy = token_logprobs_and_entropy(self.policy, batch.tokens, temperature=self.temperature)
             # what each rank adds to this minibatch's global values: loss, token-mean metrics (x tokens)
