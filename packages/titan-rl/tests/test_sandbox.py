@@ -346,6 +346,9 @@ def test_stale_run_cgroups_are_removed_but_not_busy_ones(monkeypatch):
         with open(os.path.join(d, "cgroup.procs"), "w") as f:
             f.write(str(sleeper.pid))
     monkeypatch.setattr(cgroups, "STALE_SECONDS", 0.0)
+    # Only this test's cgroups count as stale here: with STALE_SECONDS 0 the sweep would also remove the
+    # cgroups of other processes' runs that are being set up right now (created, not yet joined).
+    monkeypatch.setattr(cgroups, "STALE_PREFIX", "titan-sandbox-test-")
     fresh, _ = make_run_cgroup("titan-sandbox-test-fresh", memory_bytes=2**30, max_processes=1)
     assert not any(map(os.path.exists, stale.dirs)) and all(map(os.path.exists, busy.dirs))
     sleeper.kill()

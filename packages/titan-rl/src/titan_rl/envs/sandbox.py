@@ -38,6 +38,7 @@ from titan_rl.envs.sandbox_cgroup import make_run_cgroup
 
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 _STATUS_CAP_BYTES = 1 << 20
+_SETUP_ATTEMPTS, _CGROUP_VANISHED = 3, "joining the run's cgroup"  # sandbox_launcher's error when it is gone
 _KILL_GRACE_SECONDS = 2.0  # after a kill, how long the pipes may take to close (the kernel's teardown)
 
 Status = Literal["ok", "error", "cpu_limit", "wall_timeout", "memory_limit", "output_limit"]
@@ -140,7 +141,12 @@ def run_sandboxed(source: str, config: SandboxConfig | None = None, *, stdin: st
             "(the program could then read and write what the trainer can, use the network and signal "
             "the trainer), pass SandboxConfig(allow_unisolated=True).")
     start = time.monotonic()
-    report, out, err, killed = _launch(source, files, stdin, config, isolate=support.isolated)
+    for _ in range(_SETUP_ATTEMPTS):
+        report, out, err, killed = _launch(source, files, stdin, config, isolate=support.isolated)
+        # Another process's stale-cgroup sweep can remove this run's cgroup between its creation and the
+        # join; nothing untrusted has run at setup, so the run is built again with a fresh cgroup.
+        if not str(report.get("setup_error", "")).startswith(_CGROUP_VANISHED):
+            break
     if "setup_error" in report or (killed is None and report.get("setup") != "ok"):
         problem = report.get("setup_error") or err.decode(errors="replace")[-500:]
         raise SandboxUnavailable(f"the sandbox could not be built for this run: {problem}")

@@ -6,6 +6,8 @@ import importlib.util
 
 import titan_rl
 from titan_rl.envs import ArithmeticTask, CountdownTask, SortingTask, Task
+from titan_rl.envs.function_tasks import FunctionTask
+from titan_rl.envs.retrieval import KeyValueRetrievalTask
 
 from .config import EnvConfig, RLAlgorithmConfig, RLConfig, RolloutConfig
 
@@ -18,6 +20,10 @@ def make_task(env: EnvConfig) -> Task:
         return SortingTask(min_length=env.min_length, max_length=env.max_length)
     if env.task == "arithmetic":
         return ArithmeticTask(max_operand=env.max_operand, ops=env.ops)
+    if env.task == "retrieval":
+        return KeyValueRetrievalTask(context_chars=env.context_chars)
+    if env.task == "code":
+        return FunctionTask()  # the training split; the job evaluates on the held-out one
     return CountdownTask(num_numbers=env.num_numbers, max_number=env.max_number)
 
 
@@ -31,9 +37,11 @@ def make_algorithm(config: RLAlgorithmConfig) -> titan_rl.AlgorithmConfig:
     return ALGORITHMS[config.name](**overrides)
 
 
-def make_sampling(config: RolloutConfig, *, eos_id: int) -> titan_rl.SamplingConfig:
+def make_sampling(config: RolloutConfig, *, eos_id: int,
+                  stop_sequences: tuple[tuple[int, ...], ...] = ()) -> titan_rl.SamplingConfig:
+    """stop_sequences: token ids of the strings that end a turn of a multi-turn episode."""
     return titan_rl.SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                   top_p=config.top_p, stop_token_ids=(eos_id,))
+                                   top_p=config.top_p, stop_token_ids=(eos_id,), stop_sequences=stop_sequences)
 
 
 def validate(config: RLConfig, *, world_size: int) -> None:
@@ -42,7 +50,8 @@ def validate(config: RLConfig, *, world_size: int) -> None:
         "pretrain.batch_size": config.pretrain.batch_size, "pretrain.seq_len": config.pretrain.seq_len,
         "pretrain.examples": config.pretrain.examples, "rollout.prompts_per_step": config.rollout.prompts_per_step,
         "training.steps": config.training.steps, "training.minibatches": config.training.minibatches,
-        "metrics.log_interval": config.metrics.log_interval,
+        "metrics.log_interval": config.metrics.log_interval, "env.max_turns": config.env.max_turns,
+        "training.context_parallel": config.training.context_parallel,
     }
     for name, value in positive.items():
         if value < 1:
@@ -71,6 +80,16 @@ def validate(config: RLConfig, *, world_size: int) -> None:
     if config.pretrain.steps and config.pretrain.batch_size % world_size:
         raise ValueError(f"pretrain.batch_size={config.pretrain.batch_size} must be divisible by the number of "
                          f"ranks ({world_size})")
+    cp = config.training.context_parallel
+    if cp > 1 and world_size % cp:
+        raise ValueError(f"training.context_parallel={cp} must divide the number of ranks ({world_size})")
+    if cp > 1 and generators:
+        raise ValueError(f"training.context_parallel={cp} with generator.ranks={generators}: the trainer's "
+                         "context-parallel groups are not built over the trainer ranks of disaggregated generation "
+                         "yet; use one of them")
+    if cp > 1 and config.generator.batch_invariant:
+        raise ValueError("training.context_parallel > 1 runs ring attention, which has no batch-invariant kernel: "
+                         "use generator.batch_invariant=false")
     if config.generator.kind == "vllm":
         if world_size > 1 and not generators:
             raise ValueError("generator.kind=vllm runs in one process, or on generator ranks (generator.ranks > 0) "

@@ -44,8 +44,10 @@ class PolicyConfig:
 
 @dataclass(kw_only=True)
 class EnvConfig:
-    task: Literal["sorting", "arithmetic", "countdown"] = "sorting"
-    """The verifiable-reward task (titan_rl.envs): prompts, reference answers and the reward."""
+    task: Literal["sorting", "arithmetic", "countdown", "code", "retrieval"] = "sorting"
+    """The verifiable-reward task (titan_rl.envs): prompts, reference answers and the reward. code: write
+    a small list function from examples, with a sandboxed python tool, scored by hidden tests (multi-turn).
+    retrieval: the value of one key among `context_chars` characters of key=value pairs (long context)."""
     min_length: int = 3
     """sorting: fewest digits to sort."""
     max_length: int = 3
@@ -58,6 +60,10 @@ class EnvConfig:
     """countdown: numbers given per puzzle."""
     max_number: int = 25
     """countdown: largest number given."""
+    context_chars: int = 4096
+    """retrieval: characters (byte tokens) of key=value context before the query."""
+    max_turns: int = 3
+    """code: turns per episode (python tool calls, then the answer; an episode without an answer scores 0)."""
 
 
 @dataclass(kw_only=True)
@@ -143,6 +149,9 @@ class RLStepConfig:
     """Optimizer steps per rollout batch (the PPO 'old' policy is the batch's start)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
+    context_parallel: int = 1
+    """Ranks that split each sequence of the update (ring attention, titan-train's context parallelism; for
+    long contexts); the world is context_parallel x data-parallel ranks, every rank still generates its share."""
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 import titan_rl
-from titan_rl.envs import SingleTurn
 
 from .config import RLConfig
 from .policy import build_copy
@@ -83,9 +82,10 @@ def serve_generator(job, roles: Roles, make_generator) -> titan_rl.remote_rollou
 
     def produce(batch_index: int) -> titan_rl.RolloutBatch:
         return rollout_share(batch_index=batch_index, rank=index, world=len(roles.generators),
-                             make_env=lambda: SingleTurn(job.task), generator=generator, tokenizer=job.tokenizer,
+                             make_env=job.episodes.make_env, generator=generator, tokenizer=job.tokenizer,
                              sampling=job.sampling, group_size=job.algorithm.group_size,
-                             groups_per_step=c.rollout.prompts_per_step, seed=c.job.seed)
+                             groups_per_step=c.rollout.prompts_per_step, seed=c.job.seed,
+                             max_turns=job.episodes.max_turns)
 
     server = titan_rl.RolloutServer(generator=generator, receiver=receiver, produce=produce,
                                     max_policy_lag=c.rollout.max_policy_lag, leader=roles.leader,

@@ -24,15 +24,16 @@ import torch.distributed as dist
 
 import titan_models as tm
 import titan_rl
-from titan_rl.envs import SingleTurn
 
 from ..cli_args import check_types
 from ..data import ByteTokenizer as TrainByteTokenizer
 from ..model_setup import model_config
 from ..process_group import process_group, select_device
-from .build import make_algorithm, make_sampling, make_task, validate
+from .build import make_algorithm, make_sampling, validate
 from .config import RLConfig
+from .context_parallel_logprobs import context_parallel_group
 from .disaggregated import Roles, generator_dtype, make_roles, remote_rollouts, serve_generator
+from .episodes import make_episodes
 from .policy import build_copy, build_policy, export_weights, initial_weights, share_full_state
 from .pretrain import policy_model_config, pretrain
 from .report import MetricsFile, RLProgress, text_plot, write_curve, write_curve_png
@@ -83,9 +84,10 @@ class RLJob:
         # Pretraining reads its examples through titan-train's byte tokenizer: the ids must be the same.
         assert (self.tokenizer.eos_id, self.tokenizer.vocab_size) == (TrainByteTokenizer.eos_id,
                                                                      TrainByteTokenizer.vocab_size)
-        self.task = make_task(config.env)
+        self.episodes = make_episodes(config.env)
         self.algorithm = make_algorithm(config.algorithm)
-        self.sampling = make_sampling(config.rollout, eos_id=self.tokenizer.eos_id)
+        stops = tuple(tuple(self.tokenizer.encode(s)) for s in self.episodes.stop_strings)
+        self.sampling = make_sampling(config.rollout, eos_id=self.tokenizer.eos_id, stop_sequences=stops)
         self.model_cfg = model_config(policy_model_config(config), vocab_needed=self.tokenizer.vocab_size)
 
     def _say(self, text: str) -> None:
@@ -101,7 +103,7 @@ class RLJob:
         self._announce()
         # 1. Pretraining: the format of the task (and some of its skill), by titan-train's trainer.
         if c.pretrain.steps:
-            full, pre = pretrain(c, self.task, self.device)
+            full, pre = pretrain(c, self.episodes.demonstration, self.device)
             result.pretrain_losses = pre.losses
         else:
             full = initial_weights(self.model_cfg, seed=c.policy.init_seed)
@@ -124,9 +126,9 @@ class RLJob:
                 return None
             if roles is not None:  # the generators are elsewhere: a local copy of the policy answers
                 generator = self._eval_generator(generator, policy, step)
-            reward = greedy_eval(task=self.task, generator=generator, tokenizer=self.tokenizer,
-                                 problems=c.eval.problems, max_new_tokens=c.rollout.max_new_tokens, seed=c.job.seed,
-                                 group=eval_group)
+            reward = greedy_eval(make_env=self.episodes.make_eval_env, generator=generator, tokenizer=self.tokenizer,
+                                 problems=c.eval.problems, sampling=self.sampling, seed=c.job.seed,
+                                 max_turns=self.episodes.max_turns, group=eval_group)
             result.evals[step] = reward
             return reward
 
@@ -194,7 +196,9 @@ class RLJob:
         group = roles.trainer_group if roles is not None else None
         if roles is not None:
             full = share_full_state(self.model_cfg, full, group=group, src=roles.leader, device=self.device)
-        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant, group=group)
+        cp_group = context_parallel_group(c.training.context_parallel)
+        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant, group=group,
+                              cp_group=cp_group)
         weights = export_weights(policy)
         generator = None
         if roles is None:
@@ -209,15 +213,16 @@ class RLJob:
                                       weight_decay=t.weight_decay)
         update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
                               max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
-                              pad_id=self.tokenizer.pad_id, reference=reference, group=group)
+                              pad_id=self.tokenizer.pad_id, reference=reference, group=group, cp_group=cp_group)
         if roles is not None:
             rollouts = DisaggregatedRollouts(remote_rollouts(c, roles, self.device))
             rollouts.publish(policy, 0)  # the generators start from the initial weights, through the same path
             return policy, generator, update, rollouts
-        rollouts = ShardedRollouts(make_env=lambda: SingleTurn(self.task), generator=generator,
+        rollouts = ShardedRollouts(make_env=self.episodes.make_env, generator=generator,
                                    tokenizer=self.tokenizer, sampling=self.sampling,
                                    group_size=self.algorithm.group_size, groups_per_step=c.rollout.prompts_per_step,
-                                   max_policy_lag=c.rollout.max_policy_lag, seed=c.job.seed)
+                                   max_policy_lag=c.rollout.max_policy_lag, seed=c.job.seed,
+                                   max_turns=self.episodes.max_turns)
         return policy, generator, update, rollouts
 
     def _eval_generator(self, generator: titan_rl.BuiltinGenerator | None, policy: torch.nn.Module,

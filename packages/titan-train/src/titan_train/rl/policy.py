@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 import titan_rl
 
+from ..context_parallel import apply_context_parallel
 from ..model_setup import build_on_meta
 
 
@@ -33,13 +34,18 @@ def initial_weights(model_cfg, *, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_policy(model_cfg, full_state: dict[str, torch.Tensor], *, device: torch.device,
-                 batch_invariant: bool, group: dist.ProcessGroup | None = None) -> nn.Module:
+                 batch_invariant: bool, group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None) -> nn.Module:
     """The trainable policy: FSDP-sharded over all ranks when there are several, holding `full_state`
     (rank 0's full weights; broadcast to the others' shards). With `group` (the trainer ranks of
-    disaggregated generation): sharded over that group, whose ranks all hold `full_state` (share_full_state)."""
+    disaggregated generation): sharded over that group, whose ranks all hold `full_state` (share_full_state).
+    With `cp_group`, its attention is the ring of context parallelism over that group (the update then
+    calls it on sequence shares)."""
     model = build_on_meta(model_cfg)
     if batch_invariant:
         titan_rl.batch_invariant(model)
+    if cp_group is not None:
+        apply_context_parallel(model, cp_group)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
         mesh = (init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",)) if group is None

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-from titan_rl.envs import Task
 
 from ..config import (
     CheckpointConfig,
@@ -38,17 +37,16 @@ def policy_model_config(config: RLConfig) -> ModelConfig:
                        attention=p.attention, init_seed=p.init_seed)
 
 
-def write_examples(task: Task, path: Path, *, examples: int, seed: int) -> None:
-    """`examples` solved problems as jsonl documents. They come from one random stream of their own
-    (RL and evaluation build each problem from an integer seed), so they are not RL's exact draws;
-    small tasks repeat problems anyway."""
+def write_examples(demonstration: Callable[[random.Random], str], path: Path, *, examples: int, seed: int) -> None:
+    """`examples` solved problems (`demonstration(rng)`: prompt and answer, or a whole solved episode) as
+    jsonl documents. They come from one random stream of their own (RL and evaluation build each problem
+    from an integer seed), so they are not RL's exact draws; small tasks repeat problems anyway."""
     rng = random.Random(f"titan-train rl pretrain {seed}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for _ in range(examples):
-            problem = task.sample(rng)
-            f.write(json.dumps({"text": problem.prompt + problem.answer}) + "\n")
+            f.write(json.dumps({"text": demonstration(rng)}) + "\n")
     tmp.replace(path)
 
 
@@ -67,12 +65,13 @@ def pretrain_config(config: RLConfig, data: Path) -> TrainConfig:
     )
 
 
-def pretrain(config: RLConfig, task: Task, device: torch.device) -> tuple[dict[str, torch.Tensor], TrainResult]:
+def pretrain(config: RLConfig, demonstration: Callable[[random.Random], str],
+             device: torch.device) -> tuple[dict[str, torch.Tensor], TrainResult]:
     """Run the supervised phase; returns (the model's full state dict on rank 0, {} elsewhere; the result)."""
     data = Path(config.job.folder) / "pretrain" / "data.jsonl"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        write_examples(task, data, examples=config.pretrain.examples, seed=config.job.seed)
+        write_examples(demonstration, data, examples=config.pretrain.examples, seed=config.job.seed)
     if dist.is_initialized():
         dist.barrier()  # the file exists before any rank's trainer opens it
     trainer = Trainer(pretrain_config(config, data), device)

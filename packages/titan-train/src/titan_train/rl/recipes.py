@@ -6,9 +6,11 @@ from collections.abc import Callable
 
 from ..recipes import register_recipe
 from .config import (
+    EnvConfig,
     EvalConfig,
     GeneratorConfig,
     PolicyConfig,
+    PretrainConfig,
     RLAlgorithmConfig,
     RLConfig,
     RLJobConfig,
@@ -65,3 +67,36 @@ def rl_sorting_stable() -> RLConfig:
     return RLConfig(job=RLJobConfig(folder="runs/rl_sorting_stable", device="cpu"),
                     algorithm=RLAlgorithmConfig(kl_coef=0.1), training=RLStepConfig(steps=300, minibatches=2),
                     eval=EvalConfig(interval=50))
+
+
+@register_recipe("rl_code", registry=RL_RECIPES)
+def rl_code() -> RLConfig:
+    """Multi-turn code execution: the policy writes a list function from examples, may run Python in the
+    sandbox (the output comes back as the next turn, masked from the loss) and answers; the reward is the
+    fraction of hidden tests passed. Pretrained on solved episodes first; evaluated greedily on held-out problems."""
+    return RLConfig(
+        job=RLJobConfig(folder="runs/rl_code", device="cpu"),
+        env=EnvConfig(task="code", max_turns=2),
+        pretrain=PretrainConfig(steps=100, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=5, examples=4000),
+        algorithm=RLAlgorithmConfig(name="grpo", group_size=8),
+        rollout=RolloutConfig(prompts_per_step=8, max_new_tokens=56, temperature=0.7),
+        training=RLStepConfig(steps=20, lr=5e-4),
+        eval=EvalConfig(problems=64, interval=10),
+    )
+
+
+@register_recipe("rl_long_context", registry=RL_RECIPES)
+def rl_long_context() -> RLConfig:
+    """Long-context retrieval (the value of one key among 4k tokens of key=value pairs) with the update's
+    sequences split over 2 context-parallel ranks: `torchrun --nproc-per-node 2 -m titan_train rl --recipe
+    rl_long_context` (a 1-layer debug Llama, CPU). Pretrained on solved problems first, as every RL job."""
+    return RLConfig(
+        job=RLJobConfig(folder="runs/rl_long_context", device="cpu"),
+        policy=PolicyConfig(num_layers=1),
+        env=EnvConfig(task="retrieval", context_chars=4096),
+        pretrain=PretrainConfig(steps=20, batch_size=4, seq_len=4608, lr=3e-3, warmup_steps=3, examples=200),
+        algorithm=RLAlgorithmConfig(name="grpo", group_size=4),
+        rollout=RolloutConfig(prompts_per_step=2, max_new_tokens=4),
+        training=RLStepConfig(steps=20, lr=3e-4, context_parallel=2),
+        eval=EvalConfig(problems=8, interval=10),
+    )

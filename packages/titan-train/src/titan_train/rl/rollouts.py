@@ -13,6 +13,7 @@ problems as above) on its own rank, and the trainer ranks get the batches throug
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from titan_rl import (
     collect_rollouts,
     full_tensors,
 )
-from titan_rl.envs import Environment, SingleTurn, Task
+from titan_rl.envs import Environment
 
 from .policy import export_weights
 
@@ -65,25 +66,25 @@ def _all_gather(value, group: dist.ProcessGroup | None = None):
 
 def rollout_share(*, batch_index: int, rank: int, world: int, make_env: Callable[[], Environment],
                   generator: Generator, tokenizer: Tokenizer, sampling: SamplingConfig, group_size: int,
-                  groups_per_step: int, seed: int) -> RolloutBatch:
+                  groups_per_step: int, seed: int, max_turns: int = 1) -> RolloutBatch:
     """Generator `rank` of `world`'s share of batch `batch_index` (its groups, numbered globally)."""
     share = groups_per_step // world
     mine = batch_index * groups_per_step + rank * share
     seeds = [seed * SEED_STRIDE + g for g in range(mine, mine + share)]
     return collect_rollouts(make_env=make_env, seeds=seeds, group_size=group_size, generator=generator,
-                            tokenizer=tokenizer, sampling=sampling, first_group=mine)
+                            tokenizer=tokenizer, sampling=sampling, max_turns=max_turns, first_group=mine)
 
 
 class ShardedRollouts:
     def __init__(self, *, make_env: Callable[[], Environment], generator: Generator, tokenizer: Tokenizer,
                  sampling: SamplingConfig, group_size: int, groups_per_step: int, max_policy_lag: int,
-                 seed: int) -> None:
+                 seed: int, max_turns: int = 1) -> None:
         self.rank, self.world = _rank_world()
         assert groups_per_step % self.world == 0, "validate() checks rollout.prompts_per_step against the world size"
         self.share = groups_per_step // self.world
         self.groups_per_step = groups_per_step
         self.make_env, self.generator, self.tokenizer = make_env, generator, tokenizer
-        self.sampling, self.group_size, self.seed = sampling, group_size, seed
+        self.sampling, self.group_size, self.seed, self.max_turns = sampling, group_size, seed, max_turns
         self._skipped = 0
         self._dropped_seen = 0
         self.local = AsyncRollouts(self._produce, max_policy_lag=max_policy_lag, groups_per_batch=groups_per_step)
@@ -93,7 +94,7 @@ class ShardedRollouts:
         return rollout_share(batch_index=first_group // self.groups_per_step, rank=self.rank, world=self.world,
                              make_env=self.make_env, generator=self.generator, tokenizer=self.tokenizer,
                              sampling=self.sampling, group_size=self.group_size,
-                             groups_per_step=self.groups_per_step, seed=self.seed)
+                             groups_per_step=self.groups_per_step, seed=self.seed, max_turns=self.max_turns)
 
     def _batch_index(self, batch: RolloutBatch) -> int:
         return min(s.group for s in batch.samples) // self.groups_per_step
@@ -152,19 +153,19 @@ class DisaggregatedRollouts:
 
 
 @torch.no_grad()
-def greedy_eval(*, task: Task, generator: Generator, tokenizer: Tokenizer, problems: int, max_new_tokens: int,
-                seed: int, group: dist.ProcessGroup | None = None) -> float:
-    """Mean reward of greedy answers to `problems` held-out problems, split over the ranks of `group`
-    (a collective of them; None: all ranks)."""
+def greedy_eval(*, make_env: Callable[[], Environment], generator: Generator, tokenizer: Tokenizer, problems: int,
+                sampling: SamplingConfig, seed: int, max_turns: int = 1, group: dist.ProcessGroup | None = None
+                ) -> float:
+    """Mean reward of greedy episodes (`sampling` at temperature 0) on `problems` held-out problems, split
+    over the ranks of `group` (a collective of them; None: all ranks). Multi-turn episodes get their tool
+    answers as in training."""
     rank, world = _rank_world(group)
     indices = torch.arange(problems).tensor_split(world)[rank].tolist()
     total = 0.0
     if indices:
-        envs = [SingleTurn(task) for _ in indices]
-        prompts = [tokenizer.encode(env.reset(seed=EVAL_SEED_BASE + seed * SEED_STRIDE + i))
-                   for env, i in zip(envs, indices)]
-        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,))
-        for env, out in zip(envs, generator.generate(prompts, sampling)):
-            text = tokenizer.decode([t for t in out.tokens if t != tokenizer.eos_id])
-            total += env.step(text).reward
+        greedy = dataclasses.replace(sampling, temperature=0.0, seed=None)
+        seeds = [EVAL_SEED_BASE + seed * SEED_STRIDE + i for i in indices]
+        batch = collect_rollouts(make_env=make_env, seeds=seeds, group_size=1, generator=generator,
+                                 tokenizer=tokenizer, sampling=greedy, max_turns=max_turns)
+        total = sum(s.reward for s in batch.samples)
     return sum(_all_gather(total, group)) / max(problems, 1)

@@ -25,6 +25,7 @@ from torch import nn
 from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs, token_logprobs_and_entropy
 
 from ..grad_norm import clip_by_total_norm
+from .context_parallel_logprobs import cp_token_logprobs, cp_token_logprobs_and_entropy
 
 # token means over the rank's slice (policy_loss's, and the policy's entropy); combined over ranks weighted by tokens.
 TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncated_frac", "kl", "entropy")
@@ -33,26 +34,36 @@ TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncat
 class PolicyUpdate:
     def __init__(self, *, policy: nn.Module, optimizer: torch.optim.Optimizer, loss: PolicyLossConfig,
                  minibatches: int = 1, max_grad_norm: float = 1.0, temperature: float = 1.0, pad_id: int,
-                 reference: nn.Module | None = None, group: dist.ProcessGroup | None = None) -> None:
+                 reference: nn.Module | None = None, group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None) -> None:
         """temperature: the sampling temperature (logprobs are of softmax(logits / T); 0 (greedy) means 1).
         reference: the frozen policy of the KL term (needed when loss.kl_coef > 0); given with kl_coef 0, the KL
           to it is measured ("kl") but not trained on.
-        group: the ranks the policy is sharded over (None: all; the trainer ranks under disaggregated generation)."""
+        group: the ranks the policy is sharded over (None: all; the trainer ranks under disaggregated generation).
+        cp_group: this rank's context-parallel group (the policy's attention is its ring): the ranks of a
+          group take the same samples and split each sequence (context_parallel_logprobs.py)."""
         if loss.kl_coef > 0 and reference is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
         self.policy, self.optimizer, self.loss, self.reference = policy, optimizer, loss, reference
         self.minibatches, self.max_grad_norm, self.pad_id = minibatches, max_grad_norm, pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(policy.parameters()).device
+        assert group is None or cp_group is None, "build.validate refuses generator ranks with context parallelism"
         self.group = group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.cp_group = cp_group
+        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        # data-parallel coordinates: the cp ranks of a group are consecutive and hold the same slice
+        self.dp_rank, self.dp_world = self.rank // self.cp, self.world // self.cp
 
     def _logprobs(self, model: nn.Module, batch: TrainBatch | None) -> torch.Tensor:
-        if batch is None:  # an empty slice: join the collectives with a throwaway row
-            tokens = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
-            return token_logprobs(model, tokens, temperature=self.temperature)
-        return token_logprobs(model, batch.tokens, temperature=self.temperature)
+        tokens = batch.tokens if batch is not None else torch.full(
+            (1, 2), self.pad_id, dtype=torch.long, device=self.device)  # an empty slice: join the collectives
+        if self.cp_group is not None and model is self.policy:  # the KL reference is a whole, unsplit copy
+            return cp_token_logprobs(model, tokens, group=self.cp_group, pad_id=self.pad_id,
+                                     temperature=self.temperature)
+        return token_logprobs(model, tokens, temperature=self.temperature)
 
     def _clip(self) -> float:
         return float(clip_by_total_norm(list(self.policy.parameters()), self.max_grad_norm))
@@ -76,6 +87,9 @@ class PolicyUpdate:
             self.optimizer.zero_grad(set_to_none=True)
             if batch is None:
                 logp = self._logprobs(self.policy, batch)
+            elif self.cp_group is not None:
+                logp, entropy = cp_token_logprobs_and_entropy(self.policy, batch.tokens, group=self.cp_group,
+                                                              pad_id=self.pad_id, temperature=self.temperature)
             else:
                 logp, entropy = token_logprobs_and_entropy(self.policy, batch.tokens, temperature=self.temperature)
             # what each rank adds to this minibatch's global values: loss, token-mean metrics (x tokens)
@@ -94,9 +108,9 @@ class PolicyUpdate:
                 (out.loss * scale).backward()
                 local_tokens = float(batch.mask.sum())
                 contribution[0] = out.loss.detach() * scale / self.world
-                for j, name in enumerate(TOKEN_MEAN_METRICS):
-                    contribution[1 + j] = out.metrics.get(name, 0.0) * local_tokens / max(tokens, 1)
-                trained_tokens += batch.tokens.numel()
+                for j, name in enumerate(TOKEN_MEAN_METRICS):  # the cp ranks of a group add the same value
+                    contribution[1 + j] = out.metrics.get(name, 0.0) * local_tokens / max(tokens, 1) / self.cp
+                trained_tokens += batch.tokens.numel() // self.cp
             grad_norm = self._clip()
             self.optimizer.step()
             if self.world > 1:
@@ -114,12 +128,14 @@ class PolicyUpdate:
         parts = [p for p in torch.arange(len(samples)).tensor_split(self.minibatches) if len(p)]
         slices = []
         for part in parts:
-            mine = part.tensor_split(self.world)[self.rank].tolist()
+            mine = part.tensor_split(self.dp_world)[self.dp_rank].tolist()
             tokens = sum(sum(samples[i].loss_mask) for i in part.tolist())
             batch = (TrainBatch.from_samples([samples[i] for i in mine], [advantages[i] for i in mine],
                                              pad_id=self.pad_id, device=self.device) if mine else None)
             local = sum(sum(samples[i].loss_mask) for i in mine) if token_mean else len(mine)
-            scale = self.world * local / (tokens if token_mean else len(part))
+            # FSDP averages over all ranks, cp ones included: with cp, each rank's gradient is cp x its share's
+            # (context_parallel_logprobs.py), so the data-parallel world is what the scale counts
+            scale = self.dp_world * local / (tokens if token_mean else len(part))
             slices.append((tokens, batch, scale))
         return slices
 
