@@ -4,10 +4,9 @@ References are one process running the same recipe with ep=1. For Qwen3-MoE that
 titan-models' own MoE layer (model.moe_impl=auto picks it without ep), an independent implementation
 of the routing and the experts; the parallel runs use dist-moe's layer, experts split over ep ranks.
 
-Tolerance: relative 1e-4 per step over 10 steps in fp32, for the loss and for the gradient norm before
-clipping (as test_parallel.py argues: parallel runs start from bit-identical weights and see the same
-global batches, so only the order of floating-point sums differs, ~1e-7 per operation; the largest
-seen here is 3e-7). The gradient norm is what catches a wrong expert-gradient scale, to which Adam's
+Tolerance: titan_train_curves (relative 1e-4 for steps 1-3 in fp32, for the loss and for the gradient
+norm before clipping, then a bound doubling per step for the amplified rounding of sums taken in another
+order). The gradient norm is what catches a wrong expert-gradient scale, to which Adam's
 update is nearly blind: experts divided by FSDP's group size instead of the data-parallel size (a factor
 2 on EP2) moved the step-1 norm by 7e-4. The expert biases after 10 aux-loss-free updates must equal
 the single process's exactly: a count not summed over the data-parallel ranks and microbatches, or one
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan_train_curves import assert_pairs_follow
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli import main
@@ -51,12 +51,6 @@ def curve(folder: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
 
 
-def assert_follows(got: dict, want: dict, steps) -> None:
-    for step in steps:
-        assert got[step][0] == pytest.approx(want[step][0], rel=1e-4), ("loss", step, got, want)
-        assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), ("grad_norm", step, got, want)
-
-
 def expert_biases(folder: Path, step: int, layers: list[int]) -> dict[str, torch.Tensor]:
     state = {"model": {f"layers.{i}.moe.expert_bias": torch.zeros(8) for i in layers}}
     with Checkpointer(str(folder / "checkpoints")) as checkpoints:
@@ -79,7 +73,7 @@ def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_referen
     config = moe_job("qwen3_moe_debug_ep", folder, **{"parallelism.ep": "2", "checkpoint.interval": "5"})
     jobs.on_ranks(config, 2)
     want = curve(qwen_reference)
-    assert_follows(curve(folder), want, range(1, STEPS + 1))
+    assert_pairs_follow(curve(folder), want, range(1, STEPS + 1))
 
     biases, reference_biases = expert_biases(folder, STEPS, [0, 1]), expert_biases(qwen_reference, STEPS, [0, 1])
     for name, bias in biases.items():
@@ -95,7 +89,7 @@ def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_referen
     shutil.copytree(folder / "checkpoints" / "step-5", moved / "checkpoints" / "step-5")
     resumed = train(moe_job("qwen3_moe_debug_ep", moved, **SINGLE, **{"checkpoint.resume": "true"}))
     assert resumed.start_step == 5 and sorted(resumed.losses) == list(range(6, STEPS + 1))
-    assert_follows(curve(moved), want, range(6, STEPS + 1))
+    assert_pairs_follow(curve(moved), want, range(6, STEPS + 1))
 
 
 def test_ep2_qwen3_next_with_a_gated_shared_expert_follows_titan_moe(tmp_path, jobs):
@@ -106,7 +100,7 @@ def test_ep2_qwen3_next_with_a_gated_shared_expert_follows_titan_moe(tmp_path, j
     assert resolve_moe_impl(single) == "titan"
     train(single)
     jobs.on_ranks(moe_job("qwen3_next_debug_ep", tmp_path / "ep2", **{"parallelism.ep": "2"}, **job), 2)
-    assert_follows(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
+    assert_pairs_follow(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
 
 
 def test_ep2_kimi_linear_follows_titan_moe(tmp_path, jobs):
@@ -117,7 +111,7 @@ def test_ep2_kimi_linear_follows_titan_moe(tmp_path, jobs):
     assert resolve_moe_impl(single) == "titan"
     train(single)
     jobs.on_ranks(moe_job("kimi_linear_debug_ep", tmp_path / "ep2", **{"parallelism.ep": "2"}, **job), 2)
-    assert_follows(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
+    assert_pairs_follow(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
 
 
 def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tmp_path, jobs):
@@ -134,7 +128,7 @@ def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tm
     jobs.on_ranks(moe_job("deepseek_v3_debug_ep", folder, **job, **{
         "parallelism.ep": "2", "parallelism.dp_shard": "4", "training.grad_accum_steps": "2",
         "activation_checkpoint.mode": "full", "checkpoint.interval": str(STEPS)}), 4)
-    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
     moe_layers = [1]  # layer 0 is dense (first_k_dense=1)
     assert all(torch.equal(a, b) for a, b in zip(expert_biases(folder, STEPS, moe_layers).values(),
                                                  expert_biases(reference, STEPS, moe_layers).values()))
@@ -151,7 +145,7 @@ def test_flexshard_x_ep2_deepseek_v3_follows_one_process(tmp_path, jobs):
     jobs.on_ranks(moe_job("deepseek_v3_debug_ep", folder, **{
         "parallelism.ep": "2", "parallelism.dp_shard": "4", "parallelism.fsdp_impl": "flexshard",
         "parallelism.flexshard_placements": "*.attention.*=owned", "checkpoint.interval": str(STEPS)}), 4)
-    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
     assert all(torch.equal(a, b) for a, b in zip(expert_biases(folder, STEPS, [1]).values(),
                                                  expert_biases(reference, STEPS, [1]).values()))
 

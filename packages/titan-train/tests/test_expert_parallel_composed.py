@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from titan_train_curves import assert_pairs_follow
 from titan_train_ranks import spawn_ranks
 
 from titan_train import TrainConfig, load_recipe, train
@@ -47,12 +48,6 @@ def curve(folder: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
 
 
-def assert_follows(got: dict, want: dict, steps) -> None:
-    for step in steps:
-        assert got[step][0] == pytest.approx(want[step][0], rel=1e-4), ("loss", step, got, want)
-        assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), ("grad_norm", step, got, want)
-
-
 def biases(folder: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     state = {"model": {f"layers.{i}.moe.expert_bias": torch.zeros(8) for i in MOE_LAYERS}}
     with Checkpointer(str(folder / "checkpoints")) as checkpoints:
@@ -80,7 +75,7 @@ PP2_EP2 = {"parallelism.pp": "2", "parallelism.dp_shard": "2", "parallelism.ep":
 def test_pp2_x_ep2_follows_one_process_and_resumes_bitwise_after_a_kill(reference, tmp_path, jobs):
     folder = tmp_path / "pp2xep2"
     jobs.on_ranks(job(folder, **PP2_EP2), 4)
-    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
     assert_same_biases(folder, reference)
 
     # Killed (SIGKILL on every rank) in step 7, after step 5's blocking checkpoint; resumed on 4 ranks.
@@ -99,7 +94,7 @@ def test_pp2_x_ep2_follows_one_process_and_resumes_bitwise_after_a_kill(referenc
 def test_ep_composed_follows_one_process(reference, tmp_path, jobs, nproc, layout):
     folder = tmp_path / "run"
     jobs.on_ranks(job(folder, **layout), nproc)
-    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
     assert_same_biases(folder, reference)
 
 
@@ -111,7 +106,7 @@ def test_tp2_x_ep2_follows_one_process(reference, tmp_path, jobs):
     folder = tmp_path / "tp2xep2"
     jobs.on_ranks(job(folder, **{"parallelism.tp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2",
                                  "checkpoint.interval": "0"}), 4)
-    assert_follows(curve(folder), curve(reference), range(1, STEPS + 1))
+    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -1,6 +1,6 @@
 """FSDP, TP and FSDP x TP on gloo ranks follow the single-process loss curve of the same job.
 
-Tolerance: conftest.assert_follows (1e-4 relative for the first three steps, then a bound that doubles
+Tolerance: titan_train_curves.assert_follows (1e-4 relative for the first three steps, then a bound that doubles
 per step, for the amplified rounding of sums taken in another order: reduce-scatter of gradients,
 matmuls split over ranks, the global gradient norm).
 """
