@@ -66,18 +66,21 @@ class BuiltinGenerator:
     def _image_inputs(self, tokens: torch.Tensor, lengths: torch.Tensor, images: list[tuple[torch.Tensor, torch.Tensor] | None] | None
                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
         """(the model's image keyword arguments, the prefill's rotary positions [3, b, s], each sample's
-        next text position [b]); empty and None without images."""
+        next text position [b]); empty and None without images. Models with plain 1-D positions (Kimi K2.x,
+        Muse Glimmer) take the images at prefill only; Qwen3-VL's MRoPE positions come from the image grids."""
         given = [entry for entry in images or [] if entry is not None]
         if not given:
             return {}, None, None
         config = self.model.config
-        if not hasattr(config, "vision"):
+        if getattr(config, "vision", None) is None:
             raise ValueError(f"generate() got images, but {type(config).__name__} has no vision tower")
         device = tokens.device
         pixel_values = torch.cat([p for p, _ in given]).to(device)
         grid = torch.cat([g for _, g in given]).to(device)
         if self.pad_id == config.image_token_id:
             raise ValueError(f"pad_id={self.pad_id} is the image token; pass another pad_id to BuiltinGenerator")
+        if not hasattr(config, "mrope_sections"):
+            return {"pixel_values": pixel_values, "image_grid_thw": grid}, None, None
         positions, after_padding = tm.qwen3_vl.mrope_positions(tokens, grid, image_token_id=config.image_token_id,
                                                            spatial_merge_size=config.vision.spatial_merge_size)
         # the right padding counts as text, one position per token: the prompt's next position is before it
