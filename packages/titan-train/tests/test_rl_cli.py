@@ -4,7 +4,6 @@ and the job's own checks fail fast (before any model is built) naming the field.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 from titan_train.cli import main
 from titan_train.cli_args import field_types, section_types
 from titan_train.rl import RL_RECIPES, RLConfig
+from titan_train.rl.build import vllm_installed
 from titan_train.rl.cli import parse_rl_args
 
 
@@ -73,7 +73,7 @@ def test_rl_errors_name_the_problem_and_the_choices(capsys, argv, expected):
         assert text in err, (text, err)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: the error does not apply")
+@pytest.mark.skipif(vllm_installed(), reason="vLLM is installed: the error does not apply")
 def test_vllm_generator_without_vllm_is_a_clear_error(capsys):
     # vLLM is not in the workspace environment (titan-rl's vLLM tests run in tools/vllm-env).
     assert main(["rl", "--generator.kind", "vllm"]) == 2

@@ -14,6 +14,13 @@ from .config import EnvConfig, RLAlgorithmConfig, RLConfig, RolloutConfig
 ALGORITHMS = {"grpo": titan_rl.grpo, "dapo": titan_rl.dapo, "gspo": titan_rl.gspo}
 
 
+
+def vllm_installed() -> bool:
+    """vLLM importable as a package (a folder named vllm on sys.path, e.g. titan-rl's tests/vllm, is a
+    namespace package of no origin, not vLLM)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
 def make_task(env: EnvConfig) -> Task:
     """The verifiable task of `env` (its own checks raise ValueError naming the bad value)."""
     if env.task == "sorting":
@@ -94,7 +101,7 @@ def validate(config: RLConfig, *, world_size: int) -> None:
         if world_size > 1 and not generators:
             raise ValueError("generator.kind=vllm runs in one process, or on generator ranks (generator.ranks > 0) "
                              "with an engine each; use generator.ranks or generator.kind=builtin under torchrun")
-        if importlib.util.find_spec("vllm") is None:
+        if not vllm_installed():
             raise ValueError("generator.kind=vllm needs vLLM, which is not installed: install titan-rl[vllm] "
                              "(tools/vllm-env/run.sh builds such an environment) or use generator.kind=builtin")
     try:  # titan-rl's own checks, with the section named
