@@ -106,7 +106,9 @@ def test_programs_that_loop_fork_or_write_outside_are_stopped_and_score_zero(tmp
         answers = policy.tool_answers[1:7]  # after the first evaluation: the 6 training episodes' tool answers
         assert answers[0].startswith(("error: cpu_limit", "error: wall_timeout")), answers
         assert answers[1] == "</result>", answers  # defining f printed nothing; its hidden tests loop
-        assert answers[2].startswith(("error: BlockingIOError", "error: cpu_limit", "error: wall_timeout")), answers
+        # the fork bomb: an error, whose last stderr line depends on which of its processes wrote last (a
+        # BlockingIOError, a limit, or a traceback line cut short when the sandbox stopped them all)
+        assert answers[2].startswith("error: "), answers
         assert answers[3].startswith("error: FileNotFoundError"), answers  # the job's folder is not there
         assert answers[4].startswith("error: OSError: [Errno 30] Read-only file system"), answers
         # Each sandbox run is bounded by its wall limit (5 s): 14 runs, most of them far shorter.
