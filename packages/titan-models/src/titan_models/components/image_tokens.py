@@ -21,3 +21,20 @@ def check_image_tokens(is_image: torch.Tensor, image_grid_thw: torch.Tensor, mer
                              f"at an image boundary: images {start}..{image - 1} need {sum(need[start:image])}")
     if image != len(need):
         raise ValueError(f"image_grid_thw lists {len(need)} images but the samples' image tokens hold {image}")
+
+
+def embed_with_images(model: torch.nn.Module, tokens: torch.Tensor, pixel_values: torch.Tensor,
+                      image_grid_thw: torch.Tensor, *, merge: int) -> torch.Tensor:
+    """Embeddings [b, s, dim] of a Transformer with a vision tower (`model.visual`) whose image tokens take
+    the tower's features in order (Kimi K2.x, Muse Glimmer): image and video placeholders embedded as
+    token 0, then replaced; the model's embedding norm, if any, before the replacement."""
+    if model.tok_embeddings is None:
+        raise ValueError("images go to the first pipeline stage (the one holding tok_embeddings)")
+    cfg = model.config
+    is_image = tokens == cfg.image_token_id
+    check_image_tokens(is_image, image_grid_thw, merge)
+    image_tokens = model.visual(pixel_values, image_grid_thw)
+    h = model.tok_embeddings(tokens.masked_fill(is_image | (tokens == cfg.video_token_id), 0))
+    if model.embedding_norm is not None:
+        h = model.embedding_norm(h)
+    return h.masked_scatter(is_image[..., None], image_tokens.to(h.dtype))

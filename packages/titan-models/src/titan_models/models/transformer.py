@@ -99,6 +99,11 @@ class Transformer(nn.Module):
                 h = self.embedding_norm(h)
         else:
             h = tokens
+        return self._blocks(h, positions, context)
+
+    def _blocks(self, h: torch.Tensor, positions: torch.Tensor | None, context: AttentionContext | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The blocks and final norm over embeddings h [b, s, dim] (and the RoPE cos/sin used)."""
         if positions is None:
             batch, seq = h.shape[:2]
             positions = torch.arange(seq, device=h.device).expand(batch, seq)

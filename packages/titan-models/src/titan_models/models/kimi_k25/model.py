@@ -13,8 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from titan_models.components.attention import prepare_masks
-from titan_models.components.image_tokens import check_image_tokens
+from titan_models.components.image_tokens import embed_with_images
 from titan_models.context import AttentionContext
 from titan_models.models.deepseek_v3.model import DeepSeekV3Config, DeepSeekV3Transformer
 from titan_models.models.kimi_k25.vision import KimiVisionConfig, KimiVisionTower
@@ -73,22 +72,8 @@ class KimiK25Transformer(DeepSeekV3Transformer):
             return self._trunk(tokens, positions, context)[0]  # the text model's path
         if pixel_values is None or image_grid_thw is None:
             raise ValueError("pass pixel_values and image_grid_thw together (both or neither)")
-        if self.tok_embeddings is None:
-            raise ValueError("images go to the first pipeline stage (the one holding tok_embeddings)")
-        cfg = self.config
-        is_image = tokens == cfg.image_token_id
-        check_image_tokens(is_image, image_grid_thw, cfg.vision.merge_size)
-        image_tokens = self.visual(pixel_values, image_grid_thw)
-        placeholder = is_image | (tokens == cfg.video_token_id)
-        h = self.tok_embeddings(tokens.masked_fill(placeholder, 0))
-        h = h.masked_scatter(is_image[..., None], image_tokens.to(h.dtype))
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], h.shape[1])
-        rope = tuple(t.to(h.dtype) for t in self.rope(positions))
-        prepare_masks(self.layers, h.shape[0], h.shape[1], h.device, context)
-        for block in self.layers.values():
-            h = block(h, rope, context=context)
-        return self.norm(h) if self.norm is not None else h
+        h = embed_with_images(self, tokens, pixel_values, image_grid_thw, merge=self.config.vision.merge_size)
+        return self._blocks(h, positions, context)[0]
 
     def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "KimiK25Transformer":
         stage = super().pipeline_stage(layer_names, first=first, last=last)

@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from titan_models.components.attention import AttentionBackend, AttentionConfig, prepare_masks
-from titan_models.components.image_tokens import check_image_tokens
+from titan_models.components.attention import AttentionBackend, AttentionConfig
+from titan_models.components.image_tokens import embed_with_images
 from titan_models.components.ffn import FeedForwardConfig
 from titan_models.components.layer_types import FULL_ATTENTION, check_layer_types
 from titan_models.components.norms import (
@@ -186,22 +186,8 @@ class MuseGlimmerTransformer(Transformer):
             return self._trunk(tokens, positions, context)[0]  # the text model's path
         if pixel_values is None or image_grid_thw is None:
             raise ValueError("pass pixel_values and image_grid_thw together (both or neither)")
-        if self.tok_embeddings is None:
-            raise ValueError("images go to the first pipeline stage (the one holding tok_embeddings)")
-        cfg = self.config
-        is_image = tokens == cfg.image_token_id
-        check_image_tokens(is_image, image_grid_thw, cfg.vision.merge_size)
-        image_tokens = self.visual(pixel_values, image_grid_thw)
-        placeholder = is_image | (tokens == cfg.video_token_id)
-        h = self.embedding_norm(self.tok_embeddings(tokens.masked_fill(placeholder, 0)))
-        h = h.masked_scatter(is_image[..., None], image_tokens.to(h.dtype))
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], h.shape[1])
-        rope = tuple(t.to(h.dtype) for t in self.rope(positions))
-        prepare_masks(self.layers, h.shape[0], h.shape[1], h.device, context)
-        for block in self.layers.values():
-            h = block(h, rope, context=context)
-        return self.norm(h) if self.norm is not None else h
+        h = embed_with_images(self, tokens, pixel_values, image_grid_thw, merge=self.config.vision.merge_size)
+        return self._blocks(h, positions, context)[0]
 
     def pipeline_stage(self, layer_names: tuple[str, ...], *, first: bool, last: bool) -> "MuseGlimmerTransformer":
         stage = super().pipeline_stage(layer_names, first=first, last=last)
