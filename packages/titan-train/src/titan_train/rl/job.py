@@ -147,6 +147,8 @@ class RLJob:
                 version += 1
                 sync_began = time.perf_counter()
                 rollouts.publish(policy, version)
+                if self.device.type == "cuda":  # the copies into the generator are asynchronous: time them whole
+                    torch.cuda.synchronize(self.device)
                 m["weight_sync_seconds"] = time.perf_counter() - sync_began
                 dropped_total += int(m["dropped_samples"])
                 m |= {"step": step, "dropped_samples_total": dropped_total,
