@@ -138,7 +138,10 @@ def _scaled_mm(aq: Tensor, sa: Tensor, bq: Tensor, sb: Tensor, offsets: Tensor, 
             a, b = dequantize_blocks(aq, sa, 1, BLOCK), dequantize_blocks(bq, sb, BLOCK, BLOCK)
         else:
             a, b = aq.float() * sa[:, None], bq.float() * sb[:, None, :]
-        return loop_mm(a, b, ends).to(out_dtype)
+        out = loop_mm(a, b, ends)
+        # no same-dtype .to: torch 2.11's dynamo zeroes the gradients of an autograd.Function whose forward
+        # returns one
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     from dist_moe.kernels.fp8_launch import scaled_row_gemm
 
     # Hopper's fp8 wgmma reads both operands K-major: make the reduction axis contiguous (an fp8

@@ -45,6 +45,16 @@ _CUDA_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_
 blockwise_gemm_kernel_tuned = triton.autotune(configs=_CUDA_CONFIGS, key=["M", "N", "K"])(blockwise_gemm_kernel)
 
 
+def _interpreted(kernel, wrap):
+    """The interpreter's kernel, wrapped where this torch allows: torch 2.11's wrap_triton refuses interpreted
+    kernels (torch 2.14's takes them); unwrapped, the custom op still runs eagerly, which is all the
+    interpreter is for."""
+    try:
+        return wrap(kernel)
+    except RuntimeError:
+        return kernel
+
+
 def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *, b_scale_rows: int,
            out_dtype: torch.dtype, wrap=lambda kernel: kernel) -> torch.Tensor:
     """Run the kernel: autotuned tiles on CUDA, fixed 32 x 64 tiles elsewhere (the interpreter); `wrap`:
@@ -63,8 +73,8 @@ def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: tor
         wrap(blockwise_gemm_kernel_tuned)[grid](*args, B_SCALE_ROWS=b_scale_rows, BLOCK_K=BLOCK_K)
     else:
         grid = (triton.cdiv(m, 32), triton.cdiv(n, 64))
-        wrap(blockwise_gemm_kernel)[grid](*args, B_SCALE_ROWS=b_scale_rows, BLOCK_M=32, BLOCK_N=64, BLOCK_K=BLOCK_K,
-                                          num_warps=1)
+        _interpreted(blockwise_gemm_kernel, wrap)[grid](*args, B_SCALE_ROWS=b_scale_rows, BLOCK_M=32, BLOCK_N=64,
+                                                        BLOCK_K=BLOCK_K, num_warps=1)
     return out
 
 

@@ -34,12 +34,12 @@ def scaled_matmul(a: QuantizedMatrix, b: QuantizedMatrix, *, kernel: str, out_dt
 
         if mx_native_supported(a.data.device):
             return mx_scaled_gemm(a, b, out_dtype=out_dtype)
-        return (a.dequantize(torch.bfloat16) @ b.dequantize(torch.bfloat16).t()).to(out_dtype)
+        return _in_dtype(a.dequantize(torch.bfloat16) @ b.dequantize(torch.bfloat16).t(), out_dtype)
     raise AssertionError(f"unknown kernel {kernel!r}")
 
 
 def emulated_matmul(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.dtype) -> torch.Tensor:
-    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+    return _in_dtype(a.dequantize(torch.float32) @ b.dequantize(torch.float32).t(), out_dtype)
 
 
 def _scaled_mm(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.dtype) -> torch.Tensor:
@@ -48,4 +48,12 @@ def _scaled_mm(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.dtype
     scale_b = b.scale.reshape(1, -1) if b.scale.numel() > 1 else b.scale
     out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b,
                            out_dtype=out_dtype if a.scale.numel() == 1 else torch.bfloat16)
-    return out.to(out_dtype)
+    return _in_dtype(out, out_dtype)
+
+
+def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`out` in `dtype`, with no `.to` when it already is: torch 2.11's dynamo turns the gradients of an
+    autograd.Function to zeros when its forward returns a same-dtype `.to` (an alias of the product), so a
+    compiled block learned only through its unconverted modules (2.14 is fixed; test_quantize_training.py's
+    compiled test catches it on 2.11)."""
+    return out if out.dtype == dtype else out.to(dtype)
