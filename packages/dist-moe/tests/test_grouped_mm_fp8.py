@@ -177,11 +177,13 @@ def test_triton_matches_float64_on_gpu(granularity, grad_format):
     recipe = Fp8Recipe(granularity=granularity, grad_format=grad_format)
     got = run(x, stored, grad, offsets, recipe, "triton")
     want = reference(x.cpu(), stored.cpu().transpose(1, 2), grad.cpu(), counts, granularity, grad_format)
-    # 1e-4, not 1e-5: fp8 tensor-core accumulation on Hopper is not IEEE float32 within a chain of
-    # wgmma (DeepSeek-V3 measured ~14 bits kept; the blockwise kernel adds each 128-wide K step in
-    # float32, rowwise chains all of K). A wrong scale, block index or row would be off by > 1e-2.
+    # 4e-3 of the output's largest value, not 1e-5: fp8 tensor-core accumulation on Hopper is not IEEE
+    # float32 within a chain of wgmma (DeepSeek-V3 measured ~14 bits kept; triton's sm_90 default lets every
+    # fp8 tl.dot accumulate so, max_num_imprecise_acc = 2^30). Measured on the H200 (torch 2.11, triton 3.6):
+    # 7.6e-4 rowwise, 2.0e-3 blockwise, the same for both gradient formats. A wrong scale, block index or row
+    # would be off by > 1e-2.
     for g, w_ in zip((got[0], got[1], got[2].transpose(1, 2)), want):
-        close(g.cpu(), w_, 1e-4)
+        close(g.cpu(), w_, 4e-3)
 
 
 @cuda
