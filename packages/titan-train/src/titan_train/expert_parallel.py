@@ -26,6 +26,7 @@ forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -48,14 +49,6 @@ def resolve_moe_impl(config: TrainConfig) -> str:
     impl = m.moe_impl if m.moe_impl != "auto" else ("dist_moe" if ep > 1 else "titan")
     if ep > 1 and impl != "dist_moe":
         raise ValueError(f"parallelism.ep={ep} needs model.moe_impl=dist_moe (or auto), got {m.moe_impl!r}")
-    if ep > 1 and config.parallelism.tp > 1 and config.checkpoint.interval > 0:
-        raise ValueError(f"checkpoint.interval={config.checkpoint.interval} with parallelism.ep={ep} x tp="
-                         f"{config.parallelism.tp}: the expert shards, whole on every tp rank, cannot be saved yet "
-                         "(each tp rank would write the same pieces); use checkpoint.interval 0 or tp=1")
-    if ep > 1 and config.parallelism.tp > 1 and m.moe_aux_loss_weight > 0:
-        raise ValueError(f"model.moe_aux_loss_weight > 0 with parallelism.ep={ep} x tp={config.parallelism.tp}: "
-                         "the sequence-wise balance loss needs whole sequences, which tp splits over its ranks; "
-                         "use the aux-loss-free bias (training.moe_bias_update_rate) or tp=1")
     if m.moe_routing not in ("learned", "forced_balance"):
         raise ValueError(f"model.moe_routing must be learned or forced_balance, got {m.moe_routing!r}")
     if m.moe_routing == "forced_balance" and impl != "dist_moe":
@@ -167,6 +160,8 @@ class ExpertParallel:
         ep_mesh = self.expert_mesh["ep"]
         for moe in moes:
             dist_moe.apply_expert_parallel(moe, ep_mesh.get_group(), device_type=mesh.device_type)
+            if self.tp_group is not None:  # each tp rank routes a sequence shard: balance statistics over tp
+                moe.config = dataclasses.replace(moe.config, sequence_group=self.tp_group)
             # Same shards, but as DTensors of our mesh: fully_shard composes a parameter's own mesh with
             # its data-parallel mesh only when both come from one root mesh.
             for name in ("w1", "w2", "w3"):
@@ -205,6 +200,17 @@ class ExpertParallel:
         if self.expert_mesh["dp_replicate"].size() > 1:
             return self.expert_mesh["dp_replicate", shard.mesh_dim_names[0]]
         return shard
+
+    def checkpoint_entries(self, state: dict) -> dict:
+        """The run's checkpoint state with the model and optimizer entries presenting the expert shards, which
+        every tp rank holds whole, as replicated over tp (tp_replica_checkpoint.py), so each piece is written
+        once. Unchanged without tp."""
+        from .tp_replica_checkpoint import TPReplicaEntries
+
+        if self.tp_group is not None:
+            for key in [key for key in ("model", "optimizer") if key in state]:
+                state[key] = TPReplicaEntries(state[key], run_mesh=self.mesh)
+        return state
 
     @torch.no_grad()
     def _sum_over_tp(self) -> None:
