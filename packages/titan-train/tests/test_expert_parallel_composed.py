@@ -153,17 +153,29 @@ def _saved_tensors(folder: Path, step: int) -> dict[str, dict]:
     return json.loads((folder / "checkpoints" / f"step-{step}" / "metadata.json").read_text())["tensors"]
 
 
-def test_tp2_x_ep2_with_the_sequence_balance_loss_follows_one_process(tmp_path, jobs):
-    """DeepSeek-V3's sequence-wise balance loss under TP2 x EP2: each tp rank routes half of every sequence, so
-    its expert counts are summed over tp and its loss is its tokens' share (dist-moe's sequence_group); the
-    curve follows the single process's with the same loss weight. (Computed from each half alone, the loss
-    moved the gradient norm 9e-3 off at step 1 in a control run.)"""
-    aux = {"model.moe_aux_loss_weight": "0.3", "checkpoint.interval": "0"}
-    reference = tmp_path / "single"
-    train(job(reference, **SINGLE, **aux))
-    folder = tmp_path / "tp2xep2"
-    jobs.on_ranks(job(folder, **{**TP2_EP2, **aux}), 4)
-    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
+AUX = {"model.moe_aux_loss_weight": "0.3", "checkpoint.interval": "0"}
+
+
+@pytest.fixture(scope="module")
+def aux_reference(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("single_aux")
+    train(job(folder, **SINGLE, **AUX))
+    return folder
+
+
+@pytest.mark.parametrize("layout", [
+    TP2_EP2, {"parallelism.cp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2"},
+], ids=["tp2xep2", "cp2xep2"])
+def test_ep_with_the_sequence_balance_loss_follows_one_process(aux_reference, tmp_path, jobs, layout):
+    """DeepSeek-V3's sequence-wise balance loss when each rank's MoE layers see part of every sequence: tp's
+    sequence shards (TP2 x EP2) or cp's chunks (CP2 x EP2). The expert counts are summed over those ranks and
+    each rank's loss is its tokens' share (dist-moe's sequence_group; times cp, whose gradients are averaged);
+    the curve follows the single process's with the same loss weight. (Computed from each rank's tokens
+    alone, the loss moved the gradient norm off at step 1 in control runs: 9e-3 for TP2 x EP2, 2.4e-4 for
+    CP2 x EP2.)"""
+    folder = tmp_path / "run"
+    jobs.on_ranks(job(folder, **{**layout, **AUX}), 4)
+    assert_pairs_follow(curve(folder), curve(aux_reference), range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("overrides,message", [

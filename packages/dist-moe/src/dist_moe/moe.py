@@ -68,8 +68,8 @@ class MoEConfig:
     # "forced_balance": tokens dealt evenly to the experts (routing.forced_balance), for measurement only
     routing: Literal["learned", "forced_balance"] = "learned"
     ep_group: dist.ProcessGroup | None = None
-    # the ranks holding the other parts of this rank's sequences (tensor-parallel ranks running the layer on
-    # sequence shards): the balance loss's counts are summed over it (routing.sequence_balance_loss)
+    # the ranks holding the other parts of this rank's sequences (tensor- or context-parallel ranks running the
+    # layer on sequence shards): the balance loss's counts are summed over it (routing.sequence_balance_loss)
     sequence_group: dist.ProcessGroup | None = None
     backend: Backend = "auto"
     weight_grad: WeightGrad = "triton"  # Triton path: who computes the expert weight gradients

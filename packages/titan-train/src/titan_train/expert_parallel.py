@@ -125,6 +125,25 @@ def split_dp_shard(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names[:i], "dp_shard_mod_ep", "ep", *names[i + 1:]))
 
 
+def split_balance_loss(moes: list[nn.Module], mesh: DeviceMesh | None, *, tp_sequence_shards: bool) -> None:
+    """The sequence-wise balance loss of MoE layers that each see part of every sequence: the context-parallel
+    ranks' chunks and, when the layers run on tp's sequence shards (under expert parallelism), the tp ranks'.
+    Their expert counts are summed over those ranks (dist-moe's sequence_group), each rank's loss being its
+    tokens' share; the share is multiplied by cp, since the cp ranks' gradients are averaged (as the data-
+    parallel ranks' are: the loss scale counts them) while the tp ranks' are summed (ExpertParallel's sum
+    over tp, TP's reduce-scatter). A no-op for layers without the loss."""
+    dims = tuple(d for d in ("cp", "tp")
+                 if mesh is not None and mesh[d].size() > 1 and (d == "cp" or tp_sequence_shards))
+    losses = [moe for moe in moes if isinstance(moe, dist_moe.MoE) and moe.config.aux_loss_alpha > 0]
+    if not dims or not losses:
+        return
+    group = mesh[dims[0]].get_group() if len(dims) == 1 else mesh[dims]._flatten("cp_tp").get_group()
+    cp = mesh["cp"].size()
+    for moe in losses:
+        alpha = moe.config.aux_loss_alpha * cp
+        moe.config = dataclasses.replace(moe.config, sequence_group=group, aux_loss_alpha=alpha)
+
+
 def data_parallel_groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup]:
     """The process groups whose ranks see different tokens of the same layers (a sum over all of them,
     one dimension after another, is a sum over the data-parallel ranks)."""
@@ -160,8 +179,6 @@ class ExpertParallel:
         ep_mesh = self.expert_mesh["ep"]
         for moe in moes:
             dist_moe.apply_expert_parallel(moe, ep_mesh.get_group(), device_type=mesh.device_type)
-            if self.tp_group is not None:  # each tp rank routes a sequence shard: balance statistics over tp
-                moe.config = dataclasses.replace(moe.config, sequence_group=self.tp_group)
             # Same shards, but as DTensors of our mesh: fully_shard composes a parameter's own mesh with
             # its data-parallel mesh only when both come from one root mesh.
             for name in ("w1", "w2", "w3"):
