@@ -18,6 +18,11 @@ divides it by ep. (FSDP's own
 gradient divide factor would do it inside the reduction, but with a group of one rank and sum-only
 reductions, which gloo needs, torch 2.14 divides twice.)
 
+Under tensor parallelism the MoE layers are not TP-split: each tp rank runs them on its own sequence shard,
+so their gradients are summed over tp (`finish_gradients`), the expert shards, whole on every tp rank, enter
+checkpoints as replicated over tp (`checkpoint_entries`, tp_replica_checkpoint.py), and the sequence-wise
+balance loss sums its counts over the ranks that split each sequence, tp and cp (`split_balance_loss`).
+
 FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
 `experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
 and their sigmoid gate, if any, and Muse Spark's pooling projections and expert norms (called as modules)
@@ -41,6 +46,7 @@ import titan_models as tm
 
 from .config import TrainConfig
 from .parallelize import matching_modules
+from .tp_replica_checkpoint import TPReplicaEntries
 
 
 def resolve_moe_impl(config: TrainConfig) -> str:
@@ -222,8 +228,6 @@ class ExpertParallel:
         """The run's checkpoint state with the model and optimizer entries presenting the expert shards, which
         every tp rank holds whole, as replicated over tp (tp_replica_checkpoint.py), so each piece is written
         once. Unchanged without tp."""
-        from .tp_replica_checkpoint import TPReplicaEntries
-
         if self.tp_group is not None:
             for key in [key for key in ("model", "optimizer") if key in state]:
                 state[key] = TPReplicaEntries(state[key], run_mesh=self.mesh)
