@@ -25,6 +25,7 @@ from .expert_parallel import (
     data_parallel_groups,
     prepare_moe_layers,
     resolve_moe_impl,
+    split_balance_loss,
 )
 from .loss import CausalLMLoss
 from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
@@ -157,6 +158,8 @@ class Parallelizer:
             materialize(model, model_cfg, device=self.device, seed=run.model.init_seed, distributed=False,
                         hf_path=run.model.hf_path, adapters=self.adapters)
         expert_parallel = self._wrap(model, moes)
+        # the balance loss of MoE layers that see part of each sequence (cp chunks, tp shards under ep)
+        split_balance_loss(moes, self.mesh, tp_sequence_shards=self.degrees.ep > 1)
         pipeline = None
         if layout is not None:
             pipeline = Pipeline(model, layout, schedule=self.pp_settings.schedule, loss=loss,

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,9 +111,8 @@ class Trainer:
         self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
         # the run folder is claimed before anything writes there
         self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
-        self.checkpoints = config.checkpoint.build(
-            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
-            trainable_only=self.parallelizer.adapters is not None)
+        self.checkpoints = config.checkpoint.build(self.folder / "checkpoints", adapt=self._checkpoint_entries(),
+                                                   trainable_only=self.parallelizer.adapters is not None)
         self.profiler = config.profiling.build(self.folder, rank=self.rank, device=device)
         if config.checkpoint.export_hf_at_end and self.pipeline is not None:
             raise ValueError("checkpoint.export_hf_at_end with parallelism.pp > 1: export the last checkpoint with "
@@ -128,6 +128,19 @@ class Trainer:
         if self.parallel.autocast:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _checkpoint_entries(self) -> Callable[[dict], dict] | None:
+        """How the checkpoint state is rewritten so the ranks' entries fit together: the expert shards every tp
+        rank holds whole (replicated over tp), then the pipeline's stages (placeholders for other ranks')."""
+        rewrites = [owner.checkpoint_entries for owner in (self.parallel.expert_parallel, self.pipeline)
+                    if owner is not None]
+
+        def adapt(state: dict) -> dict:
+            for rewrite in rewrites:
+                state = rewrite(state)
+            return state
+
+        return adapt if rewrites else None
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm, mtp_loss), 0-dim
