@@ -27,6 +27,8 @@ from torch.distributed import ProcessGroup
 
 import titan_models as tm
 
+from .parallelize import matching_modules
+
 # --- the load-balanced layout --------------------------------------------------------------------------
 
 
@@ -292,8 +294,14 @@ class RingAttention(nn.Module):
         return f"scale={self.scale:.6g}, cp={dist.get_world_size(self.group)}"
 
 
+# the attentions a sequence passes through: the blocks', and DeepSeek-V3's multi-token-prediction block's
+# (it attends over the same sharded sequence; present on a pipeline's last stage only)
+CONTEXT_PARALLEL_ATTENTION = ("layers.*.attention.inner", "mtp.layer.attention.inner")
+
+
 def apply_context_parallel(model: nn.Module, group: ProcessGroup) -> list[str]:
-    """Replace every `layers.*.attention.inner` of `model` with RingAttention over `group` (same scale)."""
+    """Replace every attention's inner product of `model` (CONTEXT_PARALLEL_ATTENTION) with RingAttention
+    over `group` (same scale). Returns the replaced module names."""
     def ring(name: str, old: nn.Module) -> nn.Module:
         scale = getattr(old, "scale", None)
         if scale is None:
@@ -305,7 +313,11 @@ def apply_context_parallel(model: nn.Module, group: ProcessGroup) -> list[str]:
                              f"({name}, gpt-oss); use parallelism.cp=1")
         return RingAttention(scale=scale, group=group)
 
-    return tm.override(model, "layers.*.attention.inner", ring)
+    replaced = tm.override(model, CONTEXT_PARALLEL_ATTENTION[0], ring)
+    for pattern in CONTEXT_PARALLEL_ATTENTION[1:]:
+        if matching_modules(model, pattern):
+            replaced += tm.override(model, pattern, ring)
+    return replaced
 
 
 def check_context_parallel(*, cp: int, tp: int, seq_len: int) -> None:

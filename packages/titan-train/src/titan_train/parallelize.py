@@ -75,7 +75,9 @@ def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement, 
     DTensors with that placement (what checkpoints and FSDP see), while its forward, which also gets
     this rank's local activations (heads from colwise projections), computes with their local values:
     a pre-hook puts `param.to_local()` in each parameter's place and a post-hook puts the parameters
-    back. Gradients flow into the DTensors; a replicated weight's is summed over the TP ranks."""
+    back. Gradients flow into the DTensors; a replicated weight's is summed over the TP ranks. An input
+    that arrives as a DTensor (DeepSeek-V3's MTP projection of two sequence-parallel norms' outputs) is
+    taken as this rank's local values too, as every other input is."""
     for name, param in list(module.named_parameters(recurse=False)):
         module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [placement]),
                                                      requires_grad=param.requires_grad))
@@ -90,6 +92,7 @@ def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement, 
                 # already the whole one on each rank
                 mod._parameters[name] = (_SumGradient.apply(local, tp_mesh.get_group())
                                          if isinstance(placement, Replicate) and sum_gradient else local)
+        return tuple(x.to_local(grad_placements=x.placements) if isinstance(x, DTensor) else x for x in args)
 
     def swap_out(mod, args, output):
         mod._parameters.update(parameters)

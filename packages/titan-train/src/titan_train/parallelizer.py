@@ -75,11 +75,6 @@ class Parallelizer:
                                               grad_accum_steps=t.grad_accum_steps,
                                               compiled=run.compile.uses_torch_compile)
         if run.model.mtp_layers > 0:
-            for name in ("tp", "cp"):
-                if getattr(degrees, name) > 1:
-                    raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with parallelism.{name}="
-                                     f"{getattr(degrees, name)} is not supported yet (the MTP block is not split over "
-                                     f"{name}); use parallelism.{name}=1 (dp, pp and ep compose with it)")
             if run.compile.effective_mode == "graph":
                 raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with compile.mode graph is not supported "
                                  "yet (the captured step holds the main loss only); use compile.mode none, blocks "
