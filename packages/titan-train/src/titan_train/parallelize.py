@@ -150,6 +150,15 @@ def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
                          "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
 
 
+def check_moe_under_tp(model: nn.Module, *, tp: int, ep: int) -> None:
+    """Tensor parallelism does not split routed experts: each tp rank routes its own sequence shard to the
+    experts of its ep group (ExpertParallel), so a MoE model (DeepSeek-V3's MTP block included) needs ep > 1."""
+    if tp > 1 and ep == 1 and any(matching_modules(model, pattern) for pattern in model.parallel_plan.moe):
+        raise ValueError(f"parallelism.tp={tp} on a MoE model needs parallelism.ep > 1 (the routed experts are not "
+                         "TP-split: each tp rank routes its own sequence shard over the ep group); e.g. "
+                         "--parallelism.ep 2 with parallelism.dp_shard a multiple of 2")
+
+
 def _check_vocab_divisible(model: nn.Module, names: list[str], tp: int) -> None:
     for name in names:
         vocab = model.get_submodule(name).weight.shape[0]

@@ -33,6 +33,7 @@ from .parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tensor_parallel,
+    check_moe_under_tp,
     check_tp_divisibility,
     keep_activations_in,
 )
@@ -127,6 +128,7 @@ class Parallelizer:
         """This rank's parallelized model of `model_cfg`, with weights independent of the layout."""
         run, t = self.run, self.run.training
         model = build_on_meta(model_cfg)
+        check_moe_under_tp(model, tp=self.degrees.tp, ep=self.degrees.ep)  # on the whole model: every rank agrees
         if self.adapters is not None:  # on the whole model, so every pattern finds its Linears
             self.adapters.apply(model)
         layout = self._keep_rank_part(model)
