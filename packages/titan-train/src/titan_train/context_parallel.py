@@ -5,7 +5,8 @@ chunks r and 2 * cp - 1 - r, so every rank gets the same share of the causal tri
 trainer shards tokens, labels, positions and document ids this way (`shard_sequence`); everything
 outside attention is per token and runs unchanged on the local [b, s / cp] slice.
 
-Attention (`RingAttention`, installed as `layers.*.attention.inner` through `titan_models.override`):
+Attention (`RingAttention`, installed as `layers.*.attention.inner`, and DeepSeek-V3's MTP block's
+`mtp.layer.attention.inner`, through `titan_models.override`):
 each rank starts with its own K/V and passes them to the next rank while it attends to the ones it
 holds, cp steps in all; the partial results are merged with their log-sum-exp (online softmax). The
 backward runs the ring again, recomputing each block's probabilities from the saved global
