@@ -75,7 +75,9 @@ def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement, 
     DTensors with that placement (what checkpoints and FSDP see), while its forward, which also gets
     this rank's local activations (heads from colwise projections), computes with their local values:
     a pre-hook puts `param.to_local()` in each parameter's place and a post-hook puts the parameters
-    back. Gradients flow into the DTensors; a replicated weight's is summed over the TP ranks."""
+    back. Gradients flow into the DTensors; a replicated weight's is summed over the TP ranks. An input
+    that arrives as a DTensor (DeepSeek-V3's MTP projection of two sequence-parallel norms' outputs) is
+    taken as this rank's local values too, as every other input is."""
     for name, param in list(module.named_parameters(recurse=False)):
         module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [placement]),
                                                      requires_grad=param.requires_grad))
@@ -90,6 +92,7 @@ def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement, 
                 # already the whole one on each rank
                 mod._parameters[name] = (_SumGradient.apply(local, tp_mesh.get_group())
                                          if isinstance(placement, Replicate) and sum_gradient else local)
+        return tuple(x.to_local(grad_placements=x.placements) if isinstance(x, DTensor) else x for x in args)
 
     def swap_out(mod, args, output):
         mod._parameters.update(parameters)
@@ -145,6 +148,15 @@ def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
     if config.tie_embeddings:
         raise ValueError("tensor parallelism with tied embeddings is not supported yet: the embedding is "
                          "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
+
+
+def check_moe_under_tp(model: nn.Module, *, tp: int, ep: int) -> None:
+    """Tensor parallelism does not split routed experts: each tp rank routes its own sequence shard to the
+    experts of its ep group (ExpertParallel), so a MoE model (DeepSeek-V3's MTP block included) needs ep > 1."""
+    if tp > 1 and ep == 1 and any(matching_modules(model, pattern) for pattern in model.parallel_plan.moe):
+        raise ValueError(f"parallelism.tp={tp} on a MoE model needs parallelism.ep > 1 (the routed experts are not "
+                         "TP-split: each tp rank routes its own sequence shard over the ep group); e.g. "
+                         "--parallelism.ep 2 with parallelism.dp_shard a multiple of 2")
 
 
 def _check_vocab_divisible(model: nn.Module, names: list[str], tp: int) -> None:

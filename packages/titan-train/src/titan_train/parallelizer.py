@@ -34,6 +34,7 @@ from .parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tensor_parallel,
+    check_moe_under_tp,
     check_tp_divisibility,
     keep_activations_in,
 )
@@ -76,11 +77,6 @@ class Parallelizer:
                                               grad_accum_steps=t.grad_accum_steps,
                                               compiled=run.compile.uses_torch_compile)
         if run.model.mtp_layers > 0:
-            for name in ("tp", "cp"):
-                if getattr(degrees, name) > 1:
-                    raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with parallelism.{name}="
-                                     f"{getattr(degrees, name)} is not supported yet (the MTP block is not split over "
-                                     f"{name}); use parallelism.{name}=1 (dp, pp and ep compose with it)")
             if run.compile.effective_mode == "graph":
                 raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with compile.mode graph is not supported "
                                  "yet (the captured step holds the main loss only); use compile.mode none, blocks "
@@ -133,6 +129,7 @@ class Parallelizer:
         """This rank's parallelized model of `model_cfg`, with weights independent of the layout."""
         run, t = self.run, self.run.training
         model = build_on_meta(model_cfg)
+        check_moe_under_tp(model, tp=self.degrees.tp, ep=self.degrees.ep)  # on the whole model: every rank agrees
         if self.adapters is not None:  # on the whole model, so every pattern finds its Linears
             self.adapters.apply(model)
         layout = self._keep_rank_part(model)

@@ -157,8 +157,8 @@ class Trainer:
             weight = mtp_weight(t.mtp_loss_weight, scored=scored, mtp_scored=mtp_scored)
         local, positions = self._local_rows(batch)
         rows = local.tokens.shape[0]
-        if mtp is not None:  # whole rows: MTP does not compose with cp (Parallelizer refuses it)
-            mtp = mtp.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        if mtp is not None:
+            mtp = self._local_mtp(mtp, rows)
         if self.pipeline is not None:  # the schedule splits the rows into microbatches, FSDP reduces once
             if positions is None:
                 positions = torch.arange(t.seq_len, device=self.device).expand(rows, -1)
@@ -230,6 +230,15 @@ class Trainer:
                                                 local.document_ids))
             positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
         return local, positions
+
+    def _local_mtp(self, mtp: MTPBatch, rows: int) -> MTPBatch:
+        """This rank's rows of the global batch's MTP inputs and targets, under cp its chunks of each sequence.
+        They were shifted on whole sequences (mtp_batch), so token i + 1 and i + 2 of a position at the end
+        of one chunk come from the next chunk, which may live on another cp rank."""
+        mtp = mtp.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        if self.degrees.cp == 1:
+            return mtp
+        return MTPBatch(*shard_sequence(self.mesh.get_local_rank("cp"), self.degrees.cp, mtp.tokens, mtp.labels))
 
     @torch.no_grad()
     def summed_loss(self, batch: Batch) -> torch.Tensor:
