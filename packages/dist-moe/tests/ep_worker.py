@@ -101,8 +101,28 @@ def run(rank: int, world: int, backend: str) -> dict:
         loads = ref_tokens.tolist()
         results["some_expert_empty_or_skewed"] = {"ok": (min(loads) == 0) if bias_mode == "starve"
                                                   else max(loads) >= 2 * min(loads), "loads": loads}
+        if backend == "torch":
+            results["overlap_all_to_all"] = _overlapped_is_bitwise(moe, xs[rank], grads[rank], out, x.grad)
         report["checks"][name] = results
     return report
+
+
+def _overlapped_is_bitwise(moe, x, grad, out, grad_x) -> dict:
+    """The same forward and backward inside dist_moe.overlap_all_to_all: bitwise the blocking results, with
+    hand_over called once per all-to-all (forward: split sizes, rows out, outputs back; backward: the two
+    reverse exchanges)."""
+    import torch
+
+    import dist_moe
+
+    calls = []
+    x = x.clone().requires_grad_()
+    with dist_moe.overlap_all_to_all(lambda: calls.append(1)):
+        again = moe(x)
+        n_forward = len(calls)
+        again.backward(grad)
+    counts = [n_forward, len(calls) - n_forward]
+    return {"ok": torch.equal(again, out) and torch.equal(x.grad, grad_x) and counts == [3, 2], "hand_overs": counts}
 
 
 def main() -> None:

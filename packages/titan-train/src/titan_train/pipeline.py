@@ -6,6 +6,8 @@ How a run is laid out:
 - The model's blocks are split into `pp x stages_per_rank` stages of consecutive layers, cutting only at
   `model.parallel_plan.pipeline_cut_points`, as evenly as those allow. Looped schedules put stage s on
   pp rank s % pp; the V schedules (ZBVZeroBubble, DualPipeV) put stages r and 2 pp - 1 - r on rank r.
+  With parallelism.pp_overlap_ep, DualPipeV's paired forward/backward overlaps one microbatch's expert
+  all-to-alls with the other's compute (pipeline_overlap.py).
 - Each rank keeps one *rank model*: the model built on meta with the other ranks' layers deleted
   (`layers` is a ModuleDict, so names do not change) and `tok_embeddings` / `norm`, `output` only where
   it holds the first / last stage. Everything that works on a model — tensor parallel, activation
@@ -231,8 +233,10 @@ class Pipeline:
     """This rank's stages and the schedule that runs them; `step` is one optimizer step's forward/backward."""
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, *, schedule: str, loss: CausalLMLoss,
-                 microbatches: int, mesh: DeviceMesh, device: torch.device, autocast_dtype: torch.dtype | None = None):
-        """loss: the rank model's CausalLMLoss, whose settings the last stage's loss takes."""
+                 microbatches: int, mesh: DeviceMesh, device: torch.device, autocast_dtype: torch.dtype | None = None,
+                 overlap_ep: bool = False):
+        """loss: the rank model's CausalLMLoss, whose settings the last stage's loss takes; overlap_ep: DualPipeV's
+        paired forward/backward run as alternating turns around the expert all-to-alls (pipeline_overlap.py)."""
         import torch.distributed.pipelining as pipelining
 
         self.group = mesh["pp"].get_group()
@@ -251,6 +255,7 @@ class Pipeline:
                                             loss=loss, autocast_dtype=autocast_dtype)
                         for s in self.stage_indices]
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
+        self.overlap_ep = overlap_ep
         self.has_first, self.has_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
         self._scale, self._mtp_weight = 1.0, 0.0
         self.fsdp = False  # set by apply_fsdp
@@ -282,6 +287,12 @@ class Pipeline:
             self.schedule = schedule_cls(stages[0], self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
         else:
             self.schedule = schedule_cls(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        if self.overlap_ep:  # check_pipeline_overlap allowed it for DualPipeV only
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+            from .pipeline_overlap import OverlappedForwardBackward
+
+            self.schedule.register_custom_function(OVERLAP_F_B, OverlappedForwardBackward(self.schedule))
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: the last stage's forward already returned this microbatch's summed (main, MTP)

@@ -1,0 +1,188 @@
+"""DualPipeV with the expert all-to-alls of one microbatch overlapped by another's compute
+(`parallelism.pp_overlap_ep`).
+
+torch's ScheduleDualPipeV pairs, in its steady state, the forward (F) of one microbatch on one of a rank's
+two stages with the full backward (B) of an earlier microbatch on the other (an OVERLAP_F_B action), but
+runs the two one after the other. Here that action runs the pair as two turns:
+
+- F runs on a helper thread and B on the schedule's thread, never both at once: one holds the turn.
+- Inside `dist_moe.overlap_all_to_all`, each expert-parallel all-to-all (a MoE layer's forward makes three:
+  the split sizes, the token rows out, the expert outputs back; its backward two: the reverse exchanges)
+  is issued asynchronously, and the thread that issued it hands the turn over before waiting on it.
+- So while F's dispatch is in flight, B computes (the backward of the layers after its own next
+  exchange: attention, dense layers, experts, router); while B's exchange is in flight, F computes
+  (attention and gate of its next layer, its experts); then each waits for an exchange that has had the
+  other's compute to hide behind. On gloo the rows move on gloo's threads; on NCCL on its stream while
+  the compute stream takes the other microbatch's kernels.
+- When one of the two has finished, the other runs alone (its exchanges then block as usual).
+
+The hand-overs happen at points fixed by the model's structure, identical on every rank of a pipeline
+slice, so every process group sees its collectives in the same order on all its ranks, and each turn's
+arithmetic is the sequential one: gradients are bitwise those of the plain DualPipeV schedule.
+
+The action's two halves repeat what torch's runtime does for a FORWARD and a FULL_BACKWARD action
+(`_PipelineScheduleRuntime._step_microbatches`), through the same stage methods; only their interleaving
+differs. Warm-up and cool-down actions, the unpaired F and B, run as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import torch
+
+import dist_moe
+
+from .config import ParallelismConfig
+
+
+def check_pipeline_overlap(config: ParallelismConfig) -> None:
+    """parallelism.pp_overlap_ep against the other degrees and this torch (before the model is built)."""
+    if not config.pp_overlap_ep:
+        return
+    if config.pp < 2 or config.pp_schedule != "DualPipeV":
+        raise ValueError(f"parallelism.pp_overlap_ep overlaps the expert all-to-alls inside DualPipeV's paired "
+                         f"forward/backward: it needs parallelism.pp_schedule=DualPipeV and pp >= 2, got "
+                         f"pp_schedule={config.pp_schedule} with pp={config.pp}")
+    if config.ep < 2:
+        raise ValueError(f"parallelism.pp_overlap_ep overlaps expert-parallel all-to-alls: it needs "
+                         f"parallelism.ep >= 2, got ep={config.ep}")
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    if not hasattr(ScheduleDualPipeV, "register_custom_function"):
+        raise ValueError(f"parallelism.pp_overlap_ep needs torch's pipelining runtime with custom actions "
+                         f"(register_custom_function), which torch {torch.__version__} lacks")
+
+
+class TakingTurns:
+    """Two pieces of work on two threads, one running at a time (see the module docstring). `hand_over`,
+    given to dist_moe.overlap_all_to_all, is called by whichever holds the turn, right after it has issued
+    an all-to-all: the turn passes to the other (unless it has finished) and comes back when the other has
+    issued one of its own or finished.
+
+    trace: where each turn's events are appended as (name, event): "start", "issued" (an all-to-all issued,
+    turn handed over), "resumed" (turn back, about to wait on that exchange), "end"."""
+
+    def __init__(self, names: tuple[str, str] = ("forward", "backward"), trace: list | None = None):
+        self.names, self.trace = names, trace
+        self._turn = threading.Condition()
+        self._holder = names[0]
+        self._finished: set[str] = set()
+
+    def run(self, first: Callable[[], None], second: Callable[[], None]) -> None:
+        """first() on a new thread, second() on this one; first takes the first turn. Raises what either raised."""
+        errors: dict[str, BaseException] = {}
+        first_here = _in_callers_context(first)
+        helper = threading.Thread(target=self._play, args=(self.names[0], first_here, errors),
+                                  name=f"titan-train {self.names[0]}", daemon=True)
+        with dist_moe.overlap_all_to_all(self.hand_over):
+            helper.start()
+            self._play(self.names[1], second, errors)
+            helper.join()
+        for name in self.names:
+            if name in errors:
+                raise errors[name]
+
+    def hand_over(self) -> None:
+        with self._turn:
+            mine = self._holder
+            other = self.names[1] if mine == self.names[0] else self.names[0]
+            if other in self._finished:
+                return  # running alone: the exchange is waited on at once
+            self._record(mine, "issued")
+            self._holder = other
+            self._turn.notify_all()
+            self._turn.wait_for(lambda: self._holder == mine)
+            self._record(mine, "resumed")
+
+    def _play(self, name: str, work: Callable[[], None], errors: dict) -> None:
+        with self._turn:
+            self._turn.wait_for(lambda: self._holder == name)
+            self._record(name, "start")
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 -- re-raised by run() on the schedule's thread
+            errors[name] = error
+        finally:
+            with self._turn:
+                self._record(name, "end")
+                self._finished.add(name)
+                self._holder = self.names[1] if name == self.names[0] else self.names[0]
+                self._turn.notify_all()
+
+    def _record(self, name: str, event: str) -> None:
+        if self.trace is not None:
+            self.trace.append((name, event))
+
+
+def _in_callers_context(work: Callable[[], None]) -> Callable[[], None]:
+    """work wrapped to run with this thread's grad mode, CUDA device and stream (per-thread settings a new
+    thread would otherwise start from scratch)."""
+    grad_enabled = torch.is_grad_enabled()
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        with contextlib.ExitStack() as settings:
+            settings.enter_context(torch.set_grad_enabled(grad_enabled))
+            if stream is not None:
+                torch.cuda.set_device(stream.device)
+                settings.enter_context(torch.cuda.stream(stream))
+            work()
+
+    return run
+
+
+class OverlappedForwardBackward:
+    """The OVERLAP_F_B action of torch's pipelining runtime (registered with register_custom_function): its
+    FORWARD and FULL_BACKWARD sub-actions as two TakingTurns. Evaluation (no backward) runs them in order.
+
+    trace: as TakingTurns', one run after another (for tests)."""
+
+    def __init__(self, schedule, trace: list | None = None):
+        self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        self.trace = trace
+
+    def __call__(self, action, ctx) -> None:
+        from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD
+
+        schedule = ctx.schedule_ref
+        forward, backward = action.sub_actions
+        assert (forward.computation_type, backward.computation_type) == (FORWARD, FULL_BACKWARD), action
+        assert forward.stage_index != backward.stage_index, action
+        if not schedule._has_backward:
+            self._forward(schedule, forward, ctx)
+            self._backward(schedule, backward)
+            return
+        TakingTurns(trace=self.trace).run(lambda: self._forward(schedule, forward, ctx),
+                                          lambda: self._backward(schedule, backward))
+
+    def _forward(self, schedule, action, ctx) -> None:
+        """torch's FORWARD action. The outputs are kept exactly when the step has a backward: Pipeline.step
+        asks for them (return_outputs=True), Pipeline.evaluate does not."""
+        from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+        stage, mb = self.stages[action.stage_index], action.microbatch_index
+        schedule._assert_unsharded(stage)
+        if not stage.is_first and action.stage_index - 1 not in self.stages:
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((action.stage_index, mb)))
+        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
+                                         save_forward_output=schedule._has_backward)
+        schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+        if action.stage_index + 1 in self.stages:  # the V's turn: the next stage is on this rank
+            self.stages[action.stage_index + 1].set_local_fwd_input(output, mb)
+
+    def _backward(self, schedule, action) -> None:
+        """torch's FULL_BACKWARD action."""
+        from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+        stage, mb = self.stages[action.stage_index], action.microbatch_index
+        schedule._assert_unsharded(stage)
+        if not stage.is_last and action.stage_index + 1 not in self.stages:
+            _wait_batch_p2p(schedule.bwd_recv_ops.pop((action.stage_index, mb)))
+        loss = schedule._maybe_get_loss(stage, mb)
+        schedule.backward_counter[action.stage_index] += 1
+        last_backward = schedule.backward_counter[action.stage_index] == schedule._n_microbatches
+        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
+        if action.stage_index - 1 in self.stages:
+            self.stages[action.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
