@@ -5,9 +5,9 @@
   before B's compute starts and each of A's exchanges waited on only after B has computed up to its own
   (and the reverse), and A's output and B's gradients are bitwise those of running the two in order.
 - PP2 x EP2 on 4 gloo ranks (DeepSeek-V3 debug, 4 layers: one dense and three MoE, one per stage but the
-  first): overlapped, the run gives bitwise the loss and gradient-norm curve of plain DualPipeV over 10
-  steps (the design promises the sequential arithmetic), and follows the single-process curve within the
-  layout tests' tolerance (titan_train_curves.py); every rank handed its turn over.
+  first): overlapped, the run gives bitwise the losses and gradient norms of plain DualPipeV (steps 1-3:
+  the design promises the sequential arithmetic) and follows the single-process curve over 10 steps
+  within the layout tests' tolerance (titan_train_curves.py); every rank handed its turn over.
 """
 from __future__ import annotations
 
@@ -154,9 +154,12 @@ def _overlapped_then_plain_rank(rank: int, world: int, port: int, overlapped, pl
 @pytest.mark.skipif(not V_ON_GLOO, reason="this torch's V schedules need NCCL")
 def test_pp2_x_ep2_dualpipev_overlapped_is_plain_dualpipev_and_follows_one_process(tmp_path):
     overlapped = _job(tmp_path / "overlapped", **DUALPIPEV, **{"parallelism.pp_overlap_ep": "true"})
-    plain = _job(tmp_path / "plain", **DUALPIPEV)
+    # Steps 1-3 of the plain schedule: their losses and gradient norms follow from the warm-up's updates
+    # only (lr_schedule.warmup_steps 2), which the run's length does not change.
+    plain = _job(tmp_path / "plain", **DUALPIPEV, **{"training.steps": "3"})
     spawn_ranks(_overlapped_then_plain_rank, 4, (4, _free_port(), overlapped, plain))
     train(_job(tmp_path / "single", **{"parallelism.ep": "1", "parallelism.dp_shard": "-1"}))
     assert all(json.loads((tmp_path / "overlapped" / f"hand_overs{r}.json").read_text()) > 0 for r in range(4))
-    assert _curve(tmp_path / "overlapped") == _curve(tmp_path / "plain")  # bitwise: JSON floats round-trip
-    assert_pairs_follow(_curve(tmp_path / "overlapped"), _curve(tmp_path / "single"), range(1, STEPS + 1))
+    overlapped_curve = _curve(tmp_path / "overlapped")
+    assert {step: overlapped_curve[step] for step in (1, 2, 3)} == _curve(tmp_path / "plain")  # bitwise
+    assert_pairs_follow(overlapped_curve, _curve(tmp_path / "single"), range(1, STEPS + 1))
