@@ -9,11 +9,12 @@ runs the two one after the other. Here that action runs the pair as two turns:
 - Inside `dist_moe.overlap_all_to_all`, each expert-parallel all-to-all (a MoE layer's forward makes three:
   the split sizes, the token rows out, the expert outputs back; its backward two: the reverse exchanges)
   is issued asynchronously, and the thread that issued it hands the turn over before waiting on it.
-- So while F's dispatch is in flight, B computes (the backward of the layers after its own next
-  exchange: attention, dense layers, experts, router); while B's exchange is in flight, F computes
-  (attention and gate of its next layer, its experts); then each waits for an exchange that has had the
-  other's compute to hide behind. On gloo the rows move on gloo's threads; on NCCL on its stream while
-  the compute stream takes the other microbatch's kernels.
+- So while one of F's exchanges is in flight, B computes its backward up to its own next exchange (an
+  experts' backward, or the shared experts, router, attention and dense layers between two MoE layers);
+  while that one is in flight, F computes up to its next (its experts, or the attention and gate of its
+  next MoE layer); each waits on an exchange only after the other's compute has run behind it. On gloo
+  the rows move on gloo's threads; on NCCL on its stream while the compute stream takes the other
+  microbatch's kernels.
 - When one of the two has finished, the other runs alone (its exchanges then block as usual).
 
 The hand-overs happen at points fixed by the model's structure, identical on every rank of a pipeline
@@ -135,13 +136,10 @@ def _in_callers_context(work: Callable[[], None]) -> Callable[[], None]:
 
 class OverlappedForwardBackward:
     """The OVERLAP_F_B action of torch's pipelining runtime (registered with register_custom_function): its
-    FORWARD and FULL_BACKWARD sub-actions as two TakingTurns. Evaluation (no backward) runs them in order.
+    FORWARD and FULL_BACKWARD sub-actions as two TakingTurns. Evaluation (no backward) runs the forward alone."""
 
-    trace: as TakingTurns', one run after another (for tests)."""
-
-    def __init__(self, schedule, trace: list | None = None):
+    def __init__(self, schedule):
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
-        self.trace = trace
 
     def __call__(self, action, ctx) -> None:
         from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD
@@ -150,12 +148,11 @@ class OverlappedForwardBackward:
         forward, backward = action.sub_actions
         assert (forward.computation_type, backward.computation_type) == (FORWARD, FULL_BACKWARD), action
         assert forward.stage_index != backward.stage_index, action
-        if not schedule._has_backward:
+        if not schedule._has_backward:  # evaluation: the backward has nothing to do but drop its (empty) receive
             self._forward(schedule, forward, ctx)
-            self._backward(schedule, backward)
+            schedule.bwd_recv_ops.pop((backward.stage_index, backward.microbatch_index), None)
             return
-        TakingTurns(trace=self.trace).run(lambda: self._forward(schedule, forward, ctx),
-                                          lambda: self._backward(schedule, backward))
+        TakingTurns().run(lambda: self._forward(schedule, forward, ctx), lambda: self._backward(schedule, backward))
 
     def _forward(self, schedule, action, ctx) -> None:
         """torch's FORWARD action. The outputs are kept exactly when the step has a backward: Pipeline.step
