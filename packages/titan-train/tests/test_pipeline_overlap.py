@@ -1,9 +1,7 @@
 """DualPipeV with the expert all-to-alls overlapped (parallelism.pp_overlap_ep, pipeline_overlap.py).
+The turns themselves (their recorded order, bitwise results) are tested in dist-moe (tests/ep_worker.py).
 
-- The two turns on 2 gloo ranks, a forward of microbatch A through two expert-parallel MoE layers against
-  the backward of microbatch B through two others: the recorded order shows A's first all-to-all issued
-  before B's compute starts and each of A's exchanges waited on only after B has computed up to its own
-  (and the reverse), and A's output and B's gradients are bitwise those of running the two in order.
+- The recipe checks: DualPipeV, pp >= 2 and ep >= 2 only.
 - PP2 x EP2 on 4 gloo ranks (DeepSeek-V3 debug, 4 layers: one dense and three MoE, one per stage but the
   first): overlapped, the run gives bitwise the losses and gradient norms of plain DualPipeV (steps 1-3:
   the design promises the sequential arithmetic) and follows the single-process curve over 10 steps
@@ -17,14 +15,14 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch
 from titan_train_curves import assert_pairs_follow
 from titan_train_ranks import spawn_ranks
 from torch.distributed.pipelining import PipelineStage
 
+import dist_moe
 from titan_train import ParallelismConfig, load_recipe, train
 from titan_train.cli_args import apply_override
-from titan_train.pipeline_overlap import TakingTurns, check_pipeline_overlap
+from titan_train.pipeline_overlap import check_pipeline_overlap
 
 V_ON_GLOO = hasattr(PipelineStage, "_is_same_rank")  # older pipelining sends to its own rank at the V's turn
 
@@ -44,64 +42,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _two_moe_layers(seed: int, group):
-    """Linear -> MoE -> Linear -> MoE, the experts split over `group` (a stand-in for a pipeline stage)."""
-    import dist_moe
-
-    torch.manual_seed(seed)
-    config = dist_moe.MoEConfig(dim=16, num_experts=4, top_k=2, expert_dim=8, num_shared_experts=1)
-    layers = [torch.nn.Linear(16, 16), config.build(), torch.nn.Linear(16, 16), config.build()]
-    for moe in layers[1::2]:
-        dist_moe.apply_expert_parallel(moe, group)
-    return torch.nn.Sequential(*layers)
-
-
-def _turns_rank(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        group = dist.new_group(list(range(world)))
-        first, second = _two_moe_layers(0, group), _two_moe_layers(1, group)
-        gen = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
-        x_a, x_b, grad_b = (torch.randn(1, 12, 16, generator=gen) for _ in range(3))
-
-        def run(turns: TakingTurns | None):
-            second.zero_grad()
-            x = x_b.clone().requires_grad_()
-            out_b = second(x)  # B's forward ran earlier in the schedule
-            out_a = []
-            forward, backward = (lambda: out_a.append(first(x_a))), (lambda: out_b.backward(grad_b))
-            if turns is None:
-                forward()
-                backward()
-            else:
-                turns.run(forward, backward)
-            return [out_a[0], x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                                         for p in second.parameters()]
-
-        in_order = run(None)
-        trace: list = []
-        overlapped = run(TakingTurns(trace=trace))
-        for got, want in zip(overlapped, in_order, strict=True):
-            assert torch.equal(got, want)
-        # A's forward makes 3 exchanges per MoE layer (6), B's backward 2 (4); A's last one finds B done.
-        f, b = "forward", "backward"
-        expected = [(f, "start"), (f, "issued"), (b, "start")]
-        for _ in range(4):
-            expected += [(b, "issued"), (f, "resumed"), (f, "issued"), (b, "resumed")]
-        expected += [(b, "end"), (f, "resumed"), (f, "end")]
-        assert trace == expected, trace
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
-
-
-def test_turns_overlap_one_microbatchs_all_to_alls_with_the_others_compute():
-    spawn_ranks(_turns_rank, 2, (2, _free_port()))
 
 
 STEPS = 10
@@ -133,18 +73,18 @@ def _overlapped_then_plain_rank(rank: int, world: int, port: int, overlapped, pl
                       MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     hand_overs = []
-    original = TakingTurns.hand_over
+    original = dist_moe.TakingTurns.hand_over
 
     def counted(self):
         if not self._finished:  # the other turn still runs: the turn really passes
             hand_overs.append(self._holder)
         original(self)
 
-    TakingTurns.hand_over = counted
+    dist_moe.TakingTurns.hand_over = counted
     try:
         train(overlapped)
         (Path(overlapped.job.folder) / f"hand_overs{rank}.json").write_text(json.dumps(len(hand_overs)))
-        TakingTurns.hand_over = original
+        dist_moe.TakingTurns.hand_over = original
         train(plain)
     finally:
         dist.destroy_process_group()

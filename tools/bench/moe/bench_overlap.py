@@ -9,7 +9,7 @@ parallelism.pp_overlap_ep) against the same pair run in order, on P expert-paral
 stand-in stages of `--layers` blocks (two Linears and a SiLU for attention, then a dist-moe MoE layer with
 its experts split over the ranks). A measured pair is the forward of microbatch A through the first
 stage and the backward of microbatch B through the second (B's forward runs before, untimed), either one
-after the other (the anchor) or as titan_train.pipeline_overlap.TakingTurns; the two take turns being
+after the other (the anchor) or as dist_moe.TakingTurns; the two take turns being
 timed, all ranks starting together, medians over `--rounds`. Prints both medians and overlapped / in order
 (below 1: the overlap pays), and checks first that both give bitwise the same results. On a shared CPU
 the exchanges and the compute compete for the same cores, so the ratio there says little.
@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 import dist_moe
-from titan_train.pipeline_overlap import TakingTurns
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,7 +75,7 @@ def main() -> None:
         dist.barrier()
         start = time.perf_counter()
         if overlapped:
-            TakingTurns().run(forward, backward)
+            dist_moe.TakingTurns().run(forward, backward)
         else:
             forward()
             backward()

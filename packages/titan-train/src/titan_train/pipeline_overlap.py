@@ -5,7 +5,8 @@ torch's ScheduleDualPipeV pairs, in its steady state, the forward (F) of one mic
 two stages with the full backward (B) of an earlier microbatch on the other (an OVERLAP_F_B action), but
 runs the two one after the other. Here that action runs the pair as two turns:
 
-- F runs on a helper thread and B on the schedule's thread, never both at once: one holds the turn.
+- F runs on a helper thread and B on the schedule's thread, never both at once: one holds the turn
+  (`dist_moe.TakingTurns`).
 - Inside `dist_moe.overlap_all_to_all`, each expert-parallel all-to-all (a MoE layer's forward makes three:
   the split sizes, the token rows out, the expert outputs back; its backward two: the reverse exchanges)
   is issued asynchronously, and the thread that issued it hands the turn over before waiting on it.
@@ -26,10 +27,6 @@ The action's two halves repeat what torch's runtime does for a FORWARD and a FUL
 differs. Warm-up and cool-down actions, the unpaired F and B, run as before.
 """
 from __future__ import annotations
-
-import contextlib
-import threading
-from typing import Callable
 
 import torch
 
@@ -56,87 +53,10 @@ def check_pipeline_overlap(config: ParallelismConfig) -> None:
                          f"(register_custom_function), which torch {torch.__version__} lacks")
 
 
-class TakingTurns:
-    """Two pieces of work on two threads, one running at a time (see the module docstring). `hand_over`,
-    given to dist_moe.overlap_all_to_all, is called by whichever holds the turn, right after it has issued
-    an all-to-all: the turn passes to the other (unless it has finished) and comes back when the other has
-    issued one of its own or finished.
-
-    trace: where each turn's events are appended as (name, event): "start", "issued" (an all-to-all issued,
-    turn handed over), "resumed" (turn back, about to wait on that exchange), "end"."""
-
-    def __init__(self, names: tuple[str, str] = ("forward", "backward"), trace: list | None = None):
-        self.names, self.trace = names, trace
-        self._turn = threading.Condition()
-        self._holder = names[0]
-        self._finished: set[str] = set()
-
-    def run(self, first: Callable[[], None], second: Callable[[], None]) -> None:
-        """first() on a new thread, second() on this one; first takes the first turn. Raises what either raised."""
-        errors: dict[str, BaseException] = {}
-        first_here = _in_callers_context(first)
-        helper = threading.Thread(target=self._play, args=(self.names[0], first_here, errors),
-                                  name=f"titan-train {self.names[0]}", daemon=True)
-        with dist_moe.overlap_all_to_all(self.hand_over):
-            helper.start()
-            self._play(self.names[1], second, errors)
-            helper.join()
-        for name in self.names:
-            if name in errors:
-                raise errors[name]
-
-    def hand_over(self) -> None:
-        with self._turn:
-            mine = self._holder
-            other = self.names[1] if mine == self.names[0] else self.names[0]
-            if other in self._finished:
-                return  # running alone: the exchange is waited on at once
-            self._record(mine, "issued")
-            self._holder = other
-            self._turn.notify_all()
-            self._turn.wait_for(lambda: self._holder == mine)
-            self._record(mine, "resumed")
-
-    def _play(self, name: str, work: Callable[[], None], errors: dict) -> None:
-        with self._turn:
-            self._turn.wait_for(lambda: self._holder == name)
-            self._record(name, "start")
-        try:
-            work()
-        except BaseException as error:  # noqa: BLE001 -- re-raised by run() on the schedule's thread
-            errors[name] = error
-        finally:
-            with self._turn:
-                self._record(name, "end")
-                self._finished.add(name)
-                self._holder = self.names[1] if name == self.names[0] else self.names[0]
-                self._turn.notify_all()
-
-    def _record(self, name: str, event: str) -> None:
-        if self.trace is not None:
-            self.trace.append((name, event))
-
-
-def _in_callers_context(work: Callable[[], None]) -> Callable[[], None]:
-    """work wrapped to run with this thread's grad mode, CUDA device and stream (per-thread settings a new
-    thread would otherwise start from scratch)."""
-    grad_enabled = torch.is_grad_enabled()
-    stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-    def run() -> None:
-        with contextlib.ExitStack() as settings:
-            settings.enter_context(torch.set_grad_enabled(grad_enabled))
-            if stream is not None:
-                torch.cuda.set_device(stream.device)
-                settings.enter_context(torch.cuda.stream(stream))
-            work()
-
-    return run
-
-
 class OverlappedForwardBackward:
     """The OVERLAP_F_B action of torch's pipelining runtime (registered with register_custom_function): its
-    FORWARD and FULL_BACKWARD sub-actions as two TakingTurns. Evaluation (no backward) runs the forward alone."""
+    FORWARD and FULL_BACKWARD sub-actions as the two turns of a dist_moe.TakingTurns. Evaluation (no
+    backward) runs the forward alone."""
 
     def __init__(self, schedule):
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
@@ -152,7 +72,8 @@ class OverlappedForwardBackward:
             self._forward(schedule, forward, ctx)
             schedule.bwd_recv_ops.pop((backward.stage_index, backward.microbatch_index), None)
             return
-        TakingTurns().run(lambda: self._forward(schedule, forward, ctx), lambda: self._backward(schedule, backward))
+        dist_moe.TakingTurns().run(lambda: self._forward(schedule, forward, ctx),
+                                   lambda: self._backward(schedule, backward))
 
     def _forward(self, schedule, action, ctx) -> None:
         """torch's FORWARD action. The outputs are kept exactly when the step has a backward: Pipeline.step
