@@ -3,7 +3,8 @@ The turns themselves (their recorded order, bitwise results) are tested in dist-
 
 - The recipe checks: DualPipeV, pp >= 2 and ep >= 2 only.
 - PP2 x EP2 on 4 gloo ranks (DeepSeek-V3 debug, 4 layers: one dense and three MoE, one per stage but the
-  first): overlapped, the run gives bitwise the losses and gradient norms of plain DualPipeV (steps 1-3:
+  first; full activation checkpointing as in the MLPerf recipe, so the backward's recomputed forward makes
+  its exchanges inside B's turn too): overlapped, the run gives bitwise the losses and gradient norms of plain DualPipeV (steps 1-3:
   the design promises the sequential arithmetic) and follows the single-process curve over 10 steps
   within the layout tests' tolerance (titan_train_curves.py); every rank handed its turn over.
 """
@@ -48,7 +49,7 @@ STEPS = 10
 JOB = {"job.device": "cpu", "training.batch_size": "8", "training.seq_len": "32", "training.steps": str(STEPS),
        "model.num_layers": "4", "model.moe_impl": "dist_moe", "metrics.tensorboard": "false",
        "metrics.progress": "false", "lr_schedule.warmup_steps": "2", "checkpoint.resume": "false",
-       "checkpoint.interval": "0"}
+       "checkpoint.interval": "0", "activation_checkpoint.mode": "full"}
 DUALPIPEV = {"parallelism.pp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2",
              "parallelism.pp_schedule": "DualPipeV", "parallelism.pp_microbatches": "4"}
 
