@@ -4,9 +4,10 @@ The turns themselves (their recorded order, bitwise results) are tested in dist-
 - The recipe checks: DualPipeV, pp >= 2 and ep >= 2 only.
 - PP2 x EP2 on 4 gloo ranks (DeepSeek-V3 debug, 4 layers: one dense and three MoE, one per stage but the
   first; full activation checkpointing as in the MLPerf recipe, so the backward's recomputed forward makes
-  its exchanges inside B's turn too): overlapped, the run gives bitwise the losses and gradient norms of plain DualPipeV (steps 1-3:
-  the design promises the sequential arithmetic) and follows the single-process curve over 10 steps
-  within the layout tests' tolerance (titan_train_curves.py); every rank handed its turn over.
+  its exchanges inside B's turn too): overlapped, the run gives bitwise the losses and gradient norms of
+  plain DualPipeV (steps 1-3: the design promises the sequential arithmetic) and follows the
+  single-process curve over 10 steps within the layout tests' tolerance (titan_train_curves.py); every
+  rank handed its turn over.
 """
 from __future__ import annotations
 
