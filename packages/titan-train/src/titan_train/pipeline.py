@@ -330,17 +330,40 @@ class Pipeline:
             kwargs["document_ids"] = document_ids
         args = (tokens,) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        if hasattr(self.schedule, "eval"):  # outputs are 0-dim losses: not merged (return_outputs reaches step)
-            self.schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-        else:  # torch without Schedule.eval: the same switch it makes
-            has_backward, self.schedule._has_backward = self.schedule._has_backward, False
-            try:
-                self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-            finally:
-                self.schedule._has_backward = has_backward
+        with self._backward_actions_skipped():
+            if hasattr(self.schedule, "eval"):  # outputs are 0-dim losses: not merged (return_outputs reaches step)
+                self.schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            else:  # torch without Schedule.eval: the same switch it makes
+                has_backward, self.schedule._has_backward = self.schedule._has_backward, False
+                try:
+                    self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+                finally:
+                    self.schedule._has_backward = has_backward
         if not losses:
             return torch.zeros((), device=self.device, dtype=torch.float32)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+    @contextlib.contextmanager
+    def _backward_actions_skipped(self):
+        """V schedules while evaluating: torch's runtime still runs their backward actions, which at the V's
+        turn hand a gradient to the rank's other stage and assert there is a backward. Here they only drop
+        their (empty) receives, and a paired forward/backward runs its forward alone."""
+        if SCHEDULES[self.schedule_name][1] != "v":
+            yield
+            return
+        from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD, OVERLAP_F_B
+
+        from .pipeline_overlap import OverlappedForwardBackward
+
+        functions = self.schedule._comp_type_to_function_map  # register_custom_function's table (it cannot remove)
+        saved = dict(functions)
+        functions.update(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), _drop_backward_receive))
+        functions.setdefault(OVERLAP_F_B, OverlappedForwardBackward(self.schedule))
+        try:
+            yield
+        finally:
+            functions.clear()
+            functions.update(saved)
 
     def checkpoint_entries(self, state: dict) -> dict:
         """The run's checkpoint state with the model and optimizer entries presenting every stage (see
@@ -383,6 +406,11 @@ def split_backward_handles_custom_functions() -> bool:
     except RuntimeError:
         return False
     return bool(torch.equal(w.grad, torch.full((2,), 3.0)))
+
+
+def _drop_backward_receive(action, ctx) -> None:
+    """A backward action while evaluating: nothing to compute; its receive (empty without a backward) is dropped."""
+    ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
 
 
 def _no_weight_step():
