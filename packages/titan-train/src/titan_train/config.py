@@ -308,6 +308,10 @@ class ParallelismConfig:
     """Microbatches each step's rows are split into for the pipeline (0: one per stage); more shrink the bubble."""
     pp_stages_per_rank: int = 0
     """Stages per pp rank (0: the schedule's own: 1, or 2 for Interleaved* and the V schedules, which need 2)."""
+    pp_overlap_ep: bool = False
+    """DualPipeV with ep > 1: run each paired forward/backward of two microbatches as two alternating turns, so
+    one microbatch's expert all-to-alls are in flight while the other computes (pipeline_overlap.py); gradients
+    are unchanged."""
     cp: int = 1
     """Context parallel degree: each sequence split over cp ranks (load-balanced causal chunks, ring attention);
     FSDP shards over dp_shard x cp."""

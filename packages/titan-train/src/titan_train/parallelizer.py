@@ -39,6 +39,7 @@ from .parallelize import (
     keep_activations_in,
 )
 from .pipeline import Pipeline, PipelineLayout, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
+from .pipeline_overlap import check_pipeline_overlap
 from .sharding_impl import apply_flexshard, check_sharding_choices
 
 
@@ -71,6 +72,7 @@ class Parallelizer:
         if t.mixed_precision == "bf16_params":
             _check_bf16_params(run, world_size)
         resolve_moe_impl(run)
+        check_pipeline_overlap(par)
         self.pp_settings = None
         if degrees.pp > 1:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
@@ -161,7 +163,8 @@ class Parallelizer:
         if layout is not None:
             pipeline = Pipeline(model, layout, schedule=self.pp_settings.schedule, loss=loss,
                                 microbatches=self.pp_settings.microbatches, mesh=self.mesh, device=self.device,
-                                autocast_dtype=torch.bfloat16 if autocast else None)
+                                autocast_dtype=torch.bfloat16 if autocast else None,
+                                overlap_ep=run.parallelism.pp_overlap_ep)
         if self.fsdp:
             self._shard(loss, pipeline, expert_parallel)
         self._materialize(model, model_cfg, pipeline)
