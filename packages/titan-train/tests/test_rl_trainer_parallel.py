@@ -83,6 +83,16 @@ def test_generator_holds_the_trainers_full_weights_bitwise_after_every_update(sp
 
 
 @pytest.mark.parametrize("run", ["tp", "cp"])
+def test_split_trainers_logprobs_match_the_generators(split_runs, run):
+    """The trainer's split forward (TP shards, or the CP ring) scores every sampled token as the generator's
+    whole model with its KV cache did, to float rounding (not batch-invariant: fp32, different kernels)."""
+    got = records(split_runs / run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert all(r["trained_samples"] == 8 and r["staleness"] == 0 for r in got)
+    assert max(r["logprob_mismatch_max"] for r in got) < 1e-4, got
+
+
+@pytest.mark.parametrize("run", ["tp", "cp"])
 def test_split_trainer_follows_the_one_process_run(split_runs, tmp_path, run):
     run_rl(small_job(tmp_path, **TP_JOB) if run == "tp" else long_context_job(tmp_path, training__context_parallel=1))
     got, want = _curve(split_runs / run), _curve(tmp_path)
