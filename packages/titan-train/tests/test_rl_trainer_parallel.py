@@ -20,8 +20,10 @@ from titan_train_curves import tolerance
 from titan_train_ranks import spawn_ranks
 from titan_train_rl_ranks import free_port, load_weights, recording_weights, records, small_job
 
+from titan_train.model_setup import build_on_meta, model_config
 from titan_train.rl import run_rl
-from titan_train.rl.build import validate
+from titan_train.rl.build import check_tensor_parallel, validate
+from titan_train.rl.pretrain import policy_model_config
 from titan_train.rl.recipes import RL_RECIPES
 
 STEPS = 3
@@ -116,3 +118,17 @@ def test_trainer_splits_that_do_not_compose_are_refused():
         both = TP_JOB | dict(rollout__prompts_per_step=4, pretrain__steps=0)
         validate(small_job("unused", **both, training__tensor_parallel=2, training__context_parallel=2), world_size=4)
     validate(long_context_job("unused", generator__ranks=1), world_size=3)  # CP2 trainers + a generator
+
+
+@pytest.mark.parametrize(("family", "flavor", "vocab_size", "message"), [
+    ("qwen3", "debug_moe", 384, "MoE policy"),       # the TP plan leaves routed experts to expert parallelism
+    ("llama3", "1B", 384, "tied embeddings"),
+    ("llama3", "debug", 385, "vocab_size=385"),
+])
+def test_policies_tensor_parallelism_cannot_split_are_refused(family, flavor, vocab_size, message):
+    config = small_job("unused", policy__family=family, policy__flavor=flavor, policy__num_layers=1,
+                       policy__vocab_size=vocab_size)
+    model = build_on_meta(model_config(policy_model_config(config), vocab_needed=259))
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(model, 2)
+    check_tensor_parallel(model, 1)

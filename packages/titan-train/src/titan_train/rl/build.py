@@ -138,6 +138,10 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     if tp == 1:
         return
     config = model.config
+    if model.parallel_plan.experts:
+        raise ValueError(f"training.tensor_parallel={tp} with a MoE policy ({config.__class__.__name__}) is not "
+                         "supported: titan-train's TP plan leaves the routed experts to expert parallelism, which "
+                         "the RL trainer does not run; use a dense policy or training.tensor_parallel=1")
     try:
         model.parallel_plan.check_tensor_parallel(tp)
     except ValueError as e:

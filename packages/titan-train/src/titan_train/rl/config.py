@@ -155,8 +155,8 @@ class RLStepConfig:
     for long contexts); the trainer ranks are context_parallel x data-parallel ones (FSDP over all of them).
     Colocated, every rank still generates its share; with generator.ranks they get the full weights gathered."""
     tensor_parallel: int = 1
-    """Trainer ranks that split each layer of the policy (titan-train's TP plan, sequence parallel; needs an
-    untied flavor whose heads, ffn and vocabulary it divides); the trainer ranks are a data-parallel (FSDP) x
+    """Trainer ranks that split each layer of the policy (titan-train's TP plan, sequence parallel; needs a
+    dense, untied flavor whose heads, ffn and vocabulary it divides); the trainer ranks are a data-parallel (FSDP) x
     tensor_parallel mesh. With generator.ranks the weight sync gathers the shards into the generators' whole
     (TP1) layout. Not with context_parallel > 1 nor generator.batch_invariant (TP sums each rowwise product
     over ranks, in another order than the generator's whole matmul: no bitwise logprobs)."""
