@@ -3,7 +3,8 @@ RL with titan-rl's rollouts, losses and generators, data-parallel over the ranks
 
 Per step: every rank generates its share of the prompts with its generator (ShardedRollouts), all ranks
 gather the same global batch, compute group advantages (and DAPO's dynamic sampling) from it, update the
-FSDP-sharded policy on their slices (PolicyUpdate), and hand each generator the full new weights
+FSDP-sharded policy on their slices (PolicyUpdate; with training.tensor_parallel or context_parallel split
+further over groups of the trainer ranks, trainer_layout.py), and hand each generator the full new weights
 (export_weights) with a version bump.
 
 With generator.ranks = G > 0 the last G ranks only generate and the others only train (disaggregated.py):
