@@ -5,6 +5,7 @@ bottom and right, and rescale + normalise fused into one float32 step ((x - 255 
 """
 from __future__ import annotations
 
+from functools import cache
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -39,6 +40,7 @@ def resize_uint8(pixels: torch.Tensor, height: int, width: int, mode: Literal["b
                          antialias=True)[0].to(pixels.device)
 
 
+@cache
 def _torch_has_lanczos() -> bool:
     try:
         F.interpolate(torch.zeros(1, 1, 2, 2, dtype=torch.uint8), size=[1, 1], mode="lanczos", antialias=True)
