@@ -33,6 +33,15 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
             if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
 
 
+def tensor_parallel_styles(model: nn.Module) -> dict[str, str]:
+    """Module path -> the style name (colwise, rowwise, ...) `model.parallel_plan` gives it under TP."""
+    styles: dict[str, str] = {}
+    for pattern, style in model.parallel_plan.tensor_parallel.items():
+        for name in matching_modules(model, pattern):
+            styles.setdefault(name, style)
+    return styles
+
+
 def _tp_style(style: str, pattern: str) -> ParallelStyle:
     """The torch ParallelStyle for one of titan-models' TP_STYLES (residual stream sharded on the sequence).
 
