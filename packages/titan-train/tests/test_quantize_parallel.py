@@ -156,8 +156,8 @@ def flexshard_worker(rank: int, world: int, port: int, config, folder: str) -> N
                     return
                 got = gathered_weight(module.weight, module.recipe)
                 want = quantize(whole[name].to(module.weight.dtype), module.recipe.weight)
-                checks[name] = got is not None and torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)) \
-                    and torch.equal(got.scale, want.scale)
+                same_bytes = got is not None and torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+                checks[name] = same_bytes and torch.equal(got.scale, want.scale)
             return hook
         for name, module in linears.items():
             module.register_forward_pre_hook(record(name))
