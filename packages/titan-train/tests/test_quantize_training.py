@@ -197,6 +197,44 @@ def test_compiled_gemms_stay_the_kernels_eager_runs(recipe):
     assert torch.equal(y, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
+@pytest.mark.parametrize("policy_knows_the_op", [True, False], ids=["policy", "control"])
+def test_selective_checkpointing_keeps_the_fp8_gemm_output(policy_knows_the_op, monkeypatch):
+    """Op-level selective checkpointing (parallelize._op_sac_policy) saves the fp8 GEMMs, now custom ops, as it
+    saves matmuls: the backward runs the input and weight gradient GEMMs and does not recompute the forward's
+    (counted below the checkpoint's own dispatch mode). Control: a policy that does not list the op recomputes
+    it (3 GEMMs)."""
+    from functools import partial
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from titan_train import parallelize
+    from titan_train.quantize import RECIPES, quantized_linear
+
+    class CountGemms(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountGemms.calls += str(func).startswith("titan_train.fp8_scaled_mm")
+            return func(*args, **(kwargs or {}))
+
+    policy = parallelize._op_sac_policy()
+    if not policy_knows_the_op:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        full_policy = policy
+        policy = lambda ctx, op, *a, **k: (CheckpointPolicy.PREFER_RECOMPUTE  # noqa: E731
+                                           if str(op).startswith("titan_train") else full_policy(ctx, op, *a, **k))
+    x = torch.randn(32, 128, requires_grad=True)
+    w = (torch.randn(64, 128) * 0.05).requires_grad_()
+    y = checkpoint(lambda x, w: quantized_linear(x, w, RECIPES["fp8_rowwise"], out_dtype=torch.float32,
+                                                 backend="kernels"),
+                   x, w, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
+    with CountGemms():
+        y.square().sum().backward()
+    assert CountGemms.calls == (2 if policy_knows_the_op else 3)
+
+
 def _stored(folder, step: int) -> dict[str, tuple]:
     """name -> (dtype, shape) of every tensor rank 0 wrote in checkpoint `step`."""
     from concurrent.futures import ThreadPoolExecutor

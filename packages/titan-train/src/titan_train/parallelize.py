@@ -207,8 +207,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_loc
 
 
 def _op_sac_policy():
-    """Selective checkpointing at op level: keep matmul and attention outputs (expensive to recompute),
-    recompute the cheap elementwise ops between them (norms, activations, RoPE)."""
+    """Selective checkpointing at op level: keep matmul and attention outputs (fp8 GEMMs included; expensive to
+    recompute), recompute the cheap elementwise ops between them (norms, activations, RoPE)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
@@ -216,6 +216,11 @@ def _op_sac_policy():
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_mm")
     save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    # quantize.linear's GEMMs, custom ops (quantize/gemm.py): registered when their modules are imported
+    from .quantize import blockwise_triton, gemm  # noqa: F401
+
+    save |= {getattr(torch.ops.titan_train, n).default
+             for n in ("fp8_scaled_mm", "mx_dequantized_mm", "fp8_blockwise_gemm")}
 
     def policy(ctx, op, *args, **kwargs):
         if op in save or "flex_attention" in str(op):
