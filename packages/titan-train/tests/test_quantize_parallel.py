@@ -112,7 +112,8 @@ def test_tp2_quantises_shards_as_one_process_and_follows_its_curves(tmp_path, jo
     """TP2 on 2 gloo ranks, each recipe: the bitwise operand checks (module docstring), then 4 training steps
     within the shared tolerances of the 1-process run of the same recipe. Each 1-process run departs from the
     unquantised one by more than those tolerances, so following it is not following fp32. One spawn for all
-    four recipes (~35 s on the shared 2-core machine: 8 short runs and the ranks' start-up)."""
+    four recipes (~60 s on the shared 2-core machine: 9 short runs, 4 of them on 2 ranks, and the ranks'
+    start-up; one parallel test per recipe would cost ~70 s each)."""
     from titan_train_curves import tolerance
     from titan_train_ranks import spawn_ranks
 
@@ -172,7 +173,8 @@ def flexshard_worker(rank: int, world: int, port: int, config, folder: str) -> N
 def test_flexshard_fp8_gather_feeds_the_blockwise_gemm(tmp_path, jobs, cli):
     """dp_shard 2, fsdp_impl flexshard, fp8_all_gather, fp8_blockwise: every converted Linear (the 7 of each of
     the 2 blocks) took its forward weight from the gather, bit for bit quantize(whole weight), and the loss
-    curve follows the 1-process blockwise run (~30 s: one 2-rank run and one single-process run)."""
+    curve follows the 1-process blockwise run (~45-85 s on the shared machine: one 2-rank run with its
+    start-up, one single-process run)."""
     from titan_train_ranks import spawn_ranks
 
     single = train(jobs.tiny(tmp_path / "one", **STEPS, **{"quantize.linear": "fp8_blockwise"})).losses
