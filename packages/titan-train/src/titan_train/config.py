@@ -332,7 +332,9 @@ class ParallelismConfig:
     (relative to the block) joined by '|', e.g. 'attention.*|attention_norm.*'. Empty: one bucket per block."""
     fp8_all_gather: bool = False
     """flexshard: all-gather the block:RxC parameters as fp8 e4m3 with one scale per tile (about half the
-    bytes of bf16); needs at least one block placement."""
+    bytes of bf16); needs at least one block placement, or quantize.linear fp8_blockwise, whose converted
+    Linears' weights are then placed block:128x128 (its weight blocks) and gathered in its own fp8 form, which
+    the forward GEMM takes as gathered."""
 
     def build(self, run: TrainConfig, *, world_size: int, device: torch.device) -> Parallelizer:
         """The run's layout on `world_size` ranks (degrees checked against the rest of `run`, the mesh),

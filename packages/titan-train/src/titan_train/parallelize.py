@@ -33,6 +33,15 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
             if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
 
 
+def tensor_parallel_styles(model: nn.Module) -> dict[str, str]:
+    """Module path -> the style name (colwise, rowwise, ...) `model.parallel_plan` gives it under TP."""
+    styles: dict[str, str] = {}
+    for pattern, style in model.parallel_plan.tensor_parallel.items():
+        for name in matching_modules(model, pattern):
+            styles.setdefault(name, style)
+    return styles
+
+
 def _tp_style(style: str, pattern: str) -> ParallelStyle:
     """The torch ParallelStyle for one of titan-models' TP_STYLES (residual stream sharded on the sequence).
 
@@ -210,8 +219,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_loc
 
 
 def _op_sac_policy():
-    """Selective checkpointing at op level: keep matmul and attention outputs (expensive to recompute),
-    recompute the cheap elementwise ops between them (norms, activations, RoPE)."""
+    """Selective checkpointing at op level: keep matmul and attention outputs (fp8 GEMMs included; expensive to
+    recompute), recompute the cheap elementwise ops between them (norms, activations, RoPE)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
@@ -219,6 +228,11 @@ def _op_sac_policy():
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_mm")
     save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    # quantize.linear's GEMMs, custom ops (quantize/gemm.py): registered when their modules are imported
+    from .quantize import blockwise_triton, gemm  # noqa: F401
+
+    save |= {getattr(torch.ops.titan_train, n).default
+             for n in ("fp8_scaled_mm", "mx_dequantized_mm", "fp8_blockwise_gemm")}
 
     def policy(ctx, op, *args, **kwargs):
         if op in save or "flex_attention" in str(op):

@@ -37,6 +37,7 @@ from .parallelize import (
     check_moe_under_tp,
     check_tp_divisibility,
     keep_activations_in,
+    tensor_parallel_styles,
 )
 from .pipeline import Pipeline, PipelineLayout, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
 from .pipeline_overlap import check_pipeline_overlap
@@ -100,9 +101,7 @@ class Parallelizer:
                              "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
         self.remat_plan: dict | None = None  # activation_checkpoint.mode=remat: the plan's report
         self.quantize = run.quantize.build()  # quantize.linear's conversion pass, or None
-        if self.quantize is not None and degrees.tp > 1:
-            raise ValueError(f"quantize.linear={run.quantize.linear} with parallelism.tp={degrees.tp} is not supported "
-                             "yet (the quantised GEMMs take whole weights, not DTensor shards); use parallelism.tp 1")
+        self.quantized: list[str] = []  # the Linears it converted (build_model)
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -137,7 +136,10 @@ class Parallelizer:
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
         if self.quantize is not None:  # after the MoE swap (it rebuilds those layers), before every wrapper
-            self.quantize.apply(model, partial=layout is not None)  # a pipeline rank holds some stages only
+            # a pipeline rank holds some stages only; under TP each rank's shard must be blockable
+            styles = tensor_parallel_styles(model) if self.degrees.tp > 1 else None
+            self.quantized = self.quantize.apply(model, partial=layout is not None, tp=self.degrees.tp,
+                                                 tp_styles=styles)
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu
@@ -234,10 +236,17 @@ class Parallelizer:
         if pipeline is not None:
             pipeline.apply_fsdp(dp_mesh, param_dtype=param_dtype, reshard_after_forward=par.reshard_after_forward)
         elif par.fsdp_impl == "flexshard":
-            apply_flexshard(loss, dp_mesh, par, param_dtype=param_dtype)
+            apply_flexshard(loss, dp_mesh, par, param_dtype=param_dtype, fp8_weights=self._fp8_gathered_weights())
         else:
             apply_fsdp(loss, list(loss.model.layers.values()), dp_mesh, param_dtype=param_dtype,
                        reshard_after_forward=par.reshard_after_forward)
+
+    def _fp8_gathered_weights(self) -> tuple[str, ...]:
+        """fp8_blockwise with flexshard's fp8 all-gather: the converted Linears' weights, which flexshard then
+        gathers as e4m3 in the recipe's 128 x 128 blocks, fed to the forward GEMM as gathered (quantize/gathered.py)."""
+        if not (self.run.parallelism.fp8_all_gather and self.run.quantize.linear == "fp8_blockwise"):
+            return ()
+        return tuple(f"{name}.weight" for name in self.quantized)
 
     def _materialize(self, model: nn.Module, model_cfg, pipeline: Pipeline | None) -> None:
         m = self.run.model
