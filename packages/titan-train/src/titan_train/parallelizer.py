@@ -130,7 +130,11 @@ class Parallelizer:
         """This rank's parallelized model of `model_cfg`, with weights independent of the layout."""
         run, t = self.run, self.run.training
         model = build_on_meta(model_cfg)
-        check_moe_under_tp(model, tp=self.degrees.tp, ep=self.degrees.ep)  # on the whole model: every rank agrees
+        # on the whole model, so every rank agrees; what TP cannot split at all (DeepSeek-V4's one kv head) is
+        # named before a MoE model's need for ep
+        if self.degrees.tp > 1:
+            check_tp_divisibility(model, self.degrees.tp, t.seq_len)
+        check_moe_under_tp(model, tp=self.degrees.tp, ep=self.degrees.ep)
         if self.adapters is not None:  # on the whole model, so every pattern finds its Linears
             self.adapters.apply(model)
         layout = self._keep_rank_part(model)
@@ -192,7 +196,6 @@ class Parallelizer:
         if self.degrees.cp > 1:
             apply_context_parallel(model, self.mesh["cp"].get_group())
         if self.degrees.tp > 1:
-            check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
             # Under expert parallelism the MoE layers are not TP-split: each tp rank routes its own sequence
             # shard to the experts (ExpertParallel sums their gradients over tp).
             local = tuple(n for n, m in model.named_modules() if m in moes) if self.degrees.ep > 1 else ()
