@@ -101,8 +101,84 @@ def run(rank: int, world: int, backend: str) -> dict:
         loads = ref_tokens.tolist()
         results["some_expert_empty_or_skewed"] = {"ok": (min(loads) == 0) if bias_mode == "starve"
                                                   else max(loads) >= 2 * min(loads), "loads": loads}
+        if backend == "torch":
+            results["overlap_all_to_all"] = _overlapped_is_bitwise(moe, xs[rank], grads[rank], out, x.grad)
         report["checks"][name] = results
+    if backend == "torch":
+        report["checks"]["taking_turns"] = _taking_turns(rank, group)
     return report
+
+
+def _overlapped_is_bitwise(moe, x, grad, out, grad_x) -> dict:
+    """The same forward and backward inside dist_moe.overlap_all_to_all: bitwise the blocking results, with
+    hand_over called once per all-to-all (forward: split sizes, rows out, outputs back; backward: the two
+    reverse exchanges)."""
+    import torch
+
+    import dist_moe
+
+    calls = []
+    x = x.clone().requires_grad_()
+    with dist_moe.overlap_all_to_all(lambda: calls.append(1)):
+        again = moe(x)
+        n_forward = len(calls)
+        again.backward(grad)
+    counts = [n_forward, len(calls) - n_forward]
+    return {"ok": torch.equal(again, out) and torch.equal(x.grad, grad_x) and counts == [3, 2], "hand_overs": counts}
+
+
+def _two_moe_layers(seed: int, group):
+    """Linear -> MoE -> Linear -> MoE with the experts split over `group` (a stand-in for a pipeline stage)."""
+    import torch
+
+    import dist_moe
+
+    torch.manual_seed(seed)
+    config = dist_moe.MoEConfig(dim=16, num_experts=4, top_k=2, expert_dim=8, num_shared_experts=1)
+    layers = [torch.nn.Linear(16, 16), config.build(), torch.nn.Linear(16, 16), config.build()]
+    for moe in layers[1::2]:
+        dist_moe.apply_expert_parallel(moe, group)
+    return torch.nn.Sequential(*layers)
+
+
+def _taking_turns(rank: int, group) -> dict:
+    """The forward of microbatch A through two MoE layers and the backward of microbatch B through two
+    others as TakingTurns: A's output and B's gradients bitwise those of running the two in order, and the
+    recorded turns: A's first all-to-all issued before B starts, and every exchange of either waited on
+    ("resumed") only after the other has computed up to its own next exchange or its end."""
+    import torch
+
+    import dist_moe
+
+    first, second = _two_moe_layers(0, group), _two_moe_layers(1, group)
+    gen = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
+    x_a, x_b, grad_b = (torch.randn(1, 12, 16, generator=gen) for _ in range(3))
+
+    def run(turns):
+        second.zero_grad()
+        x = x_b.clone().requires_grad_()
+        out_b = second(x)  # B's forward came earlier
+        out_a = []
+        forward, backward = (lambda: out_a.append(first(x_a))), (lambda: out_b.backward(grad_b))
+        if turns is None:
+            forward()
+            backward()
+        else:
+            turns.run(forward, backward)
+        return [out_a[0], x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                     for p in second.parameters()]
+
+    in_order = run(None)
+    trace: list = []
+    overlapped = run(dist_moe.TakingTurns(trace=trace))
+    # A's forward makes 3 exchanges per MoE layer (6), B's backward 2 (4); A's last one finds B finished.
+    f, b = "forward", "backward"
+    expected = [(f, "start"), (f, "issued"), (b, "start")]
+    for _ in range(4):
+        expected += [(b, "issued"), (f, "resumed"), (f, "issued"), (b, "resumed")]
+    expected += [(b, "end"), (f, "resumed"), (f, "end")]
+    return {"bitwise": {"ok": all(torch.equal(got, want) for got, want in zip(overlapped, in_order, strict=True))},
+            "turn_order": {"ok": trace == expected, "trace": trace}}
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 """Expert parallelism on 2 and 4 gloo ranks equals one process (outputs and every gradient),
 with uneven token counts per rank, skewed loads and experts that receive nothing; and the layer
-reads device data on the host exactly once per forward (the split sizes), never in backward."""
+reads device data on the host exactly once per forward (the split sizes), never in backward.
+The torch path also checks overlap_all_to_all (bitwise, one hand-over per exchange) and TakingTurns
+(a forward against another microbatch's backward: bitwise the in-order results, and the recorded
+turn order showing each exchange in flight while the other computes)."""
 from __future__ import annotations
 
 import json

@@ -117,6 +117,35 @@ def test_sequence_balance_loss_matches_the_formula():
     assert got.item() == pytest.approx(want / b, rel=1e-5)
 
 
+def test_sequence_balance_loss_over_split_sequences_sums_to_the_whole_loss(tmp_path):
+    """Two gloo ranks each holding half of every sequence (sequence parallelism), group=WORLD: their counts are
+    summed, each returns its tokens' share; the shares sum to the loss of the whole sequences computed in one
+    piece, and each rank's gradient is the whole loss's gradient on its tokens. Without the group the
+    halves' losses average to another value (the control)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    worker = Path(__file__).with_name("balance_loss_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), "2", port, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for report, log in zip(reports, logs):
+        assert "error" not in report, f"{report['error']}\n{log}"
+        assert report["summed_shares"] == pytest.approx(report["whole"], rel=1e-6)
+        assert report["grad_max_error"] <= 1e-6 * report["grad_max"], report
+    # the control: each half's loss taken as if it were whole sequences, averaged, is another value
+    assert (reports[0]["alone"] + reports[1]["alone"]) / 2 != pytest.approx(reports[0]["whole"], rel=1e-3)
+
+
 def test_balanced_routing_gives_alpha():
     # Uniform scores and a perfectly even choice: f_i = 1, P_i = 1/E, loss = alpha.
     scores = torch.full((1, 4, 4), 0.5)

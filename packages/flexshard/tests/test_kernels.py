@@ -63,6 +63,60 @@ def test_quantizing_a_tile_aligned_piece_gives_the_same_bits():
         assert torch.equal(sp, s[r0 // 16 : -(-r1 // 16), c0 // 32 : -(-c1 // 32)])
 
 
+def test_pow2_scales_match_float64_nearest_e4m3():
+    """scales="pow2": each tile's scale is 2^-p with p the largest integer such that amax * 2^p <= 448 (found
+    here by stepping p in float64, not by frexp), 1 for an all-zero tile; q is the nearest e4m3 of x * 2^p, and
+    q * scale dequantizes without rounding."""
+    x, block = awkward_matrix(), (32, 48)
+    q, scales = quantize_blockwise(x, block, scales="pow2")
+    x64 = x.double()
+    for i in range(3):
+        for j in range(3):
+            amax = x64[i * 32 : (i + 1) * 32, j * 48 : (j + 1) * 48].abs().max().item()
+            p = 0
+            if amax > 0:
+                p = -200
+                while amax * 2.0 ** (p + 1) <= 448:
+                    p += 1
+            assert scales[i, j].item() == 2.0 ** -p, (i, j, amax, scales[i, j].item())
+    scale_of = torch.repeat_interleave(torch.repeat_interleave(scales.double(), 32, 0), 48, 1)[:70, :100]
+    scaled = x64 / scale_of
+    nearest = E4M3[(scaled.unsqueeze(-1) - E4M3).abs().argmin(-1)]
+    assert torch.equal(q.double(), nearest)
+    assert torch.equal(dequantize_blockwise(q, scales, block, torch.float64), q.double() * scale_of)
+    qp, sp = quantize_blockwise(x[32:64, 48:], block, scales="pow2")  # a tile-aligned piece: the same bits
+    assert torch.equal(qp.view(torch.uint8), q[32:64, 48:].view(torch.uint8)) and torch.equal(sp, scales[1:2, 1:])
+
+
+def test_gathered_fp8_is_held_between_gather_and_reshard():
+    """One gloo rank in this process: after a forward's gather the unsharded weight carries what the gather
+    carried (flexshard.gathered_fp8: e4m3 + scales, equal to quantizing the weight); resharding drops it."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import flexshard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96, bias=False))
+        whole = model[0].weight.detach().clone()
+        seen = []
+        model[0].register_forward_pre_hook(lambda m, args: seen.append(flexshard.gathered_fp8(m.weight)))
+        placement = flexshard.BlockShard(block=(32, 32), quantize="fp8_e4m3", scales="pow2")
+        flexshard.shard(model, init_device_mesh("cpu", (1,)), placements=placement)
+        model(torch.randn(2, 64)).sum().backward()
+        (gathered,) = seen
+        q, s = quantize_blockwise(whole, (32, 32), scales="pow2")
+        assert gathered.block == (32, 32) and gathered.rule == "pow2"
+        assert torch.equal(gathered.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gathered.scales, s)
+        slot = flexshard.layout(model).buckets[0][1].slots[0]
+        assert flexshard.gathered_fp8(slot.unsharded) is None  # resharded after backward
+    finally:
+        dist.destroy_process_group()
+
+
 def newton_schulz_float64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """The iteration written out in float64 on the wide orientation."""
     a, b, c = 3.4445, -4.7750, 2.0315

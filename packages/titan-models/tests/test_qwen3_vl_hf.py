@@ -131,3 +131,73 @@ def test_a_backward_with_images_reaches_every_parameter():
     model(tokens, pixel_values=pixels, image_grid_thw=grid_thw).logsumexp(-1).mean().backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
     assert not missing, missing
+
+
+VIDEO = 151  # TINY_CONFIG's video_token_id
+
+
+def _video_batch(*, with_images: bool, seq: int = 96, seed: int = 0):
+    """Sample 0: [an image,] a 2-frame video, text; sample 1: a 3-frame video. Each frame's tokens between
+    vision start/end after a few 'timestamp' tokens, as transformers' processor lays a video out."""
+    gen = torch.Generator().manual_seed(seed)
+    text = lambda n: torch.randint(0, 140, (n,), generator=gen).tolist()  # noqa: E731
+    videos = [(2, 4, 6), (3, 4, 4)]
+    rows = []
+    for sample, (t, h, w) in enumerate(videos):
+        row = text(4)
+        if with_images and sample == 0:
+            row += [START] + [IMAGE] * 4 + [END] + text(2)
+        for _ in range(t):
+            row += text(3) + [START] + [VIDEO] * (h * w // MERGE**2) + [END]
+        rows.append(row + text(seq - len(row)))
+    video_grid = torch.tensor(videos)
+    image_grid = torch.tensor([[1, 4, 4]]) if with_images else None
+    videos_px = torch.randn(int(video_grid.prod(-1).sum()), PATCH_DIM, generator=gen)
+    images_px = torch.randn(16, PATCH_DIM, generator=gen) if with_images else None
+    return torch.tensor(rows), dict(pixel_values=images_px, image_grid_thw=image_grid,
+                                    pixel_values_videos=videos_px, video_grid_thw=video_grid)
+
+
+def _reference_video_logits(reference, tokens, inputs):
+    kinds = (tokens == IMAGE).int() + 2 * (tokens == VIDEO).int()
+    given = {k: v for k, v in inputs.items() if v is not None}
+    return reference(input_ids=tokens, mm_token_type_ids=kinds, **given).logits
+
+
+@pytest.mark.parametrize("with_images", [False, True], ids=["videos", "videos-and-an-image"])
+def test_videos_match_transformers_both_ways(tmp_path, with_images):
+    reference = save_hf(_hf_config(), tmp_path / "hf", auto_class="AutoModelForImageTextToText")
+    model = tm.from_hf(tmp_path / "hf")
+    tokens, inputs = _video_batch(with_images=with_images)
+    with torch.no_grad():
+        want = _reference_video_logits(reference, tokens, inputs)
+        got = model(tokens, **inputs)
+        assert rel_err(got, want) < 1e-5
+        tm.to_hf(model, tmp_path / "back")
+        again = load_hf(tmp_path / "back", auto_class="AutoModelForImageTextToText")
+        assert rel_err(_reference_video_logits(again, tokens, inputs), got) < 1e-5
+        # controls: the frames must attend each within itself, and the video's DeepStack features count
+        frames_as_one = torch.tensor([[1, 8, 6], [1, 12, 4]])  # the same patches, as one tall frame each
+        assert rel_err(model.visual(inputs["pixel_values_videos"], frames_as_one)[0],
+                       model.visual(inputs["pixel_values_videos"], inputs["video_grid_thw"])[0]) > 1e-3
+        model.visual.deepstack_mergers[0].w2.bias.add_(0.5)
+        assert rel_err(model(tokens, **inputs), want) > 1e-3
+
+
+def test_video_positions_match_transformers_rope_index(tmp_path):
+    reference = save_hf(_hf_config(), tmp_path, auto_class="AutoModelForImageTextToText")
+    tokens, inputs = _video_batch(with_images=True)
+    kinds = (tokens == IMAGE).int() + 2 * (tokens == VIDEO).int()
+    want, deltas = reference.model.get_rope_index(tokens, image_grid_thw=inputs["image_grid_thw"],
+                                                  video_grid_thw=inputs["video_grid_thw"].clone(),
+                                                  mm_token_type_ids=kinds)
+    got, next_position = mrope_positions(tokens, inputs["image_grid_thw"], image_token_id=IMAGE,
+                                         spatial_merge_size=MERGE, video_grid_thw=inputs["video_grid_thw"],
+                                         video_token_id=VIDEO)
+    assert torch.equal(got, want)
+    assert torch.equal(next_position, deltas[:, 0] + tokens.shape[1])
+    video_only, _ = _video_batch(with_images=False)
+    with pytest.raises(ValueError, match="video_grid_thw lists 6 video frames but the samples' video frame tokens "
+                                         "hold 5"):  # a third video the tokens never reach
+        mrope_positions(video_only, None, image_token_id=IMAGE, spatial_merge_size=MERGE,
+                        video_grid_thw=torch.tensor([[2, 4, 6], [3, 4, 4], [1, 4, 4]]), video_token_id=VIDEO)

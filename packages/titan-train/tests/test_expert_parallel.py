@@ -167,9 +167,10 @@ def test_expert_parallel_needs_dist_moe():
     config.model.moe_impl = "titan"
     with pytest.raises(ValueError, match="parallelism.ep=2 needs model.moe_impl=dist_moe"):
         resolve_moe_impl(config)
+    # ep x tp with checkpoints and the balance loss compose now (test_expert_parallel_composed.py)
     config.model.moe_impl, config.parallelism.tp, config.checkpoint.interval = "auto", 2, 5
-    with pytest.raises(ValueError, match="checkpoint.interval=5 with parallelism.ep=2 x tp=2"):
-        resolve_moe_impl(config)
+    config.model.moe_aux_loss_weight = 0.1
+    assert resolve_moe_impl(config) == "dist_moe"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

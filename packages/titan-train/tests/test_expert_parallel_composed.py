@@ -6,12 +6,15 @@ Tolerance and argument as test_expert_parallel.py: relative 1e-4 per step over 1
 loss and the gradient norm; the expert biases after 10 aux-loss-free updates equal the single process's
 exactly, which needs the loads counted over every microbatch of the pipeline's schedule on every
 stage (a count missed or doubled flips a sign). The references run dist-moe's layer in one process
-with the same global batch in one piece. A kill-and-resume of the PP x EP run gives bitwise its curve.
+with the same global batch in one piece. Kill-and-resume of the PP x EP and TP x EP runs gives bitwise
+their curves; the TP x EP checkpoint, which must store the expert shards held by both tp ranks once, also
+resumes in one process.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -98,21 +101,84 @@ def test_ep_composed_follows_one_process(reference, tmp_path, jobs, nproc, layou
     assert_same_biases(folder, reference)
 
 
-def test_tp2_x_ep2_follows_one_process(reference, tmp_path, jobs):
+TP2_EP2 = {"parallelism.tp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2", "checkpoint.interval": "5"}
+
+
+@pytest.fixture(scope="module")
+def tp2_x_ep2(tmp_path_factory, jobs) -> Path:
+    """A TP2 x EP2 run of the recipe (4 ranks), checkpointed at steps 5 and 10."""
+    folder = tmp_path_factory.mktemp("tp2xep2")
+    jobs.on_ranks(job(folder, **TP2_EP2), 4)
+    return folder
+
+
+def test_tp2_x_ep2_follows_one_process_and_saves_each_expert_piece_once(reference, tp2_x_ep2):
     """Attention and dense layers tensor-parallel (MLA's latent projections whole on each tp rank, the shared
-    rope key's gradient summed over tp), the MoE
-    layers not TP-split: each tp rank routes its own sequence shard over the ep group, and their gradients
-    and loads are summed over tp. (No checkpoints: refused for ep x tp, so the biases are not compared.)"""
-    folder = tmp_path / "tp2xep2"
-    jobs.on_ranks(job(folder, **{"parallelism.tp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2",
-                                 "checkpoint.interval": "0"}), 4)
-    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
+    rope key's gradient summed over tp), the MoE layers not TP-split: each tp rank routes its own sequence
+    shard over the ep group, and their gradients and loads are summed over tp. Both tp ranks hold the same
+    expert shards; the checkpoint stores each piece once (one writing rank per expert range, for the weights
+    and their moments) and holds the single process's expert biases, once."""
+    assert_pairs_follow(curve(tp2_x_ep2), curve(reference), range(1, STEPS + 1))
+    assert_same_biases(tp2_x_ep2, reference)
+    tensors = _saved_tensors(tp2_x_ep2, STEPS)
+    for path in ("model.layers.1.moe.experts.w1", "optimizer.state.layers.2.moe.experts.w2.exp_avg"):
+        chunks = tensors[path]["chunks"]
+        assert sorted(c["offset"][0] for c in chunks) == [0, 4], (path, chunks)  # 8 experts over ep 2
+        assert len({c["rank"] for c in chunks}) == 2, (path, chunks)
+    assert len(tensors["model.layers.1.moe.expert_bias"]["chunks"]) == 1
+
+
+def test_tp2_x_ep2_resumes_bitwise_after_a_kill_and_in_one_process(reference, tp2_x_ep2, tmp_path, jobs):
+    """Killed (SIGKILL on every rank) in step 7, after step 5's checkpoint, and resumed on the same 4 ranks:
+    bitwise the uninterrupted run's curve. Its step-5 checkpoint resumed in one process (experts whole, no
+    tp) continues the single process's curve within the layout tests' tolerance."""
+    killed = tmp_path / "killed"
+    config = job(killed, **TP2_EP2, **{"checkpoint.resume": "true"})
+    with pytest.raises(mp.ProcessExitedException):
+        spawn_ranks(_rank_killed_in_step, 4, (4, _free_port(), config, 7))
+    jobs.on_ranks(config, 4)
+    assert curve(killed) == curve(tp2_x_ep2)  # bitwise: JSON floats round-trip exactly
+
+    moved = tmp_path / "moved"
+    (moved / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tp2_x_ep2 / "checkpoints" / "step-5", moved / "checkpoints" / "step-5")
+    train(job(moved, **SINGLE, **{"checkpoint.resume": "true", "checkpoint.interval": "0"}))
+    resumed = curve(moved)
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    assert_pairs_follow(resumed, curve(reference), range(6, STEPS + 1))
+
+
+def _saved_tensors(folder: Path, step: int) -> dict[str, dict]:
+    """The committed step's metadata: path -> dtype, shape and the chunks each rank wrote."""
+    return json.loads((folder / "checkpoints" / f"step-{step}" / "metadata.json").read_text())["tensors"]
+
+
+AUX = {"model.moe_aux_loss_weight": "0.3", "checkpoint.interval": "0"}
+
+
+@pytest.fixture(scope="module")
+def aux_reference(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("single_aux")
+    train(job(folder, **SINGLE, **AUX))
+    return folder
+
+
+@pytest.mark.parametrize("layout", [
+    TP2_EP2, {"parallelism.cp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2"},
+], ids=["tp2xep2", "cp2xep2"])
+def test_ep_with_the_sequence_balance_loss_follows_one_process(aux_reference, tmp_path, jobs, layout):
+    """DeepSeek-V3's sequence-wise balance loss when each rank's MoE layers see part of every sequence: tp's
+    sequence shards (TP2 x EP2) or cp's chunks (CP2 x EP2). The expert counts are summed over those ranks and
+    each rank's loss is its tokens' share (dist-moe's sequence_group; times cp, whose gradients are averaged);
+    the curve follows the single process's with the same loss weight. (Computed from each rank's tokens
+    alone, the loss moved the gradient norm off at step 1 in control runs: 9e-3 for TP2 x EP2, 2.4e-4 for
+    CP2 x EP2.)"""
+    folder = tmp_path / "run"
+    jobs.on_ranks(job(folder, **{**layout, **AUX}), 4)
+    assert_pairs_follow(curve(folder), curve(aux_reference), range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"parallelism.tp": "2", "parallelism.ep": "2"}, "checkpoint.interval=10 with parallelism.ep=2 x tp=2"),
-    ({"parallelism.tp": "2", "parallelism.ep": "2", "checkpoint.interval": "0", "model.moe_aux_loss_weight": "0.1"},
-     "needs whole sequences"),
     ({"parallelism.ep": "1", "model.moe_impl": "titan", "model.moe_routing": "forced_balance"},
      "forced_balance needs model.moe_impl=dist_moe"),
 ])

@@ -92,6 +92,34 @@ def test_jsonl_records_put_image_tokens_in_place_and_score_only_text(tmp_path):
     assert torch.equal(again.next_batch(2).tokens, loader.next_batch(2).tokens)
 
 
+@pytest.mark.parametrize("family,flavor,reference,markers", [
+    ("kimi_k25", "debug", "Kimi_K25ImageProcessor", ("vision_start_token_id", "vision_end_token_id")),
+    ("muse_glimmer", "debug_vision", "MuseGlimmerImageProcessor", ("image_start_token_id", "image_end_token_id")),
+])
+def test_each_vision_family_gets_its_processors_pixels_and_its_image_tokens(tmp_path, family, flavor, reference,
+                                                                           markers):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torchvision", reason="transformers' Kimi and Muse image processors need torchvision")
+    images = [_png(tmp_path / "a.png", "circle", "red"), _png(tmp_path / "b.png", "square", "blue", size=96, seed=1)]
+    _write_jsonl(tmp_path / "data.jsonl", [{"text": "look <image> then <image> done", "images": ["a.png", "b.png"]}])
+    loader, cfg = _loader(_config(tmp_path, tmp_path / "data.jsonl", **{
+        "model.family": family, "model.flavor": flavor, "data.image_min_pixels": "65536"}))
+    batch = loader.next_batch(1)
+    want = getattr(transformers, reference)()(images, return_tensors="pt")  # the processor, independently
+    assert torch.equal(batch.images[0][0], want["pixel_values"])
+    assert torch.equal(batch.images[0][1], want["image_grid_thw"])
+    start, end = (getattr(cfg, name) for name in markers)
+    bytes_of = lambda s: ByteTokenizer().encode(s).tolist()  # noqa: E731
+    counts = [int(g.prod()) // cfg.vision.merge_size**2 for g in want["image_grid_thw"]]
+    row = (bytes_of("look ") + [start] + [cfg.image_token_id] * counts[0] + [end] + bytes_of(" then ")
+           + [start] + [cfg.image_token_id] * counts[1] + [end] + bytes_of(" done"))
+    assert batch.tokens[0, :len(row)].tolist() == row
+    assert counts[0] == 9  # 64 pixels: Kimi pads to 84 (6 x 6 patches), Muse resizes to 3 x 3 merged patches
+    # Qwen3-VL's pixel bounds mean nothing here: refused rather than ignored
+    with pytest.raises(ValueError, match="bound Qwen3-VL's resizing"):
+        _loader(_config(tmp_path, tmp_path / "data.jsonl", **{"model.family": family, "model.flavor": flavor}))
+
+
 def test_a_saved_dataset_with_an_image_column_reads_the_same(tmp_path):
     _png(tmp_path / "a.png", "triangle", "green")
     _write_jsonl(tmp_path / "data.jsonl", [{"text": "<image> a green triangle", "images": ["a.png"]}])
@@ -129,6 +157,10 @@ def test_image_field_needs_a_vision_model_and_one_source(tmp_path):
     _write_jsonl(tmp_path / "data.jsonl", [{"text": "x", "images": []}])
     config = _config(tmp_path, tmp_path / "data.jsonl", **{"model.family": "llama3", "model.flavor": "debug"})
     with pytest.raises(ValueError, match="needs a vision-language model"):
+        _loader(config)
+    # a vision family's flavor without a tower
+    config = _config(tmp_path, tmp_path / "data.jsonl", **{"model.family": "muse_glimmer", "model.flavor": "debug"})
+    with pytest.raises(ValueError, match="needs a vision-language model.*has no vision tower"):
         _loader(config)
     with pytest.raises(ValueError, match="reads one jsonl/hf_disk data.source"):
         _loader(_config(tmp_path, "stdlib"))

@@ -14,27 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 from titan_train_ranks import spawn_ranks
+from titan_train_rl_ranks import free_port, small_job
+from titan_train_rl_ranks import records as metrics_records
 
-from titan_train.rl import RLConfig, run_rl
+from titan_train.rl import run_rl
 from titan_train.rl.build import validate
 
 STEPS = 3
-
-
-def small_job(folder: Path, **changes) -> RLConfig:
-    config = RLConfig()
-    config.job.folder = str(folder)
-    config.job.device = "cpu"
-    config.metrics.progress = False
-    for dotted, value in changes.items():
-        section, name = dotted.split("__")
-        setattr(getattr(config, section), name, value)
-    return config
 
 
 def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
@@ -60,20 +50,13 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rl_disaggregated")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(_rank_main, 4, (4, port, str(folder)))
+    spawn_ranks(_rank_main, 4, (4, free_port(), str(folder)))
     return folder
-
-
-def _records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "rl_metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("run", ["sync", "moe"])
 def test_trainer_and_generator_ranks_agree_bitwise(four_ranks, run):
-    records = _records(four_ranks / run)
+    records = metrics_records(four_ranks / run)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["logprob_mismatch_max"] for r in records] == [0.0] * STEPS
     assert all(r["trained_samples"] == 8 and r["staleness"] == 0 for r in records)
@@ -85,7 +68,7 @@ def test_trainer_and_generator_ranks_agree_bitwise(four_ranks, run):
 
 
 def test_disaggregated_async_keeps_the_staleness_bound_and_splits_the_step_time(four_ranks):
-    records = _records(four_ranks / "async")
+    records = metrics_records(four_ranks / "async")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(0 <= r["staleness"] <= 1 for r in records)
     assert sum(r["refills"] for r in records) > 0  # batches taken without a weight update (granted) came

@@ -1,4 +1,5 @@
-"""Image-text training: the synthetic shapes task (images drawn at run time) with the debug Qwen3-VL."""
+"""Image-text training: the synthetic shapes task (images drawn at run time) with the debug Qwen3-VL, Kimi K2.x
+and Muse Glimmer."""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +54,43 @@ def test_fsdp_follows_single_process_with_images(tmp_path, jobs):
     # 2 gloo ranks, FSDP over the decoder blocks and the vision tower (on the root unit): the same global
     # batches, each rank its rows and their images; the curve within test_parallel.py's 1e-4
     job = {"model.family": "qwen3_vl", "model.flavor": "debug", "model.vocab_size": "2048",
+           "data.source": "shapes", "data.document_masking": "false", "training.seq_len": "48",
+           "training.steps": "6"}
+    expected = train(jobs.tiny(tmp_path / "single", **job)).losses
+    curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **job, **{"parallelism.dp_shard": "2"}), 2)
+    assert sorted(curve) == sorted(expected) and expected[6] < expected[1]
+    for step, loss in expected.items():
+        assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
+
+
+@pytest.mark.parametrize("family,flavor,image_tokens", [("kimi_k25", "debug", 9), ("muse_glimmer", "debug_vision", 9)])
+def test_shapes_rows_for_each_vision_family(family, flavor, image_tokens):
+    # 64 x 64 pixels: Kimi pads to 84 (6 x 6 patches of 14), Muse resizes to 3 x 3 merged patches of 28; 2x2 merge
+    config = tm.flavor(family, flavor)
+    batch = ShapesLoader(config, ByteTokenizer(), seq_len=48, seed=0).next_batch(2)
+    for row, (pixels, grid) in enumerate(batch.images):
+        assert grid.tolist() == [[1, 6, 6]] and pixels.shape[0] == 36
+        assert (batch.tokens[row] == config.image_token_id).sum() == image_tokens
+        scored = batch.labels[row] != IGNORE_INDEX
+        assert ByteTokenizer().decode(batch.labels[row][scored].tolist()).startswith("a ")
+
+
+@pytest.mark.parametrize("recipe", ["kimi_k25_debug_shapes", "muse_glimmer_debug_shapes"])
+def test_each_vision_family_recipe_trains_on_cpu(tmp_path, recipe):
+    # ~15 s each on a shared CPU: 30 steps, the loss a tenth of where it started
+    config = load_recipe(recipe)
+    for name, value in {"job.device": "cpu", "training.steps": "30", "metrics.tensorboard": "false",
+                        "metrics.progress": "false", "checkpoint.resume": "false", "job.folder": str(tmp_path)}.items():
+        apply_override(config, name, value)
+    losses = train(config).losses
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (28, 29, 30)) / 3
+    assert last < 0.1 * first, (first, last)
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fsdp_follows_single_process_with_images_for_kimi(tmp_path, jobs):
+    # as for Qwen3-VL above: 2 gloo ranks, FSDP over the DeepSeek-V3 blocks and the MoonViT tower (root unit)
+    job = {"model.family": "kimi_k25", "model.flavor": "debug", "model.vocab_size": "2048",
            "data.source": "shapes", "data.document_masking": "false", "training.seq_len": "48",
            "training.steps": "6"}
     expected = train(jobs.tiny(tmp_path / "single", **job)).losses

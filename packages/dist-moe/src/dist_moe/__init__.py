@@ -9,6 +9,7 @@ from dist_moe.grouped_mm import grouped_mm
 from dist_moe.grouped_mm_fp8 import grouped_mm_fp8
 from dist_moe.host_sync import HostReads, count_host_syncs
 from dist_moe.moe import MoE, MoEConfig, apply_expert_parallel
+from dist_moe.overlap import TakingTurns, overlap_all_to_all
 from dist_moe.routing import Routing, forced_balance, hash_experts, route, sequence_balance_loss, tokens_per_expert, update_expert_bias
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "Routing",
+    "TakingTurns",
     "__version__",
     "apply_expert_parallel",
     "combine",
@@ -28,6 +30,7 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_fp8",
     "hash_experts",
+    "overlap_all_to_all",
     "route",
     "sequence_balance_loss",
     "tokens_per_expert",

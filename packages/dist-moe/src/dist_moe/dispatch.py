@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dist_moe.host_sync import read_to_host
+from dist_moe.overlap import all_to_all_single
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def dispatch(x: Tensor, expert_ids: Tensor, weights: Tensor, *, num_experts: int
 
     local_experts = num_experts // ranks
     recv_counts = torch.empty_like(counts)  # [P * E_local]: rows each source sends to my experts
-    dist.all_to_all_single(recv_counts, counts, group=group)
+    all_to_all_single(recv_counts, counts, group=group)
     per_rank = torch.cat([counts.view(ranks, local_experts).sum(1), recv_counts.view(ranks, local_experts).sum(1)])
     sizes = read_to_host(per_rank, "dispatch: all-to-all split sizes")  # the one host-device sync
     send_splits, recv_splits = sizes[:ranks], sizes[ranks:]
@@ -119,8 +120,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=group)
+        all_to_all_single(out, x.contiguous(), output_splits=out_splits, input_splits=in_splits, group=group)
         return out
 
     @staticmethod

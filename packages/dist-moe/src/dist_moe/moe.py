@@ -68,6 +68,9 @@ class MoEConfig:
     # "forced_balance": tokens dealt evenly to the experts (routing.forced_balance), for measurement only
     routing: Literal["learned", "forced_balance"] = "learned"
     ep_group: dist.ProcessGroup | None = None
+    # the ranks holding the other parts of this rank's sequences (tensor- or context-parallel ranks running the
+    # layer on sequence shards): the balance loss's counts are summed over it (routing.sequence_balance_loss)
+    sequence_group: dist.ProcessGroup | None = None
     backend: Backend = "auto"
     weight_grad: WeightGrad = "triton"  # Triton path: who computes the expert weight gradients
     # "fp8_rowwise" / "fp8_blockwise": the routed experts' GEMMs in fp8 (grouped_mm_fp8), forward and
@@ -155,7 +158,8 @@ class SwiGLU(nn.Module):
 
 class MoE(nn.Module):
     """See the module docstring. After a training forward with aux_loss_alpha > 0, `aux_loss` holds
-    the (detached) balance loss; its gradient reaches the router through the layer's output."""
+    the (detached) balance loss, this rank's share of it with a `sequence_group`; its gradient reaches the
+    router through the layer's output."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -231,7 +235,7 @@ class MoE(nn.Module):
             out = out + shared
         if cfg.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
             aux = sequence_balance_loss(routing.scores.view(batch, seq, -1), routing.expert_ids.view(batch, seq, -1),
-                                        alpha=cfg.aux_loss_alpha)
+                                        alpha=cfg.aux_loss_alpha, group=cfg.sequence_group)
             self.aux_loss = aux.detach()
             out = _AttachAuxLoss.apply(out, aux)
         return out.view(batch, seq, dim)

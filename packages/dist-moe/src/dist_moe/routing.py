@@ -157,12 +157,18 @@ def update_expert_bias(bias: Tensor, tokens_per_expert: Tensor, *, rate: float,
     return bias
 
 
-def sequence_balance_loss(scores: Tensor, expert_ids: Tensor, *, alpha: float) -> Tensor:
+def sequence_balance_loss(scores: Tensor, expert_ids: Tensor, *, alpha: float,
+                          group: dist.ProcessGroup | None = None) -> Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss, averaged over sequences.
 
     scores [b, s, E] (unbiased routing scores), expert_ids [b, s, k]. Per sequence:
     f_i = E / (k s) * #{tokens choosing i}, P_i = mean over tokens of scores normalised to sum 1,
     loss = alpha * sum_i f_i P_i (equal to alpha when the load is perfectly balanced).
+
+    group: the ranks holding the other parts of the same b sequences, s tokens each (sequence-parallel
+    ranks). The counts are summed over it (one all-reduce, outside autograd: f carries no gradient), and
+    the loss returned is this rank's share, alpha * sum_i f_i * (its tokens' part of P_i): the shares, and
+    their gradients, sum over the group to the loss of the whole sequences.
     """
     if scores.dim() != 3 or expert_ids.dim() != 3 or scores.shape[:2] != expert_ids.shape[:2]:
         raise ValueError(f"scores must be [b, s, E] and expert_ids [b, s, k] with the same b, s; got "
@@ -171,7 +177,11 @@ def sequence_balance_loss(scores: Tensor, expert_ids: Tensor, *, alpha: float) -
     top_k = expert_ids.shape[-1]
     chosen = torch.zeros(batch, num_experts, device=scores.device, dtype=torch.float32)
     chosen.scatter_add_(1, expert_ids.reshape(batch, -1), torch.ones(batch, seq * top_k, device=scores.device))
-    fraction = chosen * (num_experts / (top_k * seq))  # f_i [b, E]
+    parts = 1
+    if group is not None:
+        dist.all_reduce(chosen, group=group)
+        parts = dist.get_world_size(group)
+    fraction = chosen * (num_experts / (top_k * seq * parts))  # f_i [b, E] of the whole sequences
     probs = scores.float() / scores.float().sum(dim=-1, keepdim=True)
-    mean_prob = probs.mean(dim=1)  # P_i [b, E]
+    mean_prob = probs.mean(dim=1) / parts  # this rank's tokens' part of P_i [b, E]
     return alpha * (fraction * mean_prob).sum(dim=-1).mean()

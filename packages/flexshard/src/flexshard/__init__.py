@@ -8,7 +8,7 @@ from .comm_counter import CollectiveCall, CollectiveCounter
 from .full_tensor import full_tensor
 from .mixed_precision import MixedPrecision
 from .placements import BlockShard, Owned, RowShard
-from .quantize import dequantize_blockwise, quantize_blockwise
+from .quantize import GatheredFP8, dequantize_blockwise, gathered_fp8, quantize_blockwise
 from .report import ShardLayout, layout
 from .shard import shard
 
@@ -17,12 +17,14 @@ __all__ = [
     "ChunkedShard",
     "CollectiveCall",
     "CollectiveCounter",
+    "GatheredFP8",
     "MixedPrecision",
     "Owned",
     "RowShard",
     "ShardLayout",
     "dequantize_blockwise",
     "full_tensor",
+    "gathered_fp8",
     "layout",
     "optim",
     "quantize_blockwise",

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .chunked import ChunkedShard
 from .collectives import all_gather_single, reduce_scatter_single
 from .placements import BlockShard
-from .quantize import FP8, dequantize_blockwise, quantize_blockwise
+from .quantize import FP8, GatheredFP8, attach_gathered_fp8, dequantize_blockwise, quantize_blockwise
 from .slot import ParamSlot, local_flat
 
 ALIGN = 16  # bytes; keeps every dtype view of the uint8 buffer aligned
@@ -170,6 +170,8 @@ class Bucket:
         if self.state is BucketState.GATHERING:
             self.wait_gather()
         for slot in self.slots:
+            if slot.unsharded is not None and self._fp8(slot):
+                attach_gathered_fp8(slot.unsharded, None)
             slot.free_unsharded()
         self.state = BucketState.SHARDED
 
@@ -182,13 +184,13 @@ class Bucket:
             region.view(slot.gather_dtype)[: local.numel()].copy_(local)
 
     def _pack_fp8(self, slot: ParamSlot, local: torch.Tensor, region: torch.Tensor, scale_bytes: int) -> None:
-        block = slot.layout.placement.block
+        block, rule = slot.layout.placement.block, slot.layout.placement.scales
         scales, data = region[:scale_bytes].view(torch.float32), region[scale_bytes:].view(FP8)
         s_off = d_off = 0
         for rect in slot.layout.rects[self.rank]:
             # Quantize what a bf16 gather would have carried, so fp8 == gather-then-quantize bitwise.
             piece = local[d_off : d_off + rect.numel].view(rect.sizes).to(slot.gather_dtype)
-            q, s = quantize_blockwise(piece, block)
+            q, s = quantize_blockwise(piece, block, rule)
             data[d_off : d_off + rect.numel].copy_(q.view(-1))
             scales[s_off : s_off + s.numel()].copy_(s.view(-1))
             d_off += rect.numel
@@ -206,28 +208,22 @@ class Bucket:
             src = segments[:, entry.offset : entry.offset + entry.size].view(slot.gather_dtype)
             _copy_rows(full.view(rows, inner), src.view(self.world, chunk, inner), into_full=True)
             return
+        if self._fp8(slot):
+            # Assembled whole (one dequantize), and kept for fp8 consumers until reshard (flexshard.gathered_fp8).
+            q, scales = self.gathered_fp8(i, segments)
+            placement = layout.placement
+            full.copy_(dequantize_blockwise(q, scales, placement.block, full.dtype))
+            attach_gathered_fp8(full, GatheredFP8(q=q, scales=scales, block=placement.block, rule=placement.scales))
+            return
         for rank in range(self.world):
             entry = self.ag[rank][i]
-            region = segments[rank, entry.offset : entry.offset + entry.size]
-            if self._fp8(slot):
-                block = layout.placement.block
-                scales, data = region[: entry.scale_bytes].view(torch.float32), region[entry.scale_bytes :].view(FP8)
-                s_off = d_off = 0
-                for rect in layout.rects[rank]:
-                    tiles = (math.ceil(rect.sizes[0] / block[0]), math.ceil(rect.sizes[1] / block[1]))
-                    q = data[d_off : d_off + rect.numel].view(rect.sizes)
-                    s = scales[s_off : s_off + tiles[0] * tiles[1]].view(tiles)
-                    full[rect.slices].copy_(dequantize_blockwise(q, s, block, full.dtype))
-                    d_off += rect.numel
-                    s_off += tiles[0] * tiles[1]
-            else:
-                data, off = region.view(slot.gather_dtype), 0
-                for rect in layout.rects[rank]:
-                    full[rect.slices].copy_(data[off : off + rect.numel].view(rect.sizes))
-                    off += rect.numel
+            data, off = segments[rank, entry.offset : entry.offset + entry.size].view(slot.gather_dtype), 0
+            for rect in layout.rects[rank]:
+                full[rect.slices].copy_(data[off : off + rect.numel].view(rect.sizes))
+                off += rect.numel
 
     def gathered_fp8(self, i: int, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Debug/test aid: the full e4m3 matrix and per-tile scales carried by a gathered buffer."""
+        """The full e4m3 matrix and per-tile scales carried by a gathered buffer."""
         slot = self.slots[i]
         block = slot.layout.placement.block
         rows, cols = slot.layout.shape

@@ -40,10 +40,14 @@ class BlockShard:
 
     `quantize="fp8_e4m3"` all-gathers the tiles as e4m3 with one fp32 scale per tile, computed by the
     tile's owner (the gathered weight equals gathering in `param_dtype` and quantizing afterwards).
+    `scales`: "amax" (amax / 448) or "pow2" (2^-p, p the largest integer with amax * 2^p <= 448: exact to
+    dequantize, the rule of fp8 training recipes that consume the gathered e4m3 directly, see
+    `gathered_fp8`).
     """
 
     block: tuple[int, int]
     quantize: str | None = None
+    scales: str = "amax"
 
     def __post_init__(self) -> None:
         if (
@@ -54,9 +58,12 @@ class BlockShard:
             raise ValueError(f"BlockShard(block=...) takes two positive ints (rows, cols), got {self.block!r}")
         if self.quantize not in (None, "fp8_e4m3"):
             raise ValueError(f"BlockShard(quantize=...) takes None or 'fp8_e4m3', got {self.quantize!r}")
+        if self.scales not in ("amax", "pow2"):
+            raise ValueError(f"BlockShard(scales=...) takes 'amax' or 'pow2', got {self.scales!r}")
 
     def __str__(self) -> str:
         q = f", quantize={self.quantize!r}" if self.quantize else ""
+        q += f", scales={self.scales!r}" if self.scales != "amax" else ""
         return f"BlockShard(block={self.block}{q})"
 
 

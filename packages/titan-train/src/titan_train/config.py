@@ -308,6 +308,10 @@ class ParallelismConfig:
     """Microbatches each step's rows are split into for the pipeline (0: one per stage); more shrink the bubble."""
     pp_stages_per_rank: int = 0
     """Stages per pp rank (0: the schedule's own: 1, or 2 for Interleaved* and the V schedules, which need 2)."""
+    pp_overlap_ep: bool = False
+    """DualPipeV with ep > 1: run each paired forward/backward of two microbatches as two alternating turns, so
+    one microbatch's expert all-to-alls are in flight while the other computes (pipeline_overlap.py); gradients
+    are unchanged."""
     cp: int = 1
     """Context parallel degree: each sequence split over cp ranks (load-balanced causal chunks, ring attention);
     FSDP shards over dp_shard x cp."""
@@ -328,7 +332,9 @@ class ParallelismConfig:
     (relative to the block) joined by '|', e.g. 'attention.*|attention_norm.*'. Empty: one bucket per block."""
     fp8_all_gather: bool = False
     """flexshard: all-gather the block:RxC parameters as fp8 e4m3 with one scale per tile (about half the
-    bytes of bf16); needs at least one block placement."""
+    bytes of bf16); needs at least one block placement, or quantize.linear fp8_blockwise, whose converted
+    Linears' weights are then placed block:128x128 (its weight blocks) and gathered in its own fp8 form, which
+    the forward GEMM takes as gathered."""
 
     def build(self, run: TrainConfig, *, world_size: int, device: torch.device) -> Parallelizer:
         """The run's layout on `world_size` ranks (degrees checked against the rest of `run`, the mesh),

@@ -5,7 +5,8 @@ chunks r and 2 * cp - 1 - r, so every rank gets the same share of the causal tri
 trainer shards tokens, labels, positions and document ids this way (`shard_sequence`); everything
 outside attention is per token and runs unchanged on the local [b, s / cp] slice.
 
-Attention (`RingAttention`, installed as `layers.*.attention.inner` through `titan_models.override`):
+Attention (`RingAttention`, installed as `layers.*.attention.inner`, and DeepSeek-V3's MTP block's
+`mtp.layer.attention.inner`, through `titan_models.override`):
 each rank starts with its own K/V and passes them to the next rank while it attends to the ones it
 holds, cp steps in all; the partial results are merged with their log-sum-exp (online softmax). The
 backward runs the ring again, recomputing each block's probabilities from the saved global
@@ -26,6 +27,8 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 import titan_models as tm
+
+from .parallelize import matching_modules
 
 # --- the load-balanced layout --------------------------------------------------------------------------
 
@@ -292,8 +295,14 @@ class RingAttention(nn.Module):
         return f"scale={self.scale:.6g}, cp={dist.get_world_size(self.group)}"
 
 
+# the attentions a sequence passes through: the blocks', and DeepSeek-V3's multi-token-prediction block's
+# (it attends over the same sharded sequence; present on a pipeline's last stage only)
+CONTEXT_PARALLEL_ATTENTION = ("layers.*.attention.inner", "mtp.layer.attention.inner")
+
+
 def apply_context_parallel(model: nn.Module, group: ProcessGroup) -> list[str]:
-    """Replace every `layers.*.attention.inner` of `model` with RingAttention over `group` (same scale)."""
+    """Replace every attention's inner product of `model` (CONTEXT_PARALLEL_ATTENTION) with RingAttention
+    over `group` (same scale). Returns the replaced module names."""
     def ring(name: str, old: nn.Module) -> nn.Module:
         scale = getattr(old, "scale", None)
         if scale is None:
@@ -305,7 +314,11 @@ def apply_context_parallel(model: nn.Module, group: ProcessGroup) -> list[str]:
                              f"({name}, gpt-oss); use parallelism.cp=1")
         return RingAttention(scale=scale, group=group)
 
-    return tm.override(model, "layers.*.attention.inner", ring)
+    replaced = tm.override(model, CONTEXT_PARALLEL_ATTENTION[0], ring)
+    for pattern in CONTEXT_PARALLEL_ATTENTION[1:]:
+        if matching_modules(model, pattern):
+            replaced += tm.override(model, pattern, ring)
+    return replaced
 
 
 def check_context_parallel(*, cp: int, tp: int, seq_len: int) -> None:

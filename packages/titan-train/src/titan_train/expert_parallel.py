@@ -18,6 +18,11 @@ divides it by ep. (FSDP's own
 gradient divide factor would do it inside the reduction, but with a group of one rank and sum-only
 reductions, which gloo needs, torch 2.14 divides twice.)
 
+Under tensor parallelism the MoE layers are not TP-split: each tp rank runs them on its own sequence shard,
+so their gradients are summed over tp (`finish_gradients`), the expert shards, whole on every tp rank, enter
+checkpoints as replicated over tp (`checkpoint_entries`, tp_replica_checkpoint.py), and the sequence-wise
+balance loss sums its counts over the ranks that split each sequence, tp and cp (`split_balance_loss`).
+
 FSDP units. dist-moe's layer reads `experts.w1/w2/w3` inside its own forward (it never calls
 `experts(...)`), so the unit holding the expert weights is the MoE module itself. The shared experts
 and their sigmoid gate, if any, and Muse Spark's pooling projections and expert norms (called as modules)
@@ -26,6 +31,7 @@ forward, is left out of FSDP (`ignored_params`) and kept whole on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -40,6 +46,7 @@ import titan_models as tm
 
 from .config import TrainConfig
 from .parallelize import matching_modules
+from .tp_replica_checkpoint import TPReplicaEntries
 
 
 def resolve_moe_impl(config: TrainConfig) -> str:
@@ -48,14 +55,6 @@ def resolve_moe_impl(config: TrainConfig) -> str:
     impl = m.moe_impl if m.moe_impl != "auto" else ("dist_moe" if ep > 1 else "titan")
     if ep > 1 and impl != "dist_moe":
         raise ValueError(f"parallelism.ep={ep} needs model.moe_impl=dist_moe (or auto), got {m.moe_impl!r}")
-    if ep > 1 and config.parallelism.tp > 1 and config.checkpoint.interval > 0:
-        raise ValueError(f"checkpoint.interval={config.checkpoint.interval} with parallelism.ep={ep} x tp="
-                         f"{config.parallelism.tp}: the expert shards, whole on every tp rank, cannot be saved yet "
-                         "(each tp rank would write the same pieces); use checkpoint.interval 0 or tp=1")
-    if ep > 1 and config.parallelism.tp > 1 and m.moe_aux_loss_weight > 0:
-        raise ValueError(f"model.moe_aux_loss_weight > 0 with parallelism.ep={ep} x tp={config.parallelism.tp}: "
-                         "the sequence-wise balance loss needs whole sequences, which tp splits over its ranks; "
-                         "use the aux-loss-free bias (training.moe_bias_update_rate) or tp=1")
     if m.moe_routing not in ("learned", "forced_balance"):
         raise ValueError(f"model.moe_routing must be learned or forced_balance, got {m.moe_routing!r}")
     if m.moe_routing == "forced_balance" and impl != "dist_moe":
@@ -132,6 +131,25 @@ def split_dp_shard(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names[:i], "dp_shard_mod_ep", "ep", *names[i + 1:]))
 
 
+def split_balance_loss(moes: list[nn.Module], mesh: DeviceMesh | None, *, tp_sequence_shards: bool) -> None:
+    """The sequence-wise balance loss of MoE layers that each see part of every sequence: the context-parallel
+    ranks' chunks and, when the layers run on tp's sequence shards (under expert parallelism), the tp ranks'.
+    Their expert counts are summed over those ranks (dist-moe's sequence_group), each rank's loss being its
+    tokens' share; the share is multiplied by cp, since the cp ranks' gradients are averaged (as the data-
+    parallel ranks' are: the loss scale counts them) while the tp ranks' are summed (ExpertParallel's sum
+    over tp, TP's reduce-scatter). A no-op for layers without the loss."""
+    dims = tuple(d for d in ("cp", "tp")
+                 if mesh is not None and mesh[d].size() > 1 and (d == "cp" or tp_sequence_shards))
+    losses = [moe for moe in moes if isinstance(moe, dist_moe.MoE) and moe.config.aux_loss_alpha > 0]
+    if not dims or not losses:
+        return
+    group = mesh[dims[0]].get_group() if len(dims) == 1 else mesh[dims]._flatten("cp_tp").get_group()
+    cp = mesh["cp"].size()
+    for moe in losses:
+        alpha = moe.config.aux_loss_alpha * cp
+        moe.config = dataclasses.replace(moe.config, sequence_group=group, aux_loss_alpha=alpha)
+
+
 def data_parallel_groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup]:
     """The process groups whose ranks see different tokens of the same layers (a sum over all of them,
     one dimension after another, is a sum over the data-parallel ranks)."""
@@ -205,6 +223,15 @@ class ExpertParallel:
         if self.expert_mesh["dp_replicate"].size() > 1:
             return self.expert_mesh["dp_replicate", shard.mesh_dim_names[0]]
         return shard
+
+    def checkpoint_entries(self, state: dict) -> dict:
+        """The run's checkpoint state with the model and optimizer entries presenting the expert shards, which
+        every tp rank holds whole, as replicated over tp (tp_replica_checkpoint.py), so each piece is written
+        once. Unchanged without tp."""
+        if self.tp_group is not None:
+            for key in [key for key in ("model", "optimizer") if key in state]:
+                state[key] = TPReplicaEntries(state[key], run_mesh=self.mesh)
+        return state
 
     @torch.no_grad()
     def _sum_over_tp(self) -> None:

@@ -6,7 +6,9 @@ embedding of token i + 1 (`tokens` rolled left by one, as titan-models' forward_
 last position pairs with a filler, the row's first token) and asks for token i + 2 (`labels` rolled left
 by one). A target is ignored where token i + 2 lies in another document than token i, or past the
 sequence (the last position). Each row is computed from its own tokens, so the targets of the global
-batch can be sliced into data-parallel rows and microbatches like the main labels.
+batch can be sliced into data-parallel rows and microbatches like the main labels; being shifted on whole
+sequences, they are then cut into context-parallel chunks like the main labels too (the tokens after a
+chunk's last position live on another cp rank).
 """
 from __future__ import annotations
 

@@ -33,6 +33,15 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
             if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern)]
 
 
+def tensor_parallel_styles(model: nn.Module) -> dict[str, str]:
+    """Module path -> the style name (colwise, rowwise, ...) `model.parallel_plan` gives it under TP."""
+    styles: dict[str, str] = {}
+    for pattern, style in model.parallel_plan.tensor_parallel.items():
+        for name in matching_modules(model, pattern):
+            styles.setdefault(name, style)
+    return styles
+
+
 def _tp_style(style: str, pattern: str) -> ParallelStyle:
     """The torch ParallelStyle for one of titan-models' TP_STYLES (residual stream sharded on the sequence).
 
@@ -75,7 +84,9 @@ def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement, 
     DTensors with that placement (what checkpoints and FSDP see), while its forward, which also gets
     this rank's local activations (heads from colwise projections), computes with their local values:
     a pre-hook puts `param.to_local()` in each parameter's place and a post-hook puts the parameters
-    back. Gradients flow into the DTensors; a replicated weight's is summed over the TP ranks."""
+    back. Gradients flow into the DTensors; a replicated weight's is summed over the TP ranks. An input
+    that arrives as a DTensor (DeepSeek-V3's MTP projection of two sequence-parallel norms' outputs) is
+    taken as this rank's local values too, as every other input is."""
     for name, param in list(module.named_parameters(recurse=False)):
         module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [placement]),
                                                      requires_grad=param.requires_grad))
@@ -90,6 +101,7 @@ def _compute_on_local_values(module: nn.Module, tp_mesh: DeviceMesh, placement, 
                 # already the whole one on each rank
                 mod._parameters[name] = (_SumGradient.apply(local, tp_mesh.get_group())
                                          if isinstance(placement, Replicate) and sum_gradient else local)
+        return tuple(x.to_local(grad_placements=x.placements) if isinstance(x, DTensor) else x for x in args)
 
     def swap_out(mod, args, output):
         mod._parameters.update(parameters)
@@ -147,6 +159,15 @@ def check_tp_divisibility(model: nn.Module, tp: int, seq_len: int) -> None:
                          "vocab-sharded while the output weight stays whole; use an untied flavor or tp=1")
 
 
+def check_moe_under_tp(model: nn.Module, *, tp: int, ep: int) -> None:
+    """Tensor parallelism does not split routed experts: each tp rank routes its own sequence shard to the
+    experts of its ep group (ExpertParallel), so a MoE model (DeepSeek-V3's MTP block included) needs ep > 1."""
+    if tp > 1 and ep == 1 and any(matching_modules(model, pattern) for pattern in model.parallel_plan.moe):
+        raise ValueError(f"parallelism.tp={tp} on a MoE model needs parallelism.ep > 1 (the routed experts are not "
+                         "TP-split: each tp rank routes its own sequence shard over the ep group); e.g. "
+                         "--parallelism.ep 2 with parallelism.dp_shard a multiple of 2")
+
+
 def _check_vocab_divisible(model: nn.Module, names: list[str], tp: int) -> None:
     for name in names:
         vocab = model.get_submodule(name).weight.shape[0]
@@ -198,8 +219,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_loc
 
 
 def _op_sac_policy():
-    """Selective checkpointing at op level: keep matmul and attention outputs (expensive to recompute),
-    recompute the cheap elementwise ops between them (norms, activations, RoPE)."""
+    """Selective checkpointing at op level: keep matmul and attention outputs (fp8 GEMMs included; expensive to
+    recompute), recompute the cheap elementwise ops between them (norms, activations, RoPE)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
@@ -207,6 +228,11 @@ def _op_sac_policy():
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_mm")
     save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    # quantize.linear's GEMMs, custom ops (quantize/gemm.py): registered when their modules are imported
+    from .quantize import blockwise_triton, gemm  # noqa: F401
+
+    save |= {getattr(torch.ops.titan_train, n).default
+             for n in ("fp8_scaled_mm", "mx_dequantized_mm", "fp8_blockwise_gemm")}
 
     def policy(ctx, op, *args, **kwargs):
         if op in save or "flex_attention" in str(op):

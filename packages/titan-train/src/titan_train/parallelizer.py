@@ -25,6 +25,7 @@ from .expert_parallel import (
     data_parallel_groups,
     prepare_moe_layers,
     resolve_moe_impl,
+    split_balance_loss,
 )
 from .loss import CausalLMLoss
 from .mesh import build_mesh, dp_rank, fsdp_mesh, resolve_degrees
@@ -33,10 +34,13 @@ from .parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tensor_parallel,
+    check_moe_under_tp,
     check_tp_divisibility,
     keep_activations_in,
+    tensor_parallel_styles,
 )
 from .pipeline import Pipeline, PipelineLayout, check_pipeline, keep_rank_part, materialize_rank_part, plan_layout
+from .pipeline_overlap import check_pipeline_overlap
 from .sharding_impl import apply_flexshard, check_sharding_choices
 
 
@@ -69,17 +73,13 @@ class Parallelizer:
         if t.mixed_precision == "bf16_params":
             _check_bf16_params(run, world_size)
         resolve_moe_impl(run)
+        check_pipeline_overlap(par)
         self.pp_settings = None
         if degrees.pp > 1:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
                                               grad_accum_steps=t.grad_accum_steps,
                                               compiled=run.compile.uses_torch_compile)
         if run.model.mtp_layers > 0:
-            for name in ("tp", "cp"):
-                if getattr(degrees, name) > 1:
-                    raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with parallelism.{name}="
-                                     f"{getattr(degrees, name)} is not supported yet (the MTP block is not split over "
-                                     f"{name}); use parallelism.{name}=1 (dp, pp and ep compose with it)")
             if run.compile.effective_mode == "graph":
                 raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with compile.mode graph is not supported "
                                  "yet (the captured step holds the main loss only); use compile.mode none, blocks "
@@ -101,9 +101,7 @@ class Parallelizer:
                              "set parallelism.tp 1 and parallelism.fsdp_impl fully_shard")
         self.remat_plan: dict | None = None  # activation_checkpoint.mode=remat: the plan's report
         self.quantize = run.quantize.build()  # quantize.linear's conversion pass, or None
-        if self.quantize is not None and degrees.tp > 1:
-            raise ValueError(f"quantize.linear={run.quantize.linear} with parallelism.tp={degrees.tp} is not supported "
-                             "yet (the quantised GEMMs take whole weights, not DTensor shards); use parallelism.tp 1")
+        self.quantized: list[str] = []  # the Linears it converted (build_model)
 
     def loss_scale(self, scored_tokens: int) -> float:
         """The factor each rank's summed loss is multiplied by before its backward: the one place the
@@ -132,12 +130,20 @@ class Parallelizer:
         """This rank's parallelized model of `model_cfg`, with weights independent of the layout."""
         run, t = self.run, self.run.training
         model = build_on_meta(model_cfg)
+        # on the whole model, so every rank agrees; what TP cannot split at all (DeepSeek-V4's one kv head) is
+        # named before a MoE model's need for ep
+        if self.degrees.tp > 1:
+            check_tp_divisibility(model, self.degrees.tp, t.seq_len)
+        check_moe_under_tp(model, tp=self.degrees.tp, ep=self.degrees.ep)
         if self.adapters is not None:  # on the whole model, so every pattern finds its Linears
             self.adapters.apply(model)
         layout = self._keep_rank_part(model)
         moes = prepare_moe_layers(model, run)  # model.moe_impl: titan-models' MoE or dist-moe's
         if self.quantize is not None:  # after the MoE swap (it rebuilds those layers), before every wrapper
-            self.quantize.apply(model, partial=layout is not None)  # a pipeline rank holds some stages only
+            # a pipeline rank holds some stages only; under TP each rank's shard must be blockable
+            styles = tensor_parallel_styles(model) if self.degrees.tp > 1 else None
+            self.quantized = self.quantize.apply(model, partial=layout is not None, tp=self.degrees.tp,
+                                                 tp_styles=styles)
         fused = t.fused_kernels and self.device.type == "cuda"
         if fused:  # before any wrapper, on titan-models' own FeedForwards
             from .kernels.swiglu import use_fused_swiglu
@@ -157,11 +163,14 @@ class Parallelizer:
             materialize(model, model_cfg, device=self.device, seed=run.model.init_seed, distributed=False,
                         hf_path=run.model.hf_path, adapters=self.adapters)
         expert_parallel = self._wrap(model, moes)
+        # the balance loss of MoE layers that see part of each sequence (cp chunks, tp shards under ep)
+        split_balance_loss(moes, self.mesh, tp_sequence_shards=self.degrees.ep > 1)
         pipeline = None
         if layout is not None:
             pipeline = Pipeline(model, layout, schedule=self.pp_settings.schedule, loss=loss,
                                 microbatches=self.pp_settings.microbatches, mesh=self.mesh, device=self.device,
-                                autocast_dtype=torch.bfloat16 if autocast else None)
+                                autocast_dtype=torch.bfloat16 if autocast else None,
+                                overlap_ep=run.parallelism.pp_overlap_ep)
         if self.fsdp:
             self._shard(loss, pipeline, expert_parallel)
         self._materialize(model, model_cfg, pipeline)
@@ -187,7 +196,6 @@ class Parallelizer:
         if self.degrees.cp > 1:
             apply_context_parallel(model, self.mesh["cp"].get_group())
         if self.degrees.tp > 1:
-            check_tp_divisibility(model, self.degrees.tp, self.run.training.seq_len)
             # Under expert parallelism the MoE layers are not TP-split: each tp rank routes its own sequence
             # shard to the experts (ExpertParallel sums their gradients over tp).
             local = tuple(n for n, m in model.named_modules() if m in moes) if self.degrees.ep > 1 else ()
@@ -231,10 +239,17 @@ class Parallelizer:
         if pipeline is not None:
             pipeline.apply_fsdp(dp_mesh, param_dtype=param_dtype, reshard_after_forward=par.reshard_after_forward)
         elif par.fsdp_impl == "flexshard":
-            apply_flexshard(loss, dp_mesh, par, param_dtype=param_dtype)
+            apply_flexshard(loss, dp_mesh, par, param_dtype=param_dtype, fp8_weights=self._fp8_gathered_weights())
         else:
             apply_fsdp(loss, list(loss.model.layers.values()), dp_mesh, param_dtype=param_dtype,
                        reshard_after_forward=par.reshard_after_forward)
+
+    def _fp8_gathered_weights(self) -> tuple[str, ...]:
+        """fp8_blockwise with flexshard's fp8 all-gather: the converted Linears' weights, which flexshard then
+        gathers as e4m3 in the recipe's 128 x 128 blocks, fed to the forward GEMM as gathered (quantize/gathered.py)."""
+        if not (self.run.parallelism.fp8_all_gather and self.run.quantize.linear == "fp8_blockwise"):
+            return ()
+        return tuple(f"{name}.weight" for name in self.quantized)
 
     def _materialize(self, model: nn.Module, model_cfg, pipeline: Pipeline | None) -> None:
         m = self.run.model

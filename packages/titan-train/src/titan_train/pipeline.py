@@ -6,6 +6,8 @@ How a run is laid out:
 - The model's blocks are split into `pp x stages_per_rank` stages of consecutive layers, cutting only at
   `model.parallel_plan.pipeline_cut_points`, as evenly as those allow. Looped schedules put stage s on
   pp rank s % pp; the V schedules (ZBVZeroBubble, DualPipeV) put stages r and 2 pp - 1 - r on rank r.
+  With parallelism.pp_overlap_ep, DualPipeV's paired forward/backward overlaps one microbatch's expert
+  all-to-alls with the other's compute (pipeline_overlap.py).
 - Each rank keeps one *rank model*: the model built on meta with the other ranks' layers deleted
   (`layers` is a ModuleDict, so names do not change) and `tok_embeddings` / `norm`, `output` only where
   it holds the first / last stage. Everything that works on a model — tensor parallel, activation
@@ -231,8 +233,10 @@ class Pipeline:
     """This rank's stages and the schedule that runs them; `step` is one optimizer step's forward/backward."""
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, *, schedule: str, loss: CausalLMLoss,
-                 microbatches: int, mesh: DeviceMesh, device: torch.device, autocast_dtype: torch.dtype | None = None):
-        """loss: the rank model's CausalLMLoss, whose settings the last stage's loss takes."""
+                 microbatches: int, mesh: DeviceMesh, device: torch.device, autocast_dtype: torch.dtype | None = None,
+                 overlap_ep: bool = False):
+        """loss: the rank model's CausalLMLoss, whose settings the last stage's loss takes; overlap_ep: DualPipeV's
+        paired forward/backward run as alternating turns around the expert all-to-alls (pipeline_overlap.py)."""
         import torch.distributed.pipelining as pipelining
 
         self.group = mesh["pp"].get_group()
@@ -251,6 +255,7 @@ class Pipeline:
                                             loss=loss, autocast_dtype=autocast_dtype)
                         for s in self.stage_indices]
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
+        self.overlap_ep = overlap_ep
         self.has_first, self.has_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
         self._scale, self._mtp_weight = 1.0, 0.0
         self.fsdp = False  # set by apply_fsdp
@@ -282,6 +287,12 @@ class Pipeline:
             self.schedule = schedule_cls(stages[0], self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
         else:
             self.schedule = schedule_cls(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        if self.overlap_ep:  # check_pipeline_overlap allowed it for DualPipeV only
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+            from .pipeline_overlap import OverlappedForwardBackward
+
+            self.schedule.register_custom_function(OVERLAP_F_B, OverlappedForwardBackward(self.schedule))
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: the last stage's forward already returned this microbatch's summed (main, MTP)
@@ -319,17 +330,40 @@ class Pipeline:
             kwargs["document_ids"] = document_ids
         args = (tokens,) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        if hasattr(self.schedule, "eval"):  # outputs are 0-dim losses: not merged (return_outputs reaches step)
-            self.schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-        else:  # torch without Schedule.eval: the same switch it makes
-            has_backward, self.schedule._has_backward = self.schedule._has_backward, False
-            try:
-                self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-            finally:
-                self.schedule._has_backward = has_backward
+        with self._backward_actions_skipped():
+            if hasattr(self.schedule, "eval"):  # outputs are 0-dim losses: not merged (return_outputs reaches step)
+                self.schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            else:  # torch without Schedule.eval: the same switch it makes
+                has_backward, self.schedule._has_backward = self.schedule._has_backward, False
+                try:
+                    self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+                finally:
+                    self.schedule._has_backward = has_backward
         if not losses:
             return torch.zeros((), device=self.device, dtype=torch.float32)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+    @contextlib.contextmanager
+    def _backward_actions_skipped(self):
+        """V schedules while evaluating: torch's runtime still runs their backward actions, which at the V's
+        turn hand a gradient to the rank's other stage and assert there is a backward. Here they only drop
+        their (empty) receives, and a paired forward/backward runs its forward alone."""
+        if SCHEDULES[self.schedule_name][1] != "v":
+            yield
+            return
+        from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD, OVERLAP_F_B
+
+        from .pipeline_overlap import OverlappedForwardBackward
+
+        functions = self.schedule._comp_type_to_function_map  # register_custom_function's table (it cannot remove)
+        saved = dict(functions)
+        functions.update(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), _drop_backward_receive))
+        functions.setdefault(OVERLAP_F_B, OverlappedForwardBackward(self.schedule))
+        try:
+            yield
+        finally:
+            functions.clear()
+            functions.update(saved)
 
     def checkpoint_entries(self, state: dict) -> dict:
         """The run's checkpoint state with the model and optimizer entries presenting every stage (see
@@ -372,6 +406,11 @@ def split_backward_handles_custom_functions() -> bool:
     except RuntimeError:
         return False
     return bool(torch.equal(w.grad, torch.full((2,), 3.0)))
+
+
+def _drop_backward_receive(action, ctx) -> None:
+    """A backward action while evaluating: nothing to compute; its receive (empty without a backward) is dropped."""
+    ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
 
 
 def _no_weight_step():

@@ -103,6 +103,27 @@ def qwen3_vl_debug_shapes() -> TrainConfig:
     )
 
 
+@register_recipe("kimi_k25_debug_shapes")
+def kimi_k25_debug_shapes() -> TrainConfig:
+    """The debug Kimi K2.x (DeepSeek-V3 text model, MoonViT tower) learns the shapes task's captions on a CPU."""
+    config = qwen3_vl_debug_shapes()
+    config.job.folder = "runs/kimi_k25_debug_shapes"
+    # its 2048-token vocabulary holds the image and vision marker tokens (2000-2003)
+    config.model = ModelConfig(family="kimi_k25", flavor="debug")
+    return config
+
+
+@register_recipe("muse_glimmer_debug_shapes")
+def muse_glimmer_debug_shapes() -> TrainConfig:
+    """The debug Muse Glimmer with its tower (flavor debug_vision) learns the shapes task's captions on a CPU."""
+    config = qwen3_vl_debug_shapes()
+    config.job.folder = "runs/muse_glimmer_debug_shapes"
+    config.model = ModelConfig(family="muse_glimmer", flavor="debug_vision")
+    # its logits are scaled by 0.196 and soft-capped: at qwen3_vl's 2e-3 the loss falls ~4x slower
+    config.optimizer.lr = 1e-2
+    return config
+
+
 @register_recipe("llama3_1b")
 def llama3_1b() -> TrainConfig:
     """Llama 3.2 1B on GPUs: bf16, FSDP over all ranks, compiled blocks, op-level selective checkpointing."""

@@ -23,6 +23,8 @@ from .config import ParallelismConfig, PlacementRules, TrainConfig
 from .loss import CausalLMLoss
 
 _BLOCK = re.compile(r"block:(\d+)x(\d+)")
+# fp8_blockwise's weight blocks (quantize/recipes.py): flexshard tiles of this size line up with them.
+FP8_BLOCKWISE_BLOCK = (128, 128)
 # Wrapper components that activation checkpointing and compile insert into parameter names.
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -38,9 +40,11 @@ def check_sharding_choices(config: TrainConfig, *, dp_replicate: int, tp: int, e
                 raise ValueError(f"parallelism.fsdp_impl=flexshard shards over one data-parallel dimension; "
                                  f"parallelism.{name}={value} needs fsdp_impl=fully_shard")
         rules = parse_placements(par.flexshard_placements, fp8=par.fp8_all_gather)
-        if par.fp8_all_gather and not any(_is_block(p) for _, p in rules):
+        blockwise = config.quantize.linear == "fp8_blockwise"  # its converted weights get 128x128 fp8 blocks
+        if par.fp8_all_gather and not blockwise and not any(_is_block(p) for _, p in rules):
             raise ValueError("parallelism.fp8_all_gather quantizes block placements only; give some parameters "
-                             "block:RxC in parallelism.flexshard_placements (e.g. 'layers.*.weight=block:128x128')")
+                             "block:RxC in parallelism.flexshard_placements (e.g. 'layers.*.weight=block:128x128'), "
+                             "or quantize.linear fp8_blockwise (its Linears' weights are gathered in its fp8 blocks)")
         for entry in par.flexshard_buckets:
             if not all(p.strip() for p in entry.split("|")):
                 raise ValueError(f"parallelism.flexshard_buckets: {entry!r} has an empty pattern")
@@ -87,11 +91,17 @@ def _model_name(name: str) -> str:
     return name
 
 
-def placement_rule(rules: list[tuple[str, object]], prefix: str, *, strip: str = ""):
+def placement_rule(rules: list[tuple[str, object]], prefix: str, *, strip: str = "",
+                   fp8_weights: frozenset[str] = frozenset()):
     """flexshard's `fn(name, param)` over names relative to the sharded module; patterns see the model's own
-    parameter names (prefix + name without `strip`, wrappers removed), as in a checkpoint."""
+    parameter names (prefix + name without `strip`, wrappers removed), as in a checkpoint. fp8_weights: model
+    names that get fp8_blockwise's gather placement (FP8_BLOCKWISE_BLOCK tiles) whatever the rules say."""
+    import flexshard
+
     def rule(name: str, param: torch.Tensor):
         full = _model_name(prefix + name.removeprefix(strip))
+        if full in fp8_weights:
+            return flexshard.BlockShard(block=FP8_BLOCKWISE_BLOCK, quantize="fp8_e4m3", scales="pow2")
         for pattern, placement in rules:
             if fnmatch.fnmatchcase(full, pattern):
                 if _is_block(placement) and param.dim() != 2:
@@ -103,8 +113,12 @@ def placement_rule(rules: list[tuple[str, object]], prefix: str, *, strip: str =
 
 
 def apply_flexshard(loss_module: CausalLMLoss, dp_mesh: DeviceMesh, config: ParallelismConfig, *,
-                    param_dtype: torch.dtype | None) -> None:
+                    param_dtype: torch.dtype | None, fp8_weights: tuple[str, ...] = ()) -> None:
     """flexshard.shard each block, then the root (embeddings, final norm, output) through the loss wrapper.
+
+    fp8_weights: the weights of fp8_blockwise's Linears under fp8_all_gather; they are placed
+    BlockShard(128 x 128, e4m3, power-of-two scales), the recipe's weight blocks, chosen here whatever
+    flexshard_placements says, so the gather carries the forward GEMM's operand (quantize/gathered.py).
 
     The root call needs its bucket gathered when the loss wrapper runs, but flexshard gathers a bucket when
     the deepest module holding all its parameters runs, here the Transformer, whose forward the loss never
@@ -114,17 +128,20 @@ def apply_flexshard(loss_module: CausalLMLoss, dp_mesh: DeviceMesh, config: Para
     import flexshard
 
     rules = parse_placements(config.flexshard_placements, fp8=config.fp8_all_gather)
+    fp8 = frozenset(fp8_weights)
     policy = flexshard.MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32)
     buckets = [[p.strip() for p in entry.split("|")] for entry in config.flexshard_buckets] or None
     blocks = list(loss_module.model.layers.items())
     for i, (name, block) in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keep them gathered.
-        flexshard.shard(block, dp_mesh, placements=placement_rule(rules, f"layers.{name}."), buckets=buckets,
+        flexshard.shard(block, dp_mesh, placements=placement_rule(rules, f"layers.{name}.", fp8_weights=fp8),
+                        buckets=buckets,
                         mp_policy=policy, reshard_after_forward=config.reshard_after_forward and i < len(blocks) - 1)
     # Real (not meta) storage of no size, so the model's materialization need not know about it.
     loss_module.register_parameter("flexshard_anchor", nn.Parameter(torch.empty(0), requires_grad=False))
     # Root names are relative to the loss wrapper ("model.output.weight"); the rules see the model's names.
-    flexshard.shard(loss_module, dp_mesh, placements=placement_rule(rules, "", strip="model."), mp_policy=policy,
+    flexshard.shard(loss_module, dp_mesh, placements=placement_rule(rules, "", strip="model.", fp8_weights=fp8),
+                    mp_policy=policy,
                     reshard_after_forward=config.reshard_after_forward)
 
 

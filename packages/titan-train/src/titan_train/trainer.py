@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,9 +111,8 @@ class Trainer:
         self.optimizer_settings = OptimizerSettings(self.optimizer)  # the config's, re-applied after a resume
         # the run folder is claimed before anything writes there
         self.run_lock = claim_run_folder(self.folder, resume=config.checkpoint.resume, device=device)
-        self.checkpoints = config.checkpoint.build(
-            self.folder / "checkpoints", adapt=self.pipeline.checkpoint_entries if self.pipeline is not None else None,
-            trainable_only=self.parallelizer.adapters is not None)
+        self.checkpoints = config.checkpoint.build(self.folder / "checkpoints", adapt=self._checkpoint_entries(),
+                                                   trainable_only=self.parallelizer.adapters is not None)
         self.profiler = config.profiling.build(self.folder, rank=self.rank, device=device)
         if config.checkpoint.export_hf_at_end and self.pipeline is not None:
             raise ValueError("checkpoint.export_hf_at_end with parallelism.pp > 1: export the last checkpoint with "
@@ -129,6 +129,19 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _checkpoint_entries(self) -> Callable[[dict], dict] | None:
+        """How the checkpoint state is rewritten so the ranks' entries fit together: the expert shards every tp
+        rank holds whole (replicated over tp), then the pipeline's stages (placeholders for other ranks')."""
+        rewrites = [owner.checkpoint_entries for owner in (self.parallel.expert_parallel, self.pipeline)
+                    if owner is not None]
+
+        def adapt(state: dict) -> dict:
+            for rewrite in rewrites:
+                state = rewrite(state)
+            return state
+
+        return adapt if rewrites else None
+
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward/backward over this step's batch, clip, update. Returns (loss, grad_norm, mtp_loss), 0-dim
         tensors that may still be computing (NonFiniteGuard says when a non-finite one stops the run);
@@ -144,8 +157,8 @@ class Trainer:
             weight = mtp_weight(t.mtp_loss_weight, scored=scored, mtp_scored=mtp_scored)
         local, positions = self._local_rows(batch)
         rows = local.tokens.shape[0]
-        if mtp is not None:  # whole rows: MTP does not compose with cp (Parallelizer refuses it)
-            mtp = mtp.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        if mtp is not None:
+            mtp = self._local_mtp(mtp, rows)
         if self.pipeline is not None:  # the schedule splits the rows into microbatches, FSDP reduces once
             if positions is None:
                 positions = torch.arange(t.seq_len, device=self.device).expand(rows, -1)
@@ -217,6 +230,15 @@ class Trainer:
                                                 local.document_ids))
             positions = local_indices(cp_rank, self.degrees.cp, t.seq_len, self.device).expand(rows, -1)
         return local, positions
+
+    def _local_mtp(self, mtp: MTPBatch, rows: int) -> MTPBatch:
+        """This rank's rows of the global batch's MTP inputs and targets, under cp its chunks of each sequence.
+        They were shifted on whole sequences (mtp_batch), so token i + 1 and i + 2 of a position at the end
+        of one chunk come from the next chunk, which may live on another cp rank."""
+        mtp = mtp.rows(self.dp_rank * rows, (self.dp_rank + 1) * rows).to(self.device)
+        if self.degrees.cp == 1:
+            return mtp
+        return MTPBatch(*shard_sequence(self.mesh.get_local_rank("cp"), self.degrees.cp, mtp.tokens, mtp.labels))
 
     @torch.no_grad()
     def summed_loss(self, batch: Batch) -> torch.Tensor:

@@ -4,7 +4,9 @@ vision-language model.
 A record holds its text (`data.text_field`) and its images (`data.image_field`): a list of image paths
 (relative to the folder of `data.source`, or absolute), or, in a saved dataset's Image column, the
 `{"bytes", "path"}` structs `datasets` writes. Each `<image>` placeholder in the text (`data.image_placeholder`)
-becomes that image's tokens in place (vision start, one image token per merged patch, vision end); a text
+becomes that image's tokens in place (per family, image_inputs.py: e.g. vision start, one image token per
+merged patch, vision end), pixels from the family's titan-models preprocessing (qwen3_vl, kimi_k25,
+muse_glimmer); a text
 with no placeholder gets its images before it. One record per row, right-padded: an image's tokens cannot
 be split over two rows, and the model's multimodal positions start from each row's first token. Loss on the
 text tokens only (image tokens, vision markers and padding are IGNORE_INDEX).
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .image_inputs import QWEN_PIXELS, image_inputs
 from .loader import IGNORE_INDEX, Batch
 
 
@@ -53,23 +56,14 @@ class ImageTextLoader:
 
     def __init__(self, model_config: Any, tokenizer: Any, texts: Any, images: Any, *, seq_len: int, seed: int,
                  shuffle: bool, root: Path, origin: str, placeholder: str = "<image>",
-                 pixels: tuple[int, int] = (65536, 16777216)):
-        from titan_models.models.qwen3_vl.preprocess import ImagePreprocessing
-
-        if not hasattr(model_config, "vision"):
-            raise ValueError(f"data.image_field needs a vision-language model (e.g. --model.family qwen3_vl); "
-                             f"{type(model_config).__name__} has no vision tower")
+                 pixels: tuple[int, int] = QWEN_PIXELS):
+        self.inputs = image_inputs(model_config, needed_by="data.image_field", pixels=pixels)
         if not placeholder:
             raise ValueError("data.image_placeholder must not be empty")
-        if not 0 < pixels[0] <= pixels[1]:
-            raise ValueError(f"data.image_min_pixels / image_max_pixels must satisfy 0 < min <= max; got {pixels}")
         assert len(texts) == len(images)
         self.config, self.tokenizer, self.texts, self.images = model_config, tokenizer, texts, images
         self.seq_len, self.seed, self.shuffle, self.root, self.origin = seq_len, seed, shuffle, root, origin
         self.placeholder = placeholder
-        self.preprocess = ImagePreprocessing.for_vision(model_config.vision, min_pixels=pixels[0],
-                                                        max_pixels=pixels[1])
-        self.merge = model_config.vision.spatial_merge_size
         self.pad_id = getattr(tokenizer, "pad_id", tokenizer.eos_id)
         self.position = 0  # records consumed, over all epochs
 
@@ -100,17 +94,17 @@ class ImageTextLoader:
                              f"{len(items)} image(s)")
         pixels, grids = [], []
         if items:
-            pixels, grids = self.preprocess([_open_image(item, self.root, where) for item in items])
-        cfg, tokens, scored = self.config, [], []
+            pixels, grids = self.inputs.preprocess([_open_image(item, self.root, where) for item in items])
+        tokens, scored = [], []
         for i, piece in enumerate(pieces):
             if piece:
                 ids = self.tokenizer.encode(piece).tolist()
                 tokens += ids
                 scored += [True] * len(ids)
             if i < len(items):
-                count = int(grids[i].prod()) // self.merge**2
-                tokens += [cfg.vision_start_token_id] + [cfg.image_token_id] * count + [cfg.vision_end_token_id]
-                scored += [False] * (count + 2)
+                image = self.inputs.tokens(grids[i])
+                tokens += image
+                scored += [False] * len(image)
         tokens.append(self.tokenizer.eos_id)
         scored.append(True)
         if len(tokens) > self.seq_len + 1:
@@ -127,13 +121,8 @@ class ImageTextLoader:
             self.position += 1
             tokens[r, :len(seq)] = torch.tensor(seq)
             scored[r, :len(seq)] = torch.tensor(mask)
-            images.append(image if image is not None else _no_images(self.preprocess))
+            images.append(image if image is not None else self.inputs.empty())
         # label t is token t+1: scored where the predicted token is text (or the EOS)
         labels = tokens[:, 1:].masked_fill(~scored[:, 1:], IGNORE_INDEX)
         return Batch(tokens[:, :-1].contiguous(), labels, None, images=images)
 
-
-def _no_images(preprocess: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A text-only row's entry: no patches, no grids (cat over rows then skips it)."""
-    width = 3 * preprocess.temporal_patch_size * preprocess.patch_size**2
-    return torch.zeros(0, width), torch.zeros(0, 3, dtype=torch.long)

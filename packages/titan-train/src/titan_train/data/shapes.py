@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .image_inputs import image_inputs
 from .loader import IGNORE_INDEX, Batch
 from .tokenizer import ByteTokenizer
 
@@ -36,20 +37,17 @@ def draw_shape(shape: str, colour: tuple[int, int, int], gen: torch.Generator) -
 
 
 class ShapesLoader:
-    """Rows of the shapes task for a Qwen3-VL model config; `next_batch(rows)` -> Batch with `images`."""
+    """Rows of the shapes task for a vision-language model config (qwen3_vl, kimi_k25, muse_glimmer with a
+    tower: image_inputs.py); `next_batch(rows)` -> Batch with `images`."""
 
     def __init__(self, model_config, tokenizer: ByteTokenizer, *, seq_len: int, seed: int = 0):
-        from titan_models.models.qwen3_vl.preprocess import ImagePreprocessing
-
-        if not hasattr(model_config, "vision"):
-            raise ValueError(f"data.source=shapes needs a vision-language model (e.g. --model.family qwen3_vl); "
-                             f"{type(model_config).__name__} has no vision tower")
-        self.config, self.tokenizer, self.seq_len, self.seed = model_config, tokenizer, seq_len, seed
-        self.preprocess = ImagePreprocessing.for_vision(model_config.vision)
+        self.inputs = image_inputs(model_config, needed_by="data.source=shapes")
+        self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
         self.position = 0
-        merge = model_config.vision.spatial_merge_size
-        self.image_tokens = (SIZE // model_config.vision.patch_size // merge) ** 2
-        longest = 2 + self.image_tokens + len("a yellow triangle") + 1
+        # every image is SIZE x SIZE: one grid, so one token count, for all samples
+        grid = self.inputs.preprocess.from_pixels(torch.zeros(SIZE, SIZE, 3, dtype=torch.uint8))[1][0]
+        self.prefix = self.inputs.tokens(grid)
+        longest = len(self.prefix) + len("a yellow triangle") + 1
         if seq_len + 1 < longest:
             raise ValueError(f"training.seq_len={seq_len} is too short for the shapes task: a sample takes "
                              f"{longest - 1} positions")
@@ -64,11 +62,9 @@ class ShapesLoader:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         shape = SHAPES[int(torch.randint(len(SHAPES), (), generator=gen))]
         colour = list(COLOURS)[int(torch.randint(len(COLOURS), (), generator=gen))]
-        image = self.preprocess.from_pixels(draw_shape(shape, COLOURS[colour], gen))
-        cfg = self.config
-        prefix = [cfg.vision_start_token_id] + [cfg.image_token_id] * self.image_tokens + [cfg.vision_end_token_id]
+        image = self.inputs.preprocess.from_pixels(draw_shape(shape, COLOURS[colour], gen))
         caption = self.tokenizer.encode(f"a {colour} {shape}").tolist() + [self.tokenizer.eos_id]
-        return prefix + caption, image, len(prefix)
+        return self.prefix + caption, image, len(self.prefix)
 
     def next_batch(self, rows: int) -> Batch:
         tokens = torch.full((rows, self.seq_len + 1), self.tokenizer.pad_id, dtype=torch.long)

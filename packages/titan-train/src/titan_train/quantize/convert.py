@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -63,10 +64,14 @@ class LinearConversion:
             selected += [name for name in hits if name not in selected]
         return selected
 
-    def apply(self, model: nn.Module, *, partial: bool = False) -> list[str]:
+    def apply(self, model: nn.Module, *, partial: bool = False, tp: int = 1,
+              tp_styles: Mapping[str, str] | None = None) -> list[str]:
         """Swap the selected Linears in place; returns the converted names. A selected Linear whose shape the
         recipe cannot block stays as it is, with a warning, unless the user named it exactly (ValueError).
-        partial: `model` holds some of the model's modules only (a pattern may match none of them)."""
+        partial: `model` holds some of the model's modules only (a pattern may match none of them).
+        tp, tp_styles: the tensor-parallel degree and the style (colwise, rowwise, ...) of each Linear the plan
+        shards: a colwise Linear's out_features and a rowwise one's in_features are cut tp ways, and each rank's
+        shard must be blockable on its own (tensor_parallel.py: then its blocks are the 1-process ones)."""
         converted, skipped = [], []
         for name in self.select(model, partial=partial):
             linear = model.get_submodule(name)
@@ -76,9 +81,16 @@ class LinearConversion:
                                      "itself (the module is never called): drop it from quantize.modules")
                 skipped.append(f"{name}: the output head (the fused loss multiplies its weight itself)")
                 continue
-            if not blockable(self.recipe, linear.in_features, linear.out_features):
+            style = (tp_styles or {}).get(name) if tp > 1 else None
+            out_split, in_split = (tp if style == "colwise" else 1), (tp if style == "rowwise" else 1)
+            splits_evenly = linear.in_features % in_split == 0 and linear.out_features % out_split == 0
+            if not (splits_evenly and blockable(self.recipe, linear.in_features // in_split,
+                                                linear.out_features // out_split)):
                 reason = (f"{name} [{linear.out_features} x {linear.in_features}]: {self.recipe.name} needs "
                           f"in_features and out_features divisible by {self.recipe.weight_multiple}")
+                if style in ("colwise", "rowwise"):
+                    reason += (f" after the {style} split over tp={tp} (local "
+                               f"[{linear.out_features // out_split} x {linear.in_features // in_split}])")
                 if name in self.modules:
                     raise ValueError(f"quantize.modules names {reason}; drop it from quantize.modules")
                 skipped.append(reason)

@@ -9,6 +9,14 @@ in fp32, so the result is the fp8 GEMM's up to the order of the fp32 accumulatio
   mx         mx_triton.py's tl.dot_scaled on GPUs with MX tensor cores (sm_100+); elsewhere (Hopper) the
              dequantised operands in bf16 (exact, see scaling.py) through a bf16 GEMM: the recipe's
              numerics, not its speed.
+Each GPU GEMM is one opaque custom op (titan_train::fp8_scaled_mm, ::mx_dequantized_mm,
+::fp8_blockwise_gemm) taking the materialised fp8 operands and scales, so torch.compile runs the kernel
+eager runs (the one test_gpu_gemms_match_float64 checks) instead of lowering it itself: traced as aten ops,
+Inductor may put torch._scaled_mm on its own Triton templates (on sm_90 even without max-autotune) and fuse
+MX's quantise -> dequantise into the producers of a bf16 GEMM. Compiled blocks on the H200 trained far slower
+than bf16 with exactly the three recipes whose GEMMs it could see (the blockwise one, a custom op, tracked).
+backend "kernels": the GPU path on any device (torch._scaled_mm and the MX bf16 path have CPU kernels too;
+tests use it to check the traced graph on CPU).
 """
 from __future__ import annotations
 
@@ -21,10 +29,10 @@ def scaled_matmul(a: QuantizedMatrix, b: QuantizedMatrix, *, kernel: str, out_dt
                   backend: str = "auto") -> torch.Tensor:
     """a [M, K] . b [N, K]^T -> [M, N] in out_dtype, accumulated in fp32."""
     assert a.cols == b.cols and a.data.shape[1] == b.data.shape[1], (a.data.shape, b.data.shape)
-    if backend == "emulated" or not a.data.is_cuda:
+    if backend == "emulated" or (backend == "auto" and not a.data.is_cuda):
         return emulated_matmul(a, b, out_dtype=out_dtype)
     if kernel == "scaled_mm":
-        return _scaled_mm(a, b, out_dtype=out_dtype)
+        return _scaled_mm_op(a.data, b.data, a.scale, b.scale, out_dtype)
     if kernel == "blockwise":
         from .blockwise_triton import blockwise_gemm
 
@@ -34,7 +42,7 @@ def scaled_matmul(a: QuantizedMatrix, b: QuantizedMatrix, *, kernel: str, out_dt
 
         if mx_native_supported(a.data.device):
             return mx_scaled_gemm(a, b, out_dtype=out_dtype)
-        return _in_dtype(a.dequantize(torch.bfloat16) @ b.dequantize(torch.bfloat16).t(), out_dtype)
+        return _mx_dequantized_mm_op(a.data, a.scale, b.data, b.scale, out_dtype)
     raise AssertionError(f"unknown kernel {kernel!r}")
 
 
@@ -43,12 +51,41 @@ def emulated_matmul(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.
 
 
 def _scaled_mm(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.dtype) -> torch.Tensor:
-    """torch._scaled_mm(mat1 row-major [M, K], mat2 column-major [K, N], scale_a, scale_b): tensorwise scales
-    are [1, 1] each, rowwise ones scale_a [M, 1] and scale_b [1, N] (fp32, contiguous; bf16 output)."""
-    scale_b = b.scale.reshape(1, -1) if b.scale.numel() > 1 else b.scale
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b,
-                           out_dtype=out_dtype if a.scale.numel() == 1 else torch.bfloat16)
+    return _scaled_mm_op(a.data, b.data, a.scale, b.scale, out_dtype)
+
+
+@torch.library.custom_op("titan_train::fp8_scaled_mm", mutates_args=())
+def _scaled_mm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] . b [N, K]^T by torch._scaled_mm(mat1 row-major [M, K], mat2 column-major [K, N], scale_a,
+    scale_b): tensorwise scales are [1, 1] each, rowwise ones scale_a [M, 1] and scale_b [1, N] (fp32,
+    contiguous; bf16 output)."""
+    a, b = a.contiguous(), b.contiguous()
+    scale_b = scale_b.reshape(1, -1) if scale_b.numel() > 1 else scale_b
+    out = torch._scaled_mm(a, b.t(), scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(),
+                           out_dtype=out_dtype if scale_a.numel() == 1 else torch.bfloat16)
     return _in_dtype(out, out_dtype)
+
+
+@_scaled_mm_op.register_fake
+def _(a, b, scale_a, scale_b, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("titan_train::mx_dequantized_mm", mutates_args=())
+def _mx_dequantized_mm_op(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, Kp] . b [N, Kp]^T of 1 x block MX operands (scales [rows, Kp / block]), dequantised to bf16
+    (exact) for a bf16 GEMM; the zero padding of Kp adds nothing."""
+    def dequantized(data, scale):
+        return (data.float() * scale.repeat_interleave(data.shape[1] // scale.shape[1], dim=1)).to(torch.bfloat16)
+
+    return _in_dtype(dequantized(a, scale_a) @ dequantized(b, scale_b).t(), out_dtype)
+
+
+@_mx_dequantized_mm_op.register_fake
+def _(a, scale_a, b, scale_b, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
 def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

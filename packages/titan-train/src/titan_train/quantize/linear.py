@@ -1,49 +1,20 @@
 """QuantizedLinear: an nn.Linear (the same weight and bias Parameters, so the same checkpoint entries) whose
 three GEMMs run in low precision as its Recipe says (recipes.py); master weights and gradients keep the
-parameters' dtype (bf16 or fp32), and the output is in the compute dtype (autocast's, else the input's)."""
+parameters' dtype (bf16 or fp32), and the output is in the compute dtype (autocast's, else the input's).
+A weight that tensor parallelism made a DTensor runs through tensor_parallel.py; one that flexshard gathered
+as fp8 in the recipe's own blocks feeds the forward GEMM as gathered (gathered.py)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from .gemm import scaled_matmul
+from .gathered import gathered_weight
+from .quantized_matmul import ScaleGroups, quantized_linear
 from .recipes import Recipe
-from .scaling import quantize
+from .tensor_parallel import sharded_quantized_linear
 
-
-class _QuantizedMatmul(torch.autograd.Function):
-    """y [M, N] = x [M, K] . W [N, K]^T, with dx = dy . W and dW = dy^T . x, each GEMM on operands quantised
-    along its own reduction dimension. Saves x and W as they came (bf16/fp32), not their fp8 forms: the
-    backward quantises them along other dimensions."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype,
-                backend: str) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.out_dtype, ctx.backend = recipe, out_dtype, backend
-        return scaled_matmul(quantize(x, recipe.x), quantize(weight, recipe.weight), kernel=recipe.kernel,
-                             out_dtype=out_dtype, backend=backend)
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        recipe, backend = ctx.recipe, ctx.backend
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = scaled_matmul(quantize(grad_y, recipe.grad_output), quantize(weight.t(), recipe.weight_t),
-                                   kernel=recipe.kernel, out_dtype=x.dtype, backend=backend)
-        if ctx.needs_input_grad[1]:
-            grad_w = scaled_matmul(quantize(grad_y.t(), recipe.grad_output_t), quantize(x.t(), recipe.x_t),
-                                   kernel=recipe.kernel, out_dtype=weight.dtype, backend=backend)
-        return grad_x, grad_w, None, None, None
-
-
-def quantized_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, *, out_dtype: torch.dtype,
-                     backend: str = "auto") -> torch.Tensor:
-    """x [..., K] . W [N, K]^T -> [..., N] in out_dtype, through the recipe's GEMMs (differentiable in x and W)."""
-    lead = x.shape[:-1]
-    y = _QuantizedMatmul.apply(x.reshape(-1, x.shape[-1]), weight, recipe, out_dtype, backend)
-    return y.view(*lead, weight.shape[0])
+__all__ = ["QuantizedLinear", "ScaleGroups", "quantized_linear"]
 
 
 class QuantizedLinear(nn.Linear):
@@ -60,7 +31,11 @@ class QuantizedLinear(nn.Linear):
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):  # the GEMMs choose their own precision
-            y = quantized_linear(x, self.weight, self.recipe, out_dtype=out_dtype, backend=self.backend)
+            if isinstance(self.weight, DTensor):
+                return sharded_quantized_linear(x, self.weight, self.bias, self.recipe, out_dtype=out_dtype,
+                                                backend=self.backend)
+            y = quantized_linear(x, self.weight, self.recipe, out_dtype=out_dtype, backend=self.backend,
+                                 weight_q=gathered_weight(self.weight, self.recipe))
             return y if self.bias is None else y + self.bias.to(out_dtype)
 
     def extra_repr(self) -> str:

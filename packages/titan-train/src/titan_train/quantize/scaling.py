@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -89,8 +90,12 @@ def mx_exponent(amax: torch.Tensor) -> torch.Tensor:
     return -scale_exponent.clamp(-MAX_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
 
 
-def quantize(matrix: torch.Tensor, blocking: Blocking) -> QuantizedMatrix:
-    """`matrix` [R, C] (any float dtype) as fp8 blocks with one power-of-two scale each."""
+def quantize(matrix: torch.Tensor, blocking: Blocking, *, amax_group=None) -> QuantizedMatrix:
+    """`matrix` [R, C] (any float dtype) as fp8 blocks with one power-of-two scale each.
+
+    amax_group: a process group over which `matrix` is one shard of a larger matrix whose blocks span the
+    shards (tensorwise under tensor parallelism): the block amaxes are max-reduced over it, so every shard
+    gets the scales of the whole matrix (the same bits as quantising it whole, then slicing)."""
     assert matrix.dim() == 2, matrix.shape
     rows, cols = matrix.shape
     x = matrix.to(torch.float32)
@@ -107,6 +112,8 @@ def quantize(matrix: torch.Tensor, blocking: Blocking) -> QuantizedMatrix:
     # x [Rp, Cp] -> blocks [Rp / br, br, Cp / bc, bc]
     blocks = x.reshape(padded_rows // block_rows, block_rows, padded_cols // block_cols, block_cols)
     amax = blocks.abs().amax(dim=(1, 3))  # [Rp / br, Cp / bc]
+    if amax_group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
     p = mx_exponent(amax) if blocking.rule == "mx" else amax_exponent(amax, blocking.dtype)
     fmax = fp8_max(blocking.dtype)
     scaled = torch.ldexp(blocks, p[:, None, :, None].to(torch.float32))  # exact: a power of two

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from torch import nn
+
 import titan_rl
 from titan_rl.envs import ArithmeticTask, CountdownTask, SortingTask, Task
 from titan_rl.envs.function_tasks import FunctionTask
@@ -59,6 +61,7 @@ def validate(config: RLConfig, *, world_size: int) -> None:
         "training.steps": config.training.steps, "training.minibatches": config.training.minibatches,
         "metrics.log_interval": config.metrics.log_interval, "env.max_turns": config.env.max_turns,
         "training.context_parallel": config.training.context_parallel,
+        "training.tensor_parallel": config.training.tensor_parallel,
     }
     for name, value in positive.items():
         if value < 1:
@@ -87,16 +90,7 @@ def validate(config: RLConfig, *, world_size: int) -> None:
     if config.pretrain.steps and config.pretrain.batch_size % world_size:
         raise ValueError(f"pretrain.batch_size={config.pretrain.batch_size} must be divisible by the number of "
                          f"ranks ({world_size})")
-    cp = config.training.context_parallel
-    if cp > 1 and world_size % cp:
-        raise ValueError(f"training.context_parallel={cp} must divide the number of ranks ({world_size})")
-    if cp > 1 and generators:
-        raise ValueError(f"training.context_parallel={cp} with generator.ranks={generators}: the trainer's "
-                         "context-parallel groups are not built over the trainer ranks of disaggregated generation "
-                         "yet; use one of them")
-    if cp > 1 and config.generator.batch_invariant:
-        raise ValueError("training.context_parallel > 1 runs ring attention, which has no batch-invariant kernel: "
-                         "use generator.batch_invariant=false")
+    _validate_trainer_split(config, trainers=world_size - generators)
     if config.generator.kind == "vllm":
         if world_size > 1 and not generators:
             raise ValueError("generator.kind=vllm runs in one process, or on generator ranks (generator.ranks > 0) "
@@ -116,3 +110,48 @@ def validate(config: RLConfig, *, world_size: int) -> None:
         make_sampling(config.rollout, eos_id=0)
     except ValueError as e:
         raise ValueError(f"rollout: {e}") from None
+
+
+def _validate_trainer_split(config: RLConfig, *, trainers: int) -> None:
+    """training.context_parallel and training.tensor_parallel against the trainer ranks and each other."""
+    cp, tp = config.training.context_parallel, config.training.tensor_parallel
+    who = f"trainer ranks ({trainers}: the world less generator.ranks)" if config.generator.ranks else \
+        f"ranks ({trainers})"
+    for name, degree in (("context_parallel", cp), ("tensor_parallel", tp)):
+        if degree > 1 and trainers % degree:
+            raise ValueError(f"training.{name}={degree} must divide the number of {who}")
+    if cp > 1 and tp > 1:
+        raise ValueError(f"training.context_parallel={cp} with training.tensor_parallel={tp} is not supported yet "
+                         "(the ring attention is not built over tensor-parallel heads in the RL trainer); use one")
+    if cp > 1 and config.generator.batch_invariant:
+        raise ValueError("training.context_parallel > 1 runs ring attention, which has no batch-invariant kernel: "
+                         "use generator.batch_invariant=false")
+    if tp > 1 and config.generator.batch_invariant:
+        raise ValueError("training.tensor_parallel > 1 cannot be batch-invariant: a rowwise-split projection sums "
+                         "tp partial products across ranks, in another order than the generator's whole (TP1) matmul, "
+                         "so trainer and generator logprobs cannot agree bitwise (and titan-rl's fixed-order modules "
+                         "are not the nn.Linear the TP plan splits); use generator.batch_invariant=false")
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """ValueError naming training.tensor_parallel when `model` (on meta) cannot be split `tp` ways."""
+    if tp == 1:
+        return
+    config = model.config
+    if model.parallel_plan.experts:
+        raise ValueError(f"training.tensor_parallel={tp} with a MoE policy ({config.__class__.__name__}) is not "
+                         "supported: titan-train's TP plan leaves the routed experts to expert parallelism, which "
+                         "the RL trainer does not run; use a dense policy or training.tensor_parallel=1")
+    try:
+        model.parallel_plan.check_tensor_parallel(tp)
+    except ValueError as e:
+        raise ValueError(f"training.tensor_parallel={tp}: {e}") from None
+    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "ffn_dim": config.ffn_dim,
+             "vocab_size": config.vocab_size}
+    for name, value in sizes.items():
+        if value % tp:
+            raise ValueError(f"training.tensor_parallel={tp} does not divide the policy's {name}={value} "
+                             "(policy.vocab_size or another flavor changes it)")
+    if config.tie_embeddings:
+        raise ValueError(f"training.tensor_parallel={tp} with tied embeddings is not supported (the embedding is "
+                         "vocabulary-sharded while a tied output weight stays whole); use an untied flavor")

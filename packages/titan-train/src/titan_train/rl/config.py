@@ -125,7 +125,8 @@ class GeneratorConfig:
     """Trainer and generator compute with titan-rl's fixed-order kernels: their logprobs agree bitwise."""
     ranks: int = 0
     """Disaggregated generation: the last `ranks` of the world's ranks only generate (each a data-parallel
-    generator, TP1, with its own full model and engine), the others only train (FSDP over them). Rollouts
+    generator, TP1, with its own full model and engine), the others only train (FSDP over them, with
+    training.tensor_parallel or training.context_parallel). Rollouts
     stream to the trainer; after each update the weights go to the generators by broadcast on a group of
     their own, in the generator's dtype, with the staleness bound of rollout.max_policy_lag. 0: every rank
     trains and generates (a generator inside each trainer process)."""
@@ -150,8 +151,15 @@ class RLStepConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     context_parallel: int = 1
-    """Ranks that split each sequence of the update (ring attention, titan-train's context parallelism; for
-    long contexts); the world is context_parallel x data-parallel ranks, every rank still generates its share."""
+    """Trainer ranks that split each sequence of the update (ring attention, titan-train's context parallelism;
+    for long contexts); the trainer ranks are context_parallel x data-parallel ones (FSDP over all of them).
+    Colocated, every rank still generates its share; with generator.ranks they get the full weights gathered."""
+    tensor_parallel: int = 1
+    """Trainer ranks that split each layer of the policy (titan-train's TP plan, sequence parallel; needs a
+    dense, untied flavor whose heads, ffn and vocabulary it divides); the trainer ranks are a data-parallel (FSDP) x
+    tensor_parallel mesh. With generator.ranks the weight sync gathers the shards into the generators' whole
+    (TP1) layout. Not with context_parallel > 1 nor generator.batch_invariant (TP sums each rowwise product
+    over ranks, in another order than the generator's whole matmul: no bitwise logprobs)."""
 
 
 @dataclass(kw_only=True)

@@ -72,17 +72,3 @@ class _GatherShares(torch.autograd.Function):
         dist.all_reduce(grad, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None
 
-
-def context_parallel_group(cp: int) -> dist.ProcessGroup | None:
-    """This rank's group of `cp` consecutive ranks (None when cp is 1); every rank creates every group,
-    as `new_group` requires."""
-    if cp == 1:
-        return None
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world % cp == 0, "validate() checks training.context_parallel against the world size"
-    mine = None
-    for first in range(0, world, cp):
-        group = dist.new_group(list(range(first, first + cp)))
-        if first <= rank < first + cp:
-            mine = group
-    return mine

@@ -1,11 +1,13 @@
 """Disaggregated generation (generator.ranks = G > 0): the world's first ranks train, its last G generate.
 
-Each group has its own layout: the trainer ranks shard the policy with FSDP over their own group; each
+Each group has its own layout: the trainer ranks split the policy over their own groups (FSDP, with tensor
+or context parallelism: trainer_layout.py); each
 generator rank holds the whole model in the generator's dtype (data-parallel generators, TP1) and its own
 engine (the built-in generator, or a vLLM engine started by that rank's process, never the trainer's).
 Three process groups, made by every rank in the same order:
 
-    trainer   the trainer ranks: FSDP, the loss's reductions, the rollout batch broadcast
+    trainer   the trainer ranks: FSDP, the loss's reductions, the rollout batch broadcast (and within
+              them the tp / cp / dp groups of trainer_layout.py, which the generator ranks create too)
     sync      trainer leader (rank 0) + generator ranks: the weights, broadcast from the leader
               (titan_rl.weight_sync: header, then the tensors in the generators' dtype)
     rollout   trainer leader + generator ranks (gloo): rollout batches, point to point to the leader
@@ -62,6 +64,11 @@ def generator_dtype(config: RLConfig, policy_dtype: torch.dtype) -> torch.dtype:
     return policy_dtype if config.generator.dtype == "auto" else DTYPES[config.generator.dtype]
 
 
+def generator_seed(config: RLConfig, index: int) -> int:
+    """The sampling seed of generator `index` (as rank `index`'s in a colocated run, RLJob._build)."""
+    return config.job.seed * 1000 + index
+
+
 def serve_generator(job, roles: Roles, make_generator) -> titan_rl.remote_rollouts.ServerStats:
     """A generator rank's whole run: receive the initial weights, build the generator, serve rollouts.
 
@@ -75,10 +82,12 @@ def serve_generator(job, roles: Roles, make_generator) -> titan_rl.remote_rollou
     assert first.kind == titan_rl.weight_sync.WEIGHTS, "the trainer starts by sending the initial weights"
     with torch.no_grad():
         model.load_state_dict(first.weights)
-    torch.manual_seed(c.job.seed * 1000 + dist.get_rank())  # each generator rank samples its own tokens
+    index = roles.generators.index(dist.get_rank())
+    # each generator samples its own tokens, from a stream set by its index among the generators (not by the
+    # number of trainer ranks before it): generator j samples as rank j of a colocated run would
+    torch.manual_seed(generator_seed(c, index))
     generator = make_generator(model)
     generator.policy_version = first.version
-    index = roles.generators.index(dist.get_rank())
 
     def produce(batch_index: int) -> titan_rl.RolloutBatch:
         return rollout_share(batch_index=batch_index, rank=index, world=len(roles.generators),

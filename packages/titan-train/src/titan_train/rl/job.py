@@ -3,7 +3,8 @@ RL with titan-rl's rollouts, losses and generators, data-parallel over the ranks
 
 Per step: every rank generates its share of the prompts with its generator (ShardedRollouts), all ranks
 gather the same global batch, compute group advantages (and DAPO's dynamic sampling) from it, update the
-FSDP-sharded policy on their slices (PolicyUpdate), and hand each generator the full new weights
+FSDP-sharded policy on their slices (PolicyUpdate; with training.tensor_parallel or context_parallel split
+further over groups of the trainer ranks, trainer_layout.py), and hand each generator the full new weights
 (export_weights) with a version bump.
 
 With generator.ranks = G > 0 the last G ranks only generate and the others only train (disaggregated.py):
@@ -27,17 +28,17 @@ import titan_rl
 
 from ..cli_args import check_types
 from ..data import ByteTokenizer as TrainByteTokenizer
-from ..model_setup import model_config
+from ..model_setup import build_on_meta, model_config
 from ..process_group import process_group, select_device
-from .build import make_algorithm, make_sampling, validate
+from .build import check_tensor_parallel, make_algorithm, make_sampling, validate
 from .config import RLConfig
-from .context_parallel_logprobs import context_parallel_group
-from .disaggregated import Roles, generator_dtype, make_roles, remote_rollouts, serve_generator
+from .disaggregated import Roles, generator_dtype, generator_seed, make_roles, remote_rollouts, serve_generator
 from .episodes import make_episodes
 from .policy import build_copy, build_policy, export_weights, initial_weights, share_full_state
 from .pretrain import policy_model_config, pretrain
 from .report import MetricsFile, RLProgress, text_plot, write_curve, write_curve_png
 from .rollouts import DisaggregatedRollouts, GlobalBatch, ShardedRollouts, greedy_eval
+from .trainer_layout import TrainerLayout, make_trainer_layout
 from .update import PolicyUpdate
 
 
@@ -89,6 +90,7 @@ class RLJob:
         stops = tuple(tuple(self.tokenizer.encode(s)) for s in self.episodes.stop_strings)
         self.sampling = make_sampling(config.rollout, eos_id=self.tokenizer.eos_id, stop_sequences=stops)
         self.model_cfg = model_config(policy_model_config(config), vocab_needed=self.tokenizer.vocab_size)
+        check_tensor_parallel(build_on_meta(self.model_cfg), config.training.tensor_parallel)
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -108,14 +110,18 @@ class RLJob:
         else:
             full = initial_weights(self.model_cfg, seed=c.policy.init_seed)
         roles = make_roles(c.generator.ranks) if c.generator.ranks else None
+        layout = make_trainer_layout(roles.trainers if roles is not None else list(range(self.world)),
+                                     group=roles.trainer_group if roles is not None else None,
+                                     cp=c.training.context_parallel, tp=c.training.tensor_parallel,
+                                     device=self.device)  # every rank: it creates the trainers' groups
         if roles is not None and not roles.is_trainer:
             del full
-            # each generator rank its own engine, sampling its own stream (as torch's seed per rank below)
-            serve_generator(self, roles, lambda model: _make_generator(c, model, self.tokenizer.pad_id,
-                                                                       seed=c.job.seed * 1000 + self.rank))
+            # each generator rank its own engine, sampling its own stream (as torch's seed in serve_generator)
+            seed = generator_seed(c, roles.generators.index(self.rank))
+            serve_generator(self, roles, lambda model: _make_generator(c, model, self.tokenizer.pad_id, seed=seed))
             result.seconds = time.perf_counter() - began
             return result
-        policy, generator, update, rollouts = self._build(full, roles)
+        policy, generator, update, rollouts = self._build(full, roles, layout)
         del full
         t = c.training
         eval_group = roles.trainer_group if roles is not None else None
@@ -181,26 +187,28 @@ class RLJob:
                   f"{c.algorithm.group_size} samples; output in {self.folder}")
 
     def _layout(self) -> str:
-        generators = self.config.generator.ranks
-        if not generators:
-            return f"{self.world} rank(s){' (FSDP)' if self.world > 1 else ''}"
+        t, generators = self.config.training, self.config.generator.ranks
         trainers = self.world - generators
-        return (f"{trainers} trainer rank(s){' (FSDP)' if trainers > 1 else ''} + {generators} generator rank(s) "
+        split = [f"FSDP over {trainers // t.tensor_parallel}"] if trainers > t.tensor_parallel else []
+        split += [f"{name} {degree}" for name, degree in (("TP", t.tensor_parallel), ("CP", t.context_parallel))
+                  if degree > 1]
+        shown = f" ({', '.join(split)})" if split else ""
+        if not generators:
+            return f"{self.world} rank(s){shown}"
+        return (f"{trainers} trainer rank(s){shown} + {generators} generator rank(s) "
                 f"({self.config.generator.kind}, {self.config.generator.dtype} weights)")
 
-    def _build(self, full: dict[str, torch.Tensor], roles: Roles | None):
+    def _build(self, full: dict[str, torch.Tensor], roles: Roles | None, layout: TrainerLayout):
         """The policy (sharded), each rank's generator (full weights; None on the trainer ranks of disaggregated
         generation, whose generators are elsewhere), the update and the rollouts, from the initial weights
         `full` (rank 0's)."""
         c = self.config
-        torch.manual_seed(c.job.seed * 1000 + self.rank)  # rollouts sample different tokens on each rank
+        torch.manual_seed(generator_seed(c, self.rank))  # rollouts sample different tokens on each rank
         invariant = c.generator.batch_invariant
         group = roles.trainer_group if roles is not None else None
         if roles is not None:
             full = share_full_state(self.model_cfg, full, group=group, src=roles.leader, device=self.device)
-        cp_group = context_parallel_group(c.training.context_parallel)
-        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant, group=group,
-                              cp_group=cp_group)
+        policy = build_policy(self.model_cfg, full, device=self.device, batch_invariant=invariant, layout=layout)
         weights = export_weights(policy)
         generator = None
         if roles is None:
@@ -215,7 +223,7 @@ class RLJob:
                                       weight_decay=t.weight_decay)
         update = PolicyUpdate(policy=policy, optimizer=optimizer, loss=self.algorithm.loss, minibatches=t.minibatches,
                               max_grad_norm=t.max_grad_norm, temperature=c.rollout.temperature,
-                              pad_id=self.tokenizer.pad_id, reference=reference, group=group, cp_group=cp_group)
+                              pad_id=self.tokenizer.pad_id, reference=reference, layout=layout)
         if roles is not None:
             rollouts = DisaggregatedRollouts(remote_rollouts(c, roles, self.device))
             rollouts.publish(policy, 0)  # the generators start from the initial weights, through the same path

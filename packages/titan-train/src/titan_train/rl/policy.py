@@ -1,5 +1,6 @@
-"""The RL policy on the ranks: built on meta, switched to batch-invariant modules when asked, sharded with
-FSDP (torch's fully_shard) over all ranks, then given full weights; plus the unsharded copies that a
+"""The RL policy on the ranks: built on meta, switched to batch-invariant modules when asked, split by
+context or tensor parallelism and sharded with FSDP (torch's fully_shard) over the trainer ranks
+(trainer_layout.py), then given full weights; plus the unsharded copies that a
 generator and a KL reference need.
 
 The model itself is the FSDP root (unlike pretraining, whose root is the fused-loss wrapper): RL needs
@@ -22,6 +23,8 @@ import titan_rl
 
 from ..context_parallel import apply_context_parallel
 from ..model_setup import build_on_meta
+from ..parallelize import apply_tensor_parallel
+from .trainer_layout import TrainerLayout
 
 
 def initial_weights(model_cfg, *, seed: int) -> dict[str, torch.Tensor]:
@@ -34,31 +37,38 @@ def initial_weights(model_cfg, *, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_policy(model_cfg, full_state: dict[str, torch.Tensor], *, device: torch.device,
-                 batch_invariant: bool, group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None) -> nn.Module:
-    """The trainable policy: FSDP-sharded over all ranks when there are several, holding `full_state`
-    (rank 0's full weights; broadcast to the others' shards). With `group` (the trainer ranks of
-    disaggregated generation): sharded over that group, whose ranks all hold `full_state` (share_full_state).
-    With `cp_group`, its attention is the ring of context parallelism over that group (the update then
-    calls it on sequence shares)."""
+                 batch_invariant: bool, layout: TrainerLayout | None = None) -> nn.Module:
+    """The trainable policy, laid out over the trainer ranks of `layout` (None: FSDP over all ranks when there
+    are several) and holding `full_state`: rank 0's full weights, broadcast to the others' shards when the
+    trainers are the whole world; otherwise every trainer rank holds them (share_full_state). With a
+    context-parallel group its attention is the ring over that group; with a "tp" mesh dimension its layers
+    are split by titan-train's TP plan (parallelize.apply_tensor_parallel) before FSDP shards what is left
+    over "dp_shard"."""
     model = build_on_meta(model_cfg)
     if batch_invariant:
         titan_rl.batch_invariant(model)
-    if cp_group is not None:
-        apply_context_parallel(model, cp_group)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world > 1:
-        mesh = (init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",)) if group is None
-                else DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp_shard",)))
+    if layout is not None and layout.cp_group is not None:
+        apply_context_parallel(model, layout.cp_group)
+    mesh = layout.mesh if layout is not None else _world_mesh(device)
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        apply_tensor_parallel(model, mesh["tp"])
+        mesh = mesh["dp_shard"]
+    if mesh is not None and mesh.size() > 1:
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
     model.init_buffers()  # buffers (RoPE frequencies) are computed, not loaded: to_empty left them uninitialised
-    broadcast = world > 1 and group is None  # torch's broadcast_from_rank0 runs on the default group only
+    # torch's broadcast_from_rank0 runs on the default group only: with generator ranks each trainer holds them
+    broadcast = dist.is_initialized() and dist.get_world_size() > 1 and (layout is None or layout.group is None)
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast))
     return model
+
+
+def _world_mesh(device: torch.device) -> DeviceMesh | None:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",)) if world > 1 else None
 
 
 def share_full_state(model_cfg, full_state: dict[str, torch.Tensor], *, group: dist.ProcessGroup, src: int,

@@ -8,7 +8,8 @@ whole minibatch, whatever the number of ranks: so each rank's loss is scaled by
     world * (its sequences / the minibatch's sequences)    (sequence-mean aggregation: GRPO, GSPO)
     world * (its tokens    / the minibatch's tokens)       (token-mean aggregation: DAPO)
 
-and FSDP's gradient average over the ranks (a division by world) turns the sum into the global mean.
+and FSDP's gradient average over the ranks (a division by world) turns the sum into the global mean. world
+counts data-parallel ranks: the cp or tp ranks that share a slice (trainer_layout.py) count once.
 On one process the scale is exactly 1 and the step is `titan_rl.RLLoop.train_on_batch`'s, which the
 tests check bitwise. A rank whose slice is empty still runs a forward and backward (scaled by 0),
 because FSDP's all-gathers and reduce-scatters are collectives every rank must join.
@@ -25,7 +26,9 @@ from torch import nn
 from titan_rl import PolicyLossConfig, Sample, TrainBatch, policy_loss, token_logprobs, token_logprobs_and_entropy
 
 from ..grad_norm import clip_by_total_norm
-from .context_parallel_logprobs import cp_token_logprobs, cp_token_logprobs_and_entropy
+from .context_parallel_logprobs import cp_token_logprobs_and_entropy
+from .tensor_parallel_logprobs import tp_token_logprobs_and_entropy
+from .trainer_layout import TrainerLayout
 
 # token means over the rank's slice (policy_loss's, and the policy's entropy); combined over ranks weighted by tokens.
 TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncated_frac", "kl", "entropy")
@@ -34,36 +37,47 @@ TOKEN_MEAN_METRICS = ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_truncat
 class PolicyUpdate:
     def __init__(self, *, policy: nn.Module, optimizer: torch.optim.Optimizer, loss: PolicyLossConfig,
                  minibatches: int = 1, max_grad_norm: float = 1.0, temperature: float = 1.0, pad_id: int,
-                 reference: nn.Module | None = None, group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None) -> None:
+                 reference: nn.Module | None = None, layout: TrainerLayout | None = None) -> None:
         """temperature: the sampling temperature (logprobs are of softmax(logits / T); 0 (greedy) means 1).
         reference: the frozen policy of the KL term (needed when loss.kl_coef > 0); given with kl_coef 0, the KL
           to it is measured ("kl") but not trained on.
-        group: the ranks the policy is sharded over (None: all; the trainer ranks under disaggregated generation).
-        cp_group: this rank's context-parallel group (the policy's attention is its ring): the ranks of a
-          group take the same samples and split each sequence (context_parallel_logprobs.py)."""
+        layout: how the trainer ranks split the policy (trainer_layout.py; None: data parallel over all ranks).
+          The cp ranks of a context-parallel group take the same samples and split each sequence
+          (context_parallel_logprobs.py); the tp ranks of a tensor-parallel group take the same samples and
+          split each layer (tensor_parallel_logprobs.py)."""
         if loss.kl_coef > 0 and reference is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
         self.policy, self.optimizer, self.loss, self.reference = policy, optimizer, loss, reference
         self.minibatches, self.max_grad_norm, self.pad_id = minibatches, max_grad_norm, pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(policy.parameters()).device
-        assert group is None or cp_group is None, "build.validate refuses generator ranks with context parallelism"
-        self.group = group
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.cp_group = cp_group
-        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
-        # data-parallel coordinates: the cp ranks of a group are consecutive and hold the same slice
-        self.dp_rank, self.dp_world = self.rank // self.cp, self.world // self.cp
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if layout is None:
+            layout = TrainerLayout(ranks=list(range(world)), group=None, mesh=None, cp_group=None, tp_group=None)
+        self.group = layout.group
+        self.world = len(layout.ranks)
+        self.cp_group = layout.cp_group
+        self.tp_mesh = layout.mesh["tp"] if layout.tp > 1 else None
+        # ranks holding the same samples (a cp or tp group) count once in the token-mean metrics
+        self.replicas = layout.replicas
+        self.dp_rank, self.dp_world = layout.dp_rank, layout.dp_world
 
     def _logprobs(self, model: nn.Module, batch: TrainBatch | None) -> torch.Tensor:
         tokens = batch.tokens if batch is not None else torch.full(
             (1, 2), self.pad_id, dtype=torch.long, device=self.device)  # an empty slice: join the collectives
-        if self.cp_group is not None and model is self.policy:  # the KL reference is a whole, unsplit copy
-            return cp_token_logprobs(model, tokens, group=self.cp_group, pad_id=self.pad_id,
-                                     temperature=self.temperature)
+        if model is self.policy and (self.cp_group is not None or self.tp_mesh is not None):
+            return self._split_logprobs_and_entropy(tokens)[0]  # the KL reference is a whole, unsplit copy
         return token_logprobs(model, tokens, temperature=self.temperature)
+
+    def _split_logprobs_and_entropy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logprobs and entropy of whole sequences, computed split over the cp or tp ranks."""
+        if self.cp_group is not None:
+            return cp_token_logprobs_and_entropy(self.policy, tokens, group=self.cp_group, pad_id=self.pad_id,
+                                                 temperature=self.temperature)
+        if self.tp_mesh is not None:
+            return tp_token_logprobs_and_entropy(self.policy, tokens, tp_mesh=self.tp_mesh, pad_id=self.pad_id,
+                                                 temperature=self.temperature)
+        return token_logprobs_and_entropy(self.policy, tokens, temperature=self.temperature)
 
     def _clip(self) -> float:
         return float(clip_by_total_norm(list(self.policy.parameters()), self.max_grad_norm))
@@ -87,11 +101,8 @@ class PolicyUpdate:
             self.optimizer.zero_grad(set_to_none=True)
             if batch is None:
                 logp = self._logprobs(self.policy, batch)
-            elif self.cp_group is not None:
-                logp, entropy = cp_token_logprobs_and_entropy(self.policy, batch.tokens, group=self.cp_group,
-                                                              pad_id=self.pad_id, temperature=self.temperature)
             else:
-                logp, entropy = token_logprobs_and_entropy(self.policy, batch.tokens, temperature=self.temperature)
+                logp, entropy = self._split_logprobs_and_entropy(batch.tokens)
             # what each rank adds to this minibatch's global values: loss, token-mean metrics (x tokens)
             contribution = torch.zeros(1 + len(TOKEN_MEAN_METRICS), device=self.device)
             if batch is None:
@@ -108,9 +119,9 @@ class PolicyUpdate:
                 (out.loss * scale).backward()
                 local_tokens = float(batch.mask.sum())
                 contribution[0] = out.loss.detach() * scale / self.world
-                for j, name in enumerate(TOKEN_MEAN_METRICS):  # the cp ranks of a group add the same value
-                    contribution[1 + j] = out.metrics.get(name, 0.0) * local_tokens / max(tokens, 1) / self.cp
-                trained_tokens += batch.tokens.numel() // self.cp
+                for j, name in enumerate(TOKEN_MEAN_METRICS):  # the cp / tp ranks of a group add the same value
+                    contribution[1 + j] = out.metrics.get(name, 0.0) * local_tokens / max(tokens, 1) / self.replicas
+                trained_tokens += batch.tokens.numel() // self.replicas
             grad_norm = self._clip()
             self.optimizer.step()
             if self.world > 1:
@@ -133,8 +144,9 @@ class PolicyUpdate:
             batch = (TrainBatch.from_samples([samples[i] for i in mine], [advantages[i] for i in mine],
                                              pad_id=self.pad_id, device=self.device) if mine else None)
             local = sum(sum(samples[i].loss_mask) for i in mine) if token_mean else len(mine)
-            # FSDP averages over all ranks, cp ones included: with cp, each rank's gradient is cp x its share's
-            # (context_parallel_logprobs.py), so the data-parallel world is what the scale counts
+            # FSDP averages over the dp_shard ranks, cp ones included: with cp, each rank's gradient is cp x its
+            # share's (context_parallel_logprobs.py); tp ranks are not in FSDP's mesh and get their shards'
+            # gradients whole (tensor_parallel_logprobs.py): so the data-parallel world is what the scale counts
             scale = self.dp_world * local / (tokens if token_mean else len(part))
             slices.append((tokens, batch, scale))
         return slices

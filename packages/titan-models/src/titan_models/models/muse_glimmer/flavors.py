@@ -17,7 +17,7 @@ FLAVORS: dict[str, MuseGlimmerConfig] = {
 }
 # the debug text model with a small tower: 14-pixel patches, 8 x 8-patch windows, 2x2 merge
 FLAVORS["debug_vision"] = dataclasses.replace(
-    FLAVORS["debug"], image_token_id=2000, video_token_id=2001,
+    FLAVORS["debug"], image_token_id=2000, video_token_id=2001, image_start_token_id=2002, image_end_token_id=2003,
     vision=MuseVisionConfig(depth=4, dim=64, ffn_dim=128, num_heads=2, adapter_dim=128, out_dim=256, pos_emb_size=8))
 
 # Meta's "30B" (29.6-29.8B in the model cards) counts the ~1.9B perception encoder the text model leaves out

@@ -125,6 +125,10 @@ class MuseGlimmerConfig(MuseTextConfig):
     vision: MuseVisionConfig | None = None
     image_token_id: int | None = None  # needed with `vision`
     video_token_id: int | None = None  # embedded as token 0 like image tokens; videos are not taken yet
+    # the tokenizer's <|image_start|> / <|image_end|>, which transformers' processor puts around each image's
+    # tokens (HF's config does not hold them; None: image-text data writes an image's tokens without them)
+    image_start_token_id: int | None = None
+    image_end_token_id: int | None = None
 
     @property
     def moe(self) -> None:  # every layer is dense

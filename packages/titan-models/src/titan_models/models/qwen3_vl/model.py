@@ -62,7 +62,9 @@ class Qwen3VLConfig(Qwen3Config):
 
 class Qwen3VLTransformer(Transformer):
     """A Transformer whose calls also take `pixel_values` [patches, patch_dim] and `image_grid_thw`
-    [images, 3] (titan_models.models.qwen3_vl.preprocess makes both)."""
+    [images, 3] (titan_models.models.qwen3_vl.preprocess makes both), and videos as transformers' video
+    processor makes them: `pixel_values_videos` [patches, patch_dim] and `video_grid_thw` [videos, 3]
+    (t temporal patches each), whose merged tokens replace the `video_token_id` tokens frame by frame."""
 
     def __init__(self, *, visual: VisionTower, **kwargs):
         super().__init__(**kwargs)
@@ -70,39 +72,61 @@ class Qwen3VLTransformer(Transformer):
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 context: AttentionContext | None = None, pixel_values: torch.Tensor | None = None,
-                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+                image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         h = self.hidden_states(tokens, positions=positions, context=context, pixel_values=pixel_values,
-                               image_grid_thw=image_grid_thw)
+                               image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
+                               video_grid_thw=video_grid_thw)
         return self.output(h) if self.output is not None else h
 
     def hidden_states(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                       context: AttentionContext | None = None, pixel_values: torch.Tensor | None = None,
-                      image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        if pixel_values is None and image_grid_thw is None:
-            return self._trunk(tokens, positions, context)[0]  # the text model's path
-        if pixel_values is None or image_grid_thw is None:
+                      image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                      video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pass pixel_values and image_grid_thw together (both or neither)")
+        if (pixel_values_videos is None) != (video_grid_thw is None):
+            raise ValueError("pass pixel_values_videos and video_grid_thw together (both or neither)")
+        if pixel_values is None and pixel_values_videos is None:
+            return self._trunk(tokens, positions, context)[0]  # the text model's path
         if self.tok_embeddings is None:
             raise ValueError("images go to the first pipeline stage (the one holding tok_embeddings)")
-        return self._image_trunk(tokens, positions, context, pixel_values, image_grid_thw)
+        return self._image_trunk(tokens, positions, context, (pixel_values, image_grid_thw),
+                                 (pixel_values_videos, video_grid_thw))
 
     def _image_trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None, context: AttentionContext | None,
-                     pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+                     images: tuple[torch.Tensor | None, torch.Tensor | None],
+                     videos: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
         cfg = self.config
         merge = cfg.vision.spatial_merge_size
-        if positions is None:  # also checks every sample's image tokens against its images
-            positions, _ = mrope_positions(tokens, image_grid_thw, image_token_id=cfg.image_token_id,
-                                           spatial_merge_size=merge)
-        is_image = tokens == cfg.image_token_id
-        if int(is_image.sum()) != sum(image_token_counts(image_grid_thw, merge)):
-            raise ValueError(f"the tokens hold {int(is_image.sum())} image tokens; image_grid_thw "
-                             f"{image_grid_thw.tolist()} makes {sum(image_token_counts(image_grid_thw, merge))}")
-        image_tokens, deepstack = self.visual(pixel_values, image_grid_thw)
+        if positions is None:  # also checks every sample's image and video tokens against its grids
+            positions, _ = mrope_positions(tokens, images[1], image_token_id=cfg.image_token_id,
+                                           spatial_merge_size=merge, video_grid_thw=videos[1],
+                                           video_token_id=cfg.video_token_id)
         h = self.tok_embeddings(tokens)
-        h = h.masked_scatter(is_image[..., None], image_tokens.to(h.dtype))
+        visual = torch.zeros_like(tokens, dtype=torch.bool)  # image or video positions, in sequence order
+        masks, deepstacks = [], []
+        for (pixels, grid_thw), token_id, name in ((images, cfg.image_token_id, "image"),
+                                                   (videos, cfg.video_token_id, "video")):
+            if pixels is None:
+                continue
+            mask = tokens == token_id
+            if int(mask.sum()) != sum(image_token_counts(grid_thw, merge)):
+                raise ValueError(f"the tokens hold {int(mask.sum())} {name} tokens; {name}_grid_thw "
+                                 f"{grid_thw.tolist()} makes {sum(image_token_counts(grid_thw, merge))}")
+            merged, deepstack = self.visual(pixels, grid_thw)
+            h = h.masked_scatter(mask[..., None], merged.to(h.dtype))
+            visual, masks, deepstacks = visual | mask, masks + [mask], deepstacks + [deepstack]
+        # each DeepStack layer's features of images and videos, placed as their tokens lie in the sequence
+        features = []
+        for per_kind in zip(*deepstacks):
+            joint = per_kind[0].new_zeros(int(visual.sum()), per_kind[0].shape[-1])
+            for mask, feature in zip(masks, per_kind):
+                joint[mask[visual]] = feature
+            features.append(joint)
         rope = tuple(t.to(h.dtype) for t in self.rope(positions))
         for i, block in enumerate(self.layers.values()):
             h = block(h, rope, context=context)
-            if i < len(deepstack):
-                h = h.index_put((is_image,), h[is_image] + deepstack[i].to(h.dtype))
+            if i < len(features):
+                h = h.index_put((visual,), h[visual] + features[i].to(h.dtype))
         return self.norm(h) if self.norm is not None else h

@@ -1,9 +1,12 @@
-"""Qwen3-VL's 3-D (temporal, height, width) token positions, from the tokens and `image_grid_thw`.
+"""Qwen3-VL's 3-D (temporal, height, width) token positions, from the tokens, `image_grid_thw` and
+`video_grid_thw`.
 
 Text tokens count up on all three axes. An image's merged tokens (its grid in patches divided by the
 spatial merge) sit at (start + frame, start + row, start + column), `start` being the position after the
-text before it; the text after it resumes at start + max(rows, columns). Images are taken from
-`image_grid_thw` in order: the first sample's images, then the second's, and so on.
+text before it; the text after it resumes at start + max(rows, columns). A video is taken frame by frame
+(each temporal patch one grid of t = 1, as transformers splits `video_grid_thw`: the timestamps in the text
+between frames order them). Images and video frames are taken from their grids in order: the first
+sample's, then the second's, and so on.
 """
 from __future__ import annotations
 
@@ -11,50 +14,81 @@ import torch
 
 
 def image_token_counts(image_grid_thw: torch.Tensor, spatial_merge_size: int) -> list[int]:
-    """Merged tokens per image: t * h * w / merge^2."""
+    """Merged tokens per image (or video): t * h * w / merge^2."""
     return [int(t) * int(h) * int(w) // spatial_merge_size**2 for t, h, w in image_grid_thw.tolist()]
 
 
-def mrope_positions(tokens: torch.Tensor, image_grid_thw: torch.Tensor, *, image_token_id: int,
-                    spatial_merge_size: int, start: torch.Tensor | None = None
+def video_frame_grids(video_grid_thw: torch.Tensor) -> torch.Tensor:
+    """[videos, 3] -> [frames, 3]: each video's grid once per temporal patch, with t = 1."""
+    frames = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def mrope_positions(tokens: torch.Tensor, image_grid_thw: torch.Tensor | None, *, image_token_id: int,
+                    spatial_merge_size: int, start: torch.Tensor | None = None,
+                    video_grid_thw: torch.Tensor | None = None, video_token_id: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions [3, b, s], next_position [b]): the 3-D positions of `tokens` [b, s] and the position
     the next text token of each sample takes (decoding continues there on all three axes).
 
     `start` [b] offsets each sample (a continuation after a prefix). ValueError, naming the sample,
-    when a sample has more image tokens than images left, or a run of image tokens that is not whole
-    images; and when images are left over after the last sample.
+    when a sample has more image (video) tokens than images (frames) left, or a run of them that is not
+    whole images (frames); and when images or frames are left over after the last sample.
     """
-    counts = image_token_counts(image_grid_thw, spatial_merge_size)
-    grids = [(int(t), int(h) // spatial_merge_size, int(w) // spatial_merge_size)
-             for t, h, w in image_grid_thw.tolist()]
+    kinds = {image_token_id: _Visual("image", "image_grid_thw", image_grid_thw, spatial_merge_size)}
+    if video_grid_thw is not None:
+        assert video_token_id is not None, "video_grid_thw needs video_token_id"
+        kinds[video_token_id] = _Visual("video frame", "video_grid_thw", video_frame_grids(video_grid_thw),
+                                          spatial_merge_size)
     batch, seq = tokens.shape
     positions = torch.empty(3, batch, seq, dtype=torch.long)
     next_position = torch.empty(batch, dtype=torch.long)
-    image = 0
-    for b, row in enumerate((tokens == image_token_id).cpu().tolist()):
+    for b, row in enumerate(tokens.cpu().tolist()):
         pos = 0 if start is None else int(start[b])
         i = 0
         while i < seq:
-            if not row[i]:
+            kind = kinds.get(row[i])
+            if kind is None:
                 positions[:, b, i] = pos
                 pos, i = pos + 1, i + 1
                 continue
             run_end = i
-            while run_end < seq and row[run_end]:
+            while run_end < seq and row[run_end] == row[i]:
                 run_end += 1
-            while i < run_end:  # whole images, one after another, fill the run
-                if image == len(counts):
-                    raise ValueError(f"sample {b} has more image tokens than images: image_grid_thw lists "
-                                     f"{len(counts)} images, all used before token {i} of sample {b}")
-                if i + counts[image] > run_end:
-                    raise ValueError(f"sample {b}: image {image} needs {counts[image]} image tokens from token {i}, "
-                                     f"but the run of image tokens ends at {run_end}")
-                t, h, w = grids[image]
+            while i < run_end:  # whole images (frames), one after another, fill the run
+                count, (t, h, w) = kind.take(b, i, run_end)
                 frame, r, c = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-                positions[:, b, i:i + counts[image]] = pos + torch.stack([frame, r, c]).reshape(3, -1)
-                pos, i, image = pos + max(h, w), i + counts[image], image + 1
+                positions[:, b, i:i + count] = pos + torch.stack([frame, r, c]).reshape(3, -1)
+                pos, i = pos + max(h, w), i + count
         next_position[b] = pos
-    if image != len(counts):
-        raise ValueError(f"image_grid_thw lists {len(counts)} images but the samples' image tokens hold {image}")
+    for kind in kinds.values():
+        kind.check_all_used()
     return positions.to(tokens.device), next_position.to(tokens.device)
+
+
+class _Visual:
+    """The grids of one kind of visual input (images, or video frames), taken in order."""
+
+    def __init__(self, name: str, source: str, grid_thw: torch.Tensor | None, merge: int):
+        grid_thw = torch.zeros(0, 3, dtype=torch.long) if grid_thw is None else grid_thw
+        self.name, self.source, self.counts = name, source, image_token_counts(grid_thw, merge)
+        self.grids = [(int(t), int(h) // merge, int(w) // merge) for t, h, w in grid_thw.tolist()]
+        self.used = 0
+
+    def take(self, sample: int, token: int, run_end: int) -> tuple[int, tuple[int, int, int]]:
+        """(token count, merged grid) of the next one, which must fit the run [token, run_end)."""
+        name, k = self.name, self.used
+        if k == len(self.counts):
+            raise ValueError(f"sample {sample} has more {name} tokens than {name}s: {self.source} lists "
+                             f"{len(self.counts)} {name}s, all used before token {token} of sample {sample}")
+        if token + self.counts[k] > run_end:
+            raise ValueError(f"sample {sample}: {name} {k} needs {self.counts[k]} {name} tokens from token {token}, "
+                             f"but the run of {name} tokens ends at {run_end}")
+        self.used += 1
+        return self.counts[k], self.grids[k]
+
+    def check_all_used(self) -> None:
+        if self.used != len(self.counts):
+            raise ValueError(f"{self.source} lists {len(self.counts)} {self.name}s but the samples' {self.name} tokens "
+                             f"hold {self.used}")

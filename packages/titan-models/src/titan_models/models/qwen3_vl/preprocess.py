@@ -83,6 +83,10 @@ class ImagePreprocessing:
         x = (x - torch.tensor(self.mean)[:, None, None]) / torch.tensor(self.std)[:, None, None]
         return self._patchify(x), torch.tensor([[1, h // self.patch_size, w // self.patch_size]])
 
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """No images: (pixel_values [0, 3 * temporal_patch * patch^2], image_grid_thw [0, 3])."""
+        return torch.zeros(0, 3 * self.temporal_patch_size * self.patch_size**2), torch.zeros(0, 3, dtype=torch.long)
+
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:
         c, h, w = x.shape
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size

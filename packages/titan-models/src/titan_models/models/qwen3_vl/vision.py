@@ -148,6 +148,7 @@ class VisionTower(nn.Module):
         if pixel_values.shape != (sum(lengths), cfg.patch_dim):
             raise ValueError(f"pixel_values has shape {list(pixel_values.shape)}; image_grid_thw {grids} needs "
                              f"[{sum(lengths)}, {cfg.patch_dim}] (patches x channels*temporal*patch*patch)")
+        frames = [h * w for t, h, w in grids for _ in range(t)]  # a video's frames attend each within itself
         weight = self.patch_embed.weight
         x = pixel_values.to(weight.dtype).view(-1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         x = self.patch_embed(x).view(-1, cfg.dim)
@@ -158,7 +159,7 @@ class VisionTower(nn.Module):
         rope = (angles.cos(), angles.sin())
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, lengths)
+            x = block(x, rope, frames)
             if i in cfg.deepstack_layers:
                 deepstack.append(self.deepstack_mergers[cfg.deepstack_layers.index(i)](x))
         return self.merger(x), deepstack

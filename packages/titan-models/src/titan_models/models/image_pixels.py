@@ -1,0 +1,61 @@
+"""The pixel steps that transformers' torchvision-backed image processors (Kimi K2.x, Muse Glimmer) take,
+done with torch alone: an RGB uint8 [3, h, w] tensor from a Pillow image, an antialiased bicubic or Lanczos
+resize of the uint8 pixels (torch's CPU uint8 kernels, which torchvision calls on CPU), zero padding at the
+bottom and right, and rescale + normalise fused into one float32 step ((x - 255 mean) / (255 std)).
+"""
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+RESCALE = 1 / 255
+
+
+def rgb_pixels(image: Image.Image) -> torch.Tensor:
+    """uint8 [3, h, w] of `image` converted to RGB (as the processors' do_convert_rgb)."""
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return data.view(image.height, image.width, 3).permute(2, 0, 1).contiguous()
+
+
+def resize_uint8(pixels: torch.Tensor, height: int, width: int, mode: Literal["bicubic", "lanczos"]) -> torch.Tensor:
+    """uint8 [3, h, w] -> uint8 [3, height, width], antialiased (unchanged when the size is the same).
+    torch's uint8 kernels are used as torchvision does on CPU; torch without a Lanczos mode (before 2.12)
+    falls back to Pillow's LANCZOS, which differs from it by at most a few levels on some pixels."""
+    if tuple(pixels.shape[1:]) == (height, width):
+        return pixels
+    if mode == "lanczos" and not _torch_has_lanczos():
+        from PIL import Image
+
+        image = Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy())
+        return rgb_pixels(image.resize((width, height), resample=Image.Resampling.LANCZOS))
+    return F.interpolate(pixels.cpu()[None], size=[height, width], mode=mode, align_corners=False,
+                         antialias=True)[0].to(pixels.device)
+
+
+@cache
+def _torch_has_lanczos() -> bool:
+    try:
+        F.interpolate(torch.zeros(1, 1, 2, 2, dtype=torch.uint8), size=[1, 1], mode="lanczos", antialias=True)
+    except (NotImplementedError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def pad_bottom_right(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[3, h, w] -> [3, height, width] with zeros below and to the right."""
+    return F.pad(pixels, (0, width - pixels.shape[2], 0, height - pixels.shape[1]))
+
+
+def normalize(pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 [3, h, w] -> float32 (x - mean / RESCALE) / (std / RESCALE), in float32 as the processors fuse it."""
+    mean_255 = (torch.tensor(mean) * (1.0 / RESCALE))[:, None, None]
+    std_255 = (torch.tensor(std) * (1.0 / RESCALE))[:, None, None]
+    return (pixels.float() - mean_255.to(pixels.device)) / std_255.to(pixels.device)
