@@ -131,6 +131,10 @@ def test_unsupported_layouts_and_unknown_passes_are_errors(tmp_path, jobs):
     with pytest.raises(ValueError, match="unknown pass 'fuse_everything'"):
         Trainer(jobs.tiny(tmp_path / "b", **{"compile.mode": "graph", "compile.graph_passes": "fuse_everything"}),
                 torch.device("cpu"))
+    with pytest.raises(ValueError, match="runs titan-models' MoE layers only, not dist-moe's"):
+        Trainer(jobs.tiny(tmp_path / "d", "deepseek_v3_debug_ep", **{"compile.mode": "graph", "parallelism.ep": "1",
+                                                                   "model.moe_impl": "dist_moe"}),
+                torch.device("cpu"))
     with pytest.raises(ValueError, match="conflicts with compile.mode=graph"):
         Trainer(jobs.tiny(tmp_path / "c", **{"compile.mode": "graph", "compile.enabled": "true"}),
                 torch.device("cpu"))

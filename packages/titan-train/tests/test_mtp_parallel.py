@@ -88,11 +88,3 @@ def test_tp_on_a_moe_model_without_ep_is_an_error():
     with torch.device("meta"):
         check_moe_under_tp(dataclasses.replace(config, mtp=False).build(), tp=2, ep=1)  # dense: TP splits it all
 
-
-def test_mtp_with_graph_mode_stays_an_error(tmp_path):
-    import torch
-
-    from titan_train.parallelizer import Parallelizer
-
-    with pytest.raises(ValueError, match="model.mtp_layers=1 with compile.mode graph is not supported yet"):
-        Parallelizer(job(tmp_path, **{"compile.mode": "graph"}), world_size=1, device=torch.device("cpu"))

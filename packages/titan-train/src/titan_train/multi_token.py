@@ -47,3 +47,10 @@ def mtp_weight(loss_weight: float, *, scored: int, mtp_scored: int) -> float:
     main mean + loss_weight * MTP mean, each over its own scored tokens of the global batch (the trainer
     then scales the sum by 1 / scored)."""
     return loss_weight * scored / max(mtp_scored, 1)
+
+
+def mtp_objective(sums: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+    """The summed objective of a microbatch from the loss module's (main, MTP) sums [2]: main + weight * MTP,
+    weight being mtp_weight's. Eager autograd and graph mode's captured step both differentiate this, so the
+    two run the same ops (weight a Python float there, a float32 0-dim tensor here: the same product)."""
+    return sums[0] + weight * sums[1]

@@ -79,11 +79,6 @@ class Parallelizer:
             self.pp_settings = check_pipeline(par, pp=degrees.pp, rows=t.batch_size // degrees.dp,
                                               grad_accum_steps=t.grad_accum_steps,
                                               compiled=run.compile.uses_torch_compile)
-        if run.model.mtp_layers > 0:
-            if run.compile.effective_mode == "graph":
-                raise ValueError(f"model.mtp_layers={run.model.mtp_layers} with compile.mode graph is not supported "
-                                 "yet (the captured step holds the main loss only); use compile.mode none, blocks "
-                                 "or regions")
         if degrees.cp > 1:
             check_context_parallel(cp=degrees.cp, tp=degrees.tp, seq_len=t.seq_len)
         if run.compile.effective_mode == "graph":

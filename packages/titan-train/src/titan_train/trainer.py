@@ -24,7 +24,7 @@ from .grad_norm import clip_by_total_norm
 from .memory_estimate import check_memory_fits
 from .metrics import memory_gib, peak_flops
 from .model_setup import model_config
-from .multi_token import MTPBatch, mtp_batch, mtp_weight
+from .multi_token import MTPBatch, mtp_batch, mtp_objective, mtp_weight
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
 from .optimizer_settings import OptimizerSettings
 from .process_group import process_group, select_device
@@ -202,18 +202,18 @@ class Trainer:
             # fully_shard reduces once, after the last microbatch (flexshard: after every one)
             if self.parallelizer.fsdp and self.config.parallelism.fsdp_impl == "fully_shard":
                 self.loss_module.set_requires_gradient_sync(i == steps - 1)
-            if self.graph_step is not None:  # compile.mode graph (refused with MTP): the captured step
-                sums[0] += self.graph_step(micro.tokens, micro.labels, micro.document_ids, micro_positions, scale,
-                                           last=i == steps - 1).detach().float()
-                continue
-            with self._autocast():
-                micro_sums = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions,
-                                              **extra, **micro.image_inputs())
+            if self.graph_step is not None:  # compile.mode graph: the captured step (its backward included)
+                micro_sums = self.graph_step(micro.tokens, micro.labels, micro.document_ids, micro_positions, scale,
+                                             **extra, mtp_weight=mtp_weight, last=i == steps - 1)
+            else:
+                with self._autocast():
+                    micro_sums = self.loss_module(micro.tokens, micro.labels, micro.document_ids, micro_positions,
+                                                  **extra, **micro.image_inputs())
+                objective = micro_sums if mtp is None else mtp_objective(micro_sums, mtp_weight)
+                (objective * scale).backward()
             if mtp is None:
-                (micro_sums * scale).backward()
                 sums[0] += micro_sums.detach().float()
-            else:  # the objective: main + mtp_weight * MTP sums (multi_token.mtp_weight)
-                ((micro_sums[0] + mtp_weight * micro_sums[1]) * scale).backward()
+            else:  # (main, MTP) sums
                 sums += micro_sums.detach().float()
         return sums
 

@@ -12,13 +12,18 @@ from .passes import resolve_pass
 
 
 def check_graph_mode(run: TrainConfig, degrees, device) -> None:
-    """The layouts the captured step covers: one device, or 1-D FSDP (fully_shard), without recomputation."""
+    """The layouts the captured step covers: one device, or 1-D FSDP (fully_shard), without recomputation;
+    text batches, multi-token prediction included (pipeline stages, which would hold it, are refused here)."""
     for name in ("tp", "pp", "cp", "ep", "dp_replicate"):
         if getattr(degrees, name) > 1:
             raise ValueError(f"compile.mode=graph supports one device or FSDP over dp_shard only; "
                              f"parallelism.{name}={getattr(degrees, name)} needs compile.mode none/blocks/regions")
     if run.parallelism.fsdp_impl != "fully_shard" and degrees.dp > 1:
         raise ValueError("compile.mode=graph shards with parallelism.fsdp_impl=fully_shard only")
+    if run.data.source == "shapes" or run.data.image_field:
+        raise ValueError("compile.mode=graph captures text batches only; image-text data (data.source=shapes or "
+                         "data.image_field) changes the vision tower's shapes every step: use compile.mode "
+                         "none/blocks/regions")
     if run.activation_checkpoint.mode != "none":
         raise ValueError("compile.mode=graph holds the whole backward already; set activation_checkpoint.mode=none "
                          "(graph passes decide what the graph keeps)")

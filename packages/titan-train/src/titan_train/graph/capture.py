@@ -30,13 +30,17 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..multi_token import mtp_objective
 from .opaque_experts import use_opaque_experts
 from .passes import apply_passes
 
 
 class GraphStep:
     """graph_step(tokens, labels, document_ids, positions, scale) -> the microbatch's summed loss (detached);
-    adds the gradients of `scale * loss` to the parameters' .grad as backward() would."""
+    adds the gradients of `scale * loss` to the parameters' .grad as backward() would.
+    With multi-token prediction (mtp_tokens, mtp_labels and mtp_weight given, multi_token.py): the loss
+    module's (main, MTP) sums [2], the gradients those of `scale * mtp_objective(sums, mtp_weight)`, the
+    objective eager autograd differentiates; mtp_weight enters as a tensor, so one graph serves every step."""
 
     def __init__(self, loss_module: nn.Module, *, passes: tuple[str, ...], dump_folder: Path | None,
                  autocast: Callable[[], contextlib.AbstractContextManager]):
@@ -56,11 +60,14 @@ class GraphStep:
     def _step_fn(self):
         names = list(self.params)
 
-        def step(params: dict, buffers: dict, tokens, labels, document_ids, positions, scale):
+        def step(params: dict, buffers: dict, tokens, labels, document_ids, positions, scale, mtp_tokens,
+                 mtp_labels, mtp_weight):
+            mtp = {} if mtp_labels is None else {"mtp_tokens": mtp_tokens, "mtp_labels": mtp_labels}
             with self.autocast():
                 loss = functional_call(self.loss_module, {**params, **buffers},
-                                       (tokens, labels, document_ids, positions))
-            grads = torch.autograd.grad(loss * scale, [params[n] for n in names], allow_unused=True)
+                                       (tokens, labels, document_ids, positions), mtp)
+            objective = loss if mtp_labels is None else mtp_objective(loss, mtp_weight)
+            grads = torch.autograd.grad(objective * scale, [params[n] for n in names], allow_unused=True)
             return loss.detach(), list(grads)
         return step
 
@@ -69,8 +76,13 @@ class GraphStep:
         if key not in self.graphs:
             params = {n: p.detach().requires_grad_(self.params[n].requires_grad)
                       for n, p in self._full_params().items()}
+            # The trace computes for real, so its in-place buffer updates happen once more than the step's
+            # (the graph replays them): MoE aux-loss-free balancing would count the first microbatch twice.
+            before = {n: b.clone() for n, b in self.buffers.items()}
             with _fsdp_hooks_off(self.loss_module), torch.enable_grad():
                 gm = make_fx(self._step_fn(), tracing_mode="real")(params, self.buffers, *args)
+            for name, value in before.items():
+                self.buffers[name].copy_(value)
             gm = apply_passes(gm, self.passes)
             if self.dump_folder is not None:
                 write_graph(gm, self.dump_folder, tag=f"step{len(self.graphs)}")
@@ -83,10 +95,13 @@ class GraphStep:
         return self._full
 
     @torch.no_grad()
-    def __call__(self, tokens, labels, document_ids, positions, scale: float, *, last: bool = True) -> torch.Tensor:
+    def __call__(self, tokens, labels, document_ids, positions, scale: float, *, mtp_tokens=None, mtp_labels=None,
+                 mtp_weight: float = 0.0, last: bool = True) -> torch.Tensor:
         """last: the step's last microbatch; under FSDP the gradients are then reduced to the shards."""
+        assert (mtp_tokens is None) == (mtp_labels is None), "MTP needs both its tokens and its labels"
         scale_t = torch.tensor(scale, dtype=torch.float32, device=tokens.device)
-        args = (tokens, labels, document_ids, positions, scale_t)
+        weight_t = None if mtp_labels is None else torch.tensor(mtp_weight, dtype=torch.float32, device=tokens.device)
+        args = (tokens, labels, document_ids, positions, scale_t, mtp_tokens, mtp_labels, weight_t)
         gm = self.graph_for(args)
         loss, grads = gm(self._full_params(), self.buffers, *args)
         for name, grad in zip(self.params, grads):

@@ -84,6 +84,11 @@ def use_opaque_experts(model: nn.Module) -> int:
     from titan_models.components.ffn import swiglu
     from titan_models.components.moe import GroupedExperts
 
+    dist_moe_layers = [type(m).__name__ for m in model.modules() if type(m).__module__.split(".")[0] == "dist_moe"]
+    if dist_moe_layers:  # its routing's data-dependent splits are not replayed: it left eager from step 2 on
+        raise ValueError("compile.mode=graph runs titan-models' MoE layers only, not dist-moe's "
+                         f"({dist_moe_layers[0]}, model.moe_impl=dist_moe); use model.moe_impl titan (or auto, "
+                         "parallelism.ep 1) or compile.mode none/blocks/regions")
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     for module in experts:
         if module.activation is not swiglu or module.w1_bias is not None:
