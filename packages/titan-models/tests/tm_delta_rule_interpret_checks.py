@@ -29,21 +29,6 @@ from titan_models.kernels.gated_delta_rule import triton_chunked_delta_rule  # n
 # Integer-overflow checks of every interpreted op cost time and test nothing here.
 interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
                                                               sanitize_overflow=False)
-
-
-def _index_like_triton_37() -> None:
-    """triton < 3.7's interpreter reads a loop bound with int() of a one-element array, which numpy >= 2.4
-    refuses (the H200 image: triton 3.6); triton 3.7+ squeezes the array first, as this does."""
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
-_index_like_triton_37()
 torch.set_num_threads(1)
 results: dict[str, float] = {}
 

@@ -10,25 +10,9 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
 
 from titan_train.quantize.blockwise_triton import blockwise_gemm, launch  # noqa: E402
 from titan_train.quantize.scaling import Blocking, quantize  # noqa: E402
-
-
-def _index_like_triton_37() -> None:
-    """triton < 3.7's interpreter reads a loop bound with int() of a one-element array, which numpy >= 2.4
-    refuses (the H200 image: triton 3.6); triton 3.7+ squeezes the array first, as this does."""
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
-_index_like_triton_37()
 
 results: dict[str, dict] = {}
 TILE, BLOCK = Blocking(rows=1, cols=128, pad_cols=128), Blocking(rows=128, cols=128, pad_cols=128)

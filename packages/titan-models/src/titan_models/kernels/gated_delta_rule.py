@@ -74,6 +74,10 @@ def triton_chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     initial_state [b, h, dk, dv] or None. Returns (out [b, s, h, dv], final state [b, h, dk, dv]), float32,
     differentiable in q, k, v, g, beta and initial_state."""
     assert g.dim() == 3, "one log decay per head"
+    if interpreting():
+        from titan_models.kernels.triton_interpreter import backport_scalar_index
+
+        backport_scalar_index()
     return _DeltaRule.apply(q, k, v, g, beta, segments, initial_state)
 
 

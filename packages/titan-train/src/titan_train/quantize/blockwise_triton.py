@@ -71,7 +71,10 @@ def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: tor
             return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
 
         wrap(blockwise_gemm_kernel_tuned)[grid](*args, B_SCALE_ROWS=b_scale_rows, BLOCK_K=BLOCK_K)
-    else:
+    else:  # the interpreter (TRITON_INTERPRET=1)
+        from titan_models.kernels.triton_interpreter import backport_scalar_index
+
+        backport_scalar_index()  # triton < 3.7's interpreter: the K loop's bound
         grid = (triton.cdiv(m, 32), triton.cdiv(n, 64))
         _interpreted(blockwise_gemm_kernel, wrap)[grid](*args, B_SCALE_ROWS=b_scale_rows, BLOCK_M=32, BLOCK_N=64,
                                                         BLOCK_K=BLOCK_K, num_warps=1)
