@@ -17,6 +17,24 @@ if TYPE_CHECKING:
 RESCALE = 1 / 255
 
 
+def preprocess_each(from_pixels, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values, image_grid_thw) of `images`, each through `from_pixels` (uint8 [h, w, 3] -> one image's
+    (pixel_values, grid [1, 3])), concatenated in order."""
+    out = [from_pixels(rgb_pixels(image).permute(1, 2, 0)) for image in images]
+    return torch.cat([p for p, _ in out]), torch.cat([g for _, g in out])
+
+
+def check_rgb_uint8(pixels: torch.Tensor) -> None:
+    if pixels.dtype != torch.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
+        raise ValueError(f"from_pixels takes uint8 [h, w, 3]; got {pixels.dtype} {list(pixels.shape)}")
+
+
+def raster_patches(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """[3, h, w] (h, w multiples of `patch`) -> [h / patch * w / patch, 3, patch, patch], row by row."""
+    grid_h, grid_w = x.shape[1] // patch, x.shape[2] // patch
+    return x.reshape(3, grid_h, patch, grid_w, patch).permute(1, 3, 0, 2, 4).reshape(grid_h * grid_w, 3, patch, patch)
+
+
 def rgb_pixels(image: Image.Image) -> torch.Tensor:
     """uint8 [3, h, w] of `image` converted to RGB (as the processors' do_convert_rgb)."""
     if image.mode != "RGB":

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_models.models.image_pixels import normalize, pad_bottom_right, resize_uint8, rgb_pixels
+from titan_models.models.image_pixels import (check_rgb_uint8, normalize, pad_bottom_right, preprocess_each,
+                                              raster_patches, resize_uint8)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -52,20 +53,16 @@ class KimiImagePreprocessing:
 
     def __call__(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values [patches, 3, patch, patch] float32, image_grid_thw [images, 3] int64)."""
-        out = [self.from_pixels(rgb_pixels(image).permute(1, 2, 0)) for image in images]
-        return torch.cat([p for p, _ in out]), torch.cat([g for _, g in out])
+        return preprocess_each(self.from_pixels, images)
 
     def from_pixels(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An RGB image as uint8 [h, w, 3] (no Pillow needed) -> (pixel_values, image_grid_thw [1, 3])."""
-        if pixels.dtype != torch.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
-            raise ValueError(f"from_pixels takes uint8 [h, w, 3]; got {pixels.dtype} {list(pixels.shape)}")
+        check_rgb_uint8(pixels)
         (h, w), (padded_h, padded_w) = self.target_size(pixels.shape[0], pixels.shape[1])
         chw = resize_uint8(pixels.permute(2, 0, 1).contiguous(), h, w, "bicubic")
         x = normalize(pad_bottom_right(chw, padded_h, padded_w), self.mean, self.std)
         p = self.patch_size
-        grid_h, grid_w = padded_h // p, padded_w // p
-        patches = x.reshape(3, grid_h, p, grid_w, p).permute(1, 3, 0, 2, 4).reshape(grid_h * grid_w, 3, p, p)
-        return patches, torch.tensor([[1, grid_h, grid_w]])
+        return raster_patches(x, p), torch.tensor([[1, padded_h // p, padded_w // p]])
 
     def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
         """No images: (pixel_values [0, 3, patch, patch], image_grid_thw [0, 3])."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_models.models.image_pixels import normalize, resize_uint8, rgb_pixels
+from titan_models.models.image_pixels import check_rgb_uint8, normalize, preprocess_each, raster_patches, resize_uint8
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -60,18 +60,16 @@ class MuseImagePreprocessing:
 
     def __call__(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values [patches, temporal_patch * 3 * patch^2] float32, image_grid_thw [images, 3] int64)."""
-        out = [self.from_pixels(rgb_pixels(image).permute(1, 2, 0)) for image in images]
-        return torch.cat([p for p, _ in out]), torch.cat([g for _, g in out])
+        return preprocess_each(self.from_pixels, images)
 
     def from_pixels(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An RGB image as uint8 [h, w, 3] -> (pixel_values, image_grid_thw [1, 3])."""
-        if pixels.dtype != torch.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
-            raise ValueError(f"from_pixels takes uint8 [h, w, 3]; got {pixels.dtype} {list(pixels.shape)}")
+        check_rgb_uint8(pixels)
         h, w = self.target_size(pixels.shape[0], pixels.shape[1])
         x = normalize(resize_uint8(pixels.permute(2, 0, 1).contiguous(), h, w, "lanczos"), self.mean, self.std)
         p, t = self.patch_size, self.temporal_patch_size
         grid_h, grid_w = h // p, w // p
-        patches = x.reshape(3, grid_h, p, grid_w, p).permute(1, 3, 0, 2, 4).reshape(grid_h * grid_w, 1, 3 * p * p)
+        patches = raster_patches(x, p).reshape(grid_h * grid_w, 1, 3 * p * p)  # a still image over t frames
         return patches.expand(-1, t, -1).reshape(grid_h * grid_w, t * 3 * p * p), torch.tensor([[1, grid_h, grid_w]])
 
     def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
