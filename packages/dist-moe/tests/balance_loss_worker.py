@@ -8,10 +8,9 @@ usage: python balance_loss_worker.py RANK WORLD_SIZE PORT OUT_DIR
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
+
+from dist_moe_rank_report import write_rank_report
 
 
 def run(rank: int, world: int) -> dict:
@@ -40,23 +39,7 @@ def run(rank: int, world: int) -> dict:
 
 def main() -> None:
     rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    import torch.distributed as dist
-
-    code = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        report = run(rank, world)
-    except Exception:
-        report = {"error": traceback.format_exc()}
-        code = 1
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    try:
-        dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        os._exit(code)  # torch sometimes aborts at interpreter exit after gloo
+    write_rank_report(rank, world, port, out_dir, lambda: run(rank, world))
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ triton runs the kernels through TRITON_INTERPRET=1 on CPU)
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
+
+from dist_moe_rank_report import write_rank_report
 
 
 def scenarios():
@@ -184,7 +184,6 @@ def _taking_turns(rank: int, group) -> dict:
 def main() -> None:
     rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     backends = sys.argv[5].split(",")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if "triton" in backends:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         import dataclasses
@@ -194,22 +193,7 @@ def main() -> None:
         # Integer-overflow checks of every interpreted op cost time and test nothing here.
         interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
                                                                       sanitize_overflow=False)
-    import torch.distributed as dist
-
-    code = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        report = {backend: run(rank, world, backend) for backend in backends}
-    except Exception:
-        report = {"error": traceback.format_exc()}
-        code = 1
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    try:
-        dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        os._exit(code)  # torch sometimes aborts at interpreter exit after gloo
+    write_rank_report(rank, world, port, out_dir, lambda: {backend: run(rank, world, backend) for backend in backends})
 
 
 if __name__ == "__main__":
