@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,13 +116,17 @@ def test_one_process_is_titan_rl_train_on_batch_bitwise(name):
         assert torch.equal(value, expected[key]), key
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+TP_CASES = [name for name in CASES if not CASES[name][3]]  # batch-invariant mode refuses TP (build.validate)
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, tensor_parallel: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     try:
-        results = {name: run_updates(name) for name in CASES}
+        names = TP_CASES if tensor_parallel > 1 else list(CASES)
+        results = {name: run_updates(name, tensor_parallel=tensor_parallel) for name in names}
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -129,14 +134,18 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     os._exit(0)  # torch sometimes aborts at interpreter exit after gloo
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("fsdp") / "results.pt")
+def _results_on_ranks(folder: Path, world: int, tensor_parallel: int) -> dict:
+    out = str(folder / "results.pt")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spawn_ranks(_rank_main, 2, (2, port, out))
+    spawn_ranks(_rank_main, world, (world, port, out, tensor_parallel))
     return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    return _results_on_ranks(tmp_path_factory.mktemp("fsdp"), 2, tensor_parallel=1)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -159,32 +168,10 @@ def test_two_fsdp_ranks_follow_one_process(two_rank_results, name):
                 == [m["logprob_mismatch_max"] for m in single_metrics])
 
 
-TP_CASES = [name for name in CASES if not CASES[name][3]]  # batch-invariant mode refuses TP (build.validate)
-
-
-def _tp_rank_main(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
-    try:
-        results = {name: run_updates(name, tensor_parallel=2) for name in TP_CASES}
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
-
-
 @pytest.fixture(scope="module")
 def tensor_parallel_results(tmp_path_factory):
     """The same updates on 4 gloo ranks, FSDP2 x TP2 (the 2-D mesh; TP2 alone runs in test_rl_trainer_parallel)."""
-    out = str(tmp_path_factory.mktemp("tp") / "results.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(_tp_rank_main, 4, (4, port, out))
-    return torch.load(out)
+    return _results_on_ranks(tmp_path_factory.mktemp("tp"), 4, tensor_parallel=2)
 
 
 @pytest.mark.parametrize("name", TP_CASES)
