@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import titan_models as tm
+import titan_train.loss as loss_module
 from titan_train import LRScheduleConfig
 from titan_train.data import IGNORE_INDEX
 from titan_train.loss import CausalLMLoss, fused_linear_cross_entropy
@@ -75,11 +76,35 @@ def test_fused_cross_entropy_bf16_inputs_close_to_float64():
     assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
 
 
-# Open, measured on the H200 (torch 2.11, 2026-12-01): the loss's peak was 135.3 MB against the bound's 81.9 MB
-# (one fp32 weight gradient 32.8 MB + one bf16 chunk of logits 32.8 MB + half a gradient of slack): about two
-# more [V, d]/[C, V]-sized buffers than designed; cause not read yet (no device time was left). strict: the
-# mark fails as soon as the peak is what the test asks, so it cannot outlive the bug.
-@pytest.mark.xfail(strict=True, reason="open: the fused loss's peak on the H200 holds ~2 more buffers than designed")
+def _cpu_peak_bytes(fn) -> int:
+    """The most bytes the CPU allocator held at once while fn ran, from the profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_fused_loss_holds_one_chunk_of_logits_at_a_time():
+    """fp32 on CPU (the eager chunk, in place on the logits): the forward's peak is the [V, d] weight gradient,
+    the [N, d] hidden gradient and two [C, V] buffers (a chunk's logits and logsumexp's temporary), not the
+    previous chunk's logits on top (issue 23: the loop's names kept them alive into the next chunk)."""
+    g = torch.Generator().manual_seed(5)
+    tokens, dim, vocab, chunk = 256, 32, 4000, 64
+    h = torch.randn(tokens, dim, generator=g).requires_grad_()
+    w = (torch.randn(vocab, dim, generator=g) * 0.1).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    peak = _cpu_peak_bytes(lambda: fused_linear_cross_entropy(h, w, labels, chunk=chunk))
+    grad_w, grad_h, logits = vocab * dim * 4, tokens * dim * 4, chunk * vocab * 4
+    assert peak < grad_w + grad_h + 2.5 * logits, (peak, grad_w, grad_h, logits)  # a third chunk would be 3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 products with fp32 output)")
 def test_fused_loss_accumulates_the_weight_gradient_in_place_on_gpu():
     """bf16 on CUDA over 4 chunks (the in-place fp32 addmm of each chunk's weight gradient): loss and both
@@ -91,10 +116,14 @@ def test_fused_loss_accumulates_the_weight_gradient_in_place_on_gpu():
     labels[:100] = IGNORE_INDEX
     h = hidden.cuda().bfloat16().requires_grad_()
     w = weight.cuda().bfloat16().requires_grad_()
+    y = labels.cuda()
+    # Warm-up, unmeasured: a process's first GEMMs allocate cuBLAS's workspace (32 MiB on Hopper) through the
+    # caching allocator, which would count in the peak (issue 23's 135 MB held it and a stale chunk of logits).
+    fused_linear_cross_entropy(h, w, y, chunk=chunk, triton=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    loss = fused_linear_cross_entropy(h, w, labels.cuda(), chunk=chunk, triton=True)
+    loss = fused_linear_cross_entropy(h, w, y, chunk=chunk, triton=True)
     peak = torch.cuda.max_memory_allocated() - base
     loss.backward()
     h64, w64 = h.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
@@ -104,6 +133,7 @@ def test_fused_loss_accumulates_the_weight_gradient_in_place_on_gpu():
     for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
         err = (got.double().cpu() - want).abs().max() / want.abs().max()
         assert err < 2e-2, err
+    assert loss_module._out_dtype_products, "torch.addmm(out_dtype=fp32, out=acc) fell back to a bf16 product"
     fp32_grad, logits = vocab * dim * 4, chunk * vocab * 2
     assert peak < fp32_grad + logits + fp32_grad // 2, (peak, fp32_grad, logits)  # not two fp32 gradients
 

@@ -159,6 +159,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 if need_grad:
                     grad_hidden[start:start + chunk] = grad @ w
                     grad_weight = _accumulate_product(grad_weight, grad.t(), h, weight_acc)
+                # Free this chunk's [C, V] buffers now: the names would keep them alive through the next
+                # chunk's product and kernel, two chunks of logits at the peak instead of one.
+                del logits, grad, slope
         if grad_weight is None and need_grad:  # no tokens at all
             grad_weight = torch.zeros(weight.shape, dtype=weight_acc, device=weight.device)
         ctx.save_for_backward(grad_hidden, grad_weight)
