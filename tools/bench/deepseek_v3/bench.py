@@ -44,7 +44,11 @@ def config(args, routing: str, mtp: int, folder: Path):
         "training.steps": str(args.steps), "training.batch_size": str(args.batch), "training.seq_len": str(args.seq),
         "training.mixed_precision": "bf16_params" if args.device == "cuda" else "fp32",
         "activation_checkpoint.mode": "selective" if args.device == "cuda" else "none",
-        "lr_schedule.kind": "constant", "lr_schedule.warmup_steps": "2", "checkpoint.interval": "0",
+        # DeepSeek-V3's own peak lr (2.2e-4) with a warm-up: the recipe's debug lr (3e-3) sent the 16B's loss
+        # above ln V on random tokens (12.3 -> 13.3 on 2026-12-02), and a diverging run's router is no guide
+        # to the imbalance a real one has.
+        "optimizer.lr": "2.2e-4", "lr_schedule.kind": "constant", "lr_schedule.warmup_steps": "10",
+        "checkpoint.interval": "0",
         "checkpoint.resume": "false", "metrics.tensorboard": "false", "metrics.progress": "false",
         "compile.enabled": "false",
     }
