@@ -246,6 +246,12 @@ def print_table(args, rows: list[dict], device: str) -> None:
             print(f"| {row['flavor']} | {variant} | {r['tokens_per_s']:.0f} | {r['images_per_s']:.1f} | "
                   f"{r['step_median_s']:.3f} ({r['step_mean_s']:.3f}) | {row['draw_seconds']:.3f} | {mfu} | {peak} | "
                   f"{ratio} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {gap} | {r['wall_s']:.0f} |")
+    for row in rows:
+        ok = {v: r for v, r in row["variants"].items() if "error" not in r}
+        anchors = [v for v in HF_VARIANTS if v in ok]
+        if "titan" in ok and anchors:
+            best = max(anchors, key=lambda v: ok[v]["tokens_per_s"])
+            print(f"{row['flavor']}: titan {ok['titan']['vs_hf']:.2f}x the fastest transformers variant ({best})")
 
 
 def parse_args() -> argparse.Namespace:
