@@ -54,6 +54,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from hf_anchor import adamw, loss_gap, sync, train_steps  # noqa: E402
+
 SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, vocab)
     "1.5B": (2048, 16, 32, 8, 8192, 128256),
     "8B": (4096, 32, 32, 8, 14336, 128256),
@@ -63,11 +66,6 @@ LR, BETAS, WEIGHT_DECAY, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
 # Linear warm-up to LR, then constant, on both sides: without it the first steps on real text spike
 # (loss 8.7 -> 15 at step 3) and any rounding difference sends the runs apart, hiding real mismatches.
 WARMUP = 10
-
-
-def warmup_factor(step: int) -> float:
-    """titan-train's lr_factor for kind=constant with WARMUP warm-up steps (step is 0-based)."""
-    return (step + 1) / (WARMUP + 1) if step < WARMUP else 1.0
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
 
 
@@ -88,11 +86,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", default="", help="a titan variant to profile for two more steps after its run")
     p.add_argument("--loss-rtol", type=float, default=0.02, help="allowed relative loss gap to transformers")
     return p.parse_args()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_rates(device: torch.device) -> tuple[float | None, float | None]:
@@ -172,29 +165,14 @@ def build_hf_model(folder: Path, variant: str, device: torch.device):
 
 def run_hf(folder: Path, args, device: torch.device, variant: str = "hf") -> dict:
     model = build_hf_model(folder, variant, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **fused)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor)
+    optimizer = adamw(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, device=device)
     vocab = SIZES["tiny" if args.tiny else args.size][5]
-    losses, seconds = [], []
-    for tokens, labels in batches(vocab, args.seq, args.batch, args.steps, args.data):
-        tokens, labels = tokens.to(device), labels.to(device)
-        sync(device)
-        began = time.perf_counter()
-        loss = model(input_ids=tokens, labels=labels, shift_labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        seconds.append(time.perf_counter() - began)
-        print(f"  {variant} step {len(losses)}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms", flush=True)
-    del model, optimizer, params, groups
-    return {"losses": losses, "seconds": seconds}
+    inputs = ({"input_ids": tokens, "labels": labels, "shift_labels": labels}
+              for tokens, labels in batches(vocab, args.seq, args.batch, args.steps, args.data))
+    out = train_steps(model, optimizer, inputs, steps=args.steps, warmup=WARMUP, clip=CLIP, device=device,
+                      label=variant)
+    del model, optimizer
+    return out
 
 
 def sdpa_cudnn_first():
@@ -322,8 +300,7 @@ def print_table(results: dict, args, *, size: str, fpt: float, matmul: float | N
                   else math.nan)
         gap = ""
         if reference and out is not reference:
-            n = min(len(out["losses"]), len(reference["losses"]), 8)
-            worst = max(abs(a - b) / abs(b) for a, b in zip(out["losses"][:n], reference["losses"][:n]))
+            worst = loss_gap(out["losses"], reference["losses"], steps=8)
             gap = f"{worst:.2e} {'ok' if worst <= args.loss_rtol else 'MISMATCH'}"
             ok &= worst <= args.loss_rtol
         if name.startswith("titan") and ratio >= 1.3 and memory <= 1.0:
