@@ -31,14 +31,28 @@ def reference(tmp_path_factory, jobs):
     return train(jobs.tiny(tmp_path_factory.mktemp("single"), **STEPS)).losses
 
 
-@pytest.mark.parametrize("nproc,layout", [
-    (2, {"parallelism.cp": "2"}),
-    (4, {"parallelism.cp": "2", "parallelism.dp_shard": "2"}),
-    (4, {"parallelism.cp": "2", "parallelism.tp": "2"}),
-    (4, {"parallelism.cp": "2", "parallelism.pp": "2"}),
-], ids=["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2"])
-def test_context_parallel_follows_single_process(reference, tmp_path, jobs, nproc, layout):
-    curve = jobs.on_ranks(jobs.tiny(tmp_path, **{**STEPS, **layout}), nproc)
+LAYOUTS = {  # id -> (ranks, parallelism)
+    "cp2": (2, {"parallelism.cp": "2"}),
+    "cp2xfsdp2": (4, {"parallelism.cp": "2", "parallelism.dp_shard": "2"}),
+    "cp2xtp2": (4, {"parallelism.cp": "2", "parallelism.tp": "2"}),
+    "cp2xpp2": (4, {"parallelism.cp": "2", "parallelism.pp": "2"}),
+}
+
+
+@pytest.fixture(scope="module")
+def curves(tmp_path_factory, jobs) -> dict[str, dict[int, float]]:
+    """id -> loss curve of each of LAYOUTS; the runs of one rank count in one spawn."""
+    root, curves = tmp_path_factory.mktemp("layouts"), {}
+    for nproc in (2, 4):
+        names = [name for name, (n, _) in LAYOUTS.items() if n == nproc]
+        configs = [jobs.tiny(root / name, **{**STEPS, **LAYOUTS[name][1]}) for name in names]
+        curves.update(zip(names, jobs.each_on_ranks(configs, nproc)))
+    return curves
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_context_parallel_follows_single_process(reference, curves, name):
+    curve = curves[name]
     assert sorted(curve) == sorted(reference)
     for step, loss in reference.items():
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, reference)

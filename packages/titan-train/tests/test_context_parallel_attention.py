@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,37 +84,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ring_rank(rank: int, world: int, port: int, folder: str, masked: bool, variant: str) -> None:
+CASES = {  # id -> (cp, document-masked, variant)
+    "cp2-causal": (2, False, "float64"), "cp4-causal": (4, False, "float64"), "cp2-documents": (2, True, "float64"),
+    "cp4-documents": (4, True, "float64"), "cp2-documents-row-chunks": (2, True, "row-chunks"),
+    "cp2-bf16": (2, True, "bf16"),
+}
+
+
+def _ring_rank(rank: int, world: int, port: int, folder: str, cases: list[str]) -> None:
+    """Each of `cases` (ids of CASES) in turn on the same ranks; saves this rank's output and gradients."""
     import torch.distributed as dist
 
     import titan_train.context_parallel as context_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    if variant == "row-chunks":  # a few query rows at a time
-        context_parallel._SCORE_ELEMENTS = 3 * B * HQ * S // world
+    score_elements = context_parallel._SCORE_ELEMENTS
     try:
-        q, k, v, dout, docs = _inputs()
-        q, k, v, dout, docs = shard_sequence(rank, world, q, k, v, dout, docs)
-        dtype = torch.bfloat16 if variant == "bf16" else torch.float64
-        q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        context = tm.AttentionContext(document_ids=docs if masked else None)
-        out = RingAttention(scale=D**-0.5, group=dist.group.WORLD)(q, k, v, context=context)
-        out.backward(dout)
-        torch.save([out.detach(), q.grad, k.grad, v.grad], os.path.join(folder, f"{rank}.pt"))
+        for case in cases:
+            _, masked, variant = CASES[case]
+            # row-chunks: a few query rows at a time
+            context_parallel._SCORE_ELEMENTS = 3 * B * HQ * S // world if variant == "row-chunks" else score_elements
+            q, k, v, dout, docs = _inputs()
+            q, k, v, dout, docs = shard_sequence(rank, world, q, k, v, dout, docs)
+            dtype = torch.bfloat16 if variant == "bf16" else torch.float64
+            q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+            q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+            context = tm.AttentionContext(document_ids=docs if masked else None)
+            out = RingAttention(scale=D**-0.5, group=dist.group.WORLD)(q, k, v, context=context)
+            out.backward(dout)
+            torch.save([out.detach(), q.grad, k.grad, v.grad], os.path.join(folder, f"{case}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
     os._exit(0)
 
 
-@pytest.mark.parametrize("cp,masked,variant", [
-    (2, False, "float64"), (4, False, "float64"), (2, True, "float64"), (4, True, "float64"),
-    (2, True, "row-chunks"), (2, True, "bf16"),
-], ids=["cp2-causal", "cp4-causal", "cp2-documents", "cp4-documents", "cp2-documents-row-chunks", "cp2-bf16"])
-def test_ring_attention_matches_dense_attention(tmp_path, cp, masked, variant):
-    spawn_ranks(_ring_rank, cp, (cp, _free_port(), str(tmp_path), masked, variant))
-    per_rank = [torch.load(tmp_path / f"{r}.pt") for r in range(cp)]
+@pytest.fixture(scope="module")
+def ring_outputs(tmp_path_factory) -> Path:
+    """The folder of every case's per-rank results: the cases of one cp in one spawn."""
+    folder = tmp_path_factory.mktemp("ring")
+    for cp in (2, 4):
+        cases = [case for case, (n, _, _) in CASES.items() if n == cp]
+        spawn_ranks(_ring_rank, cp, (cp, _free_port(), str(folder), cases))
+    return folder
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ring_attention_matches_dense_attention(ring_outputs, case):
+    cp, masked, variant = CASES[case]
+    per_rank = [torch.load(ring_outputs / f"{case}-{r}.pt") for r in range(cp)]
     _, _, _, _, docs = _inputs()
     expected = _reference(docs if masked else None)
     atol = 3e-2 if variant == "bf16" else 1e-10

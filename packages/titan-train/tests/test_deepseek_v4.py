@@ -46,12 +46,30 @@ def curve(folder: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
 
 
-@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": "2"}, {"parallelism.pp": "2"}], ids=["fsdp2", "pp2"])
-def test_parallel_layout_follows_single_process(reference, tmp_path, jobs, layout):
-    curve = jobs.on_ranks(jobs.tiny(tmp_path, **DSV4, **STEPS, **layout), 2)
-    assert sorted(curve) == sorted(reference)
+MTP = {**DSV4, "training.steps": "3", "training.seq_len": "32", "model.mtp_layers": "1",
+       "training.mtp_loss_weight": "0.3"}
+TWO_RANKS = {  # id -> the job of each 2-rank run here
+    "fsdp2": {**DSV4, **STEPS, "parallelism.dp_shard": "2"},
+    "pp2": {**DSV4, **STEPS, "parallelism.pp": "2"},
+    "ep2": {**DSV4, **STEPS, "parallelism.ep": "2", "model.moe_impl": "dist_moe"},
+    "mtp_pp2": {**MTP, "parallelism.pp": "2", "parallelism.pp_microbatches": "2"},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, jobs) -> dict[str, Path]:
+    """id -> job folder of each of TWO_RANKS, all trained in one spawn of 2 gloo ranks."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in TWO_RANKS.items()], 2)
+    return {name: root / name for name in TWO_RANKS}
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "pp2"])
+def test_parallel_layout_follows_single_process(reference, two_ranks, layout):
+    got = {step: loss for step, (loss, _) in curve(two_ranks[layout]).items()}
+    assert sorted(got) == sorted(reference)
     for step, loss in reference.items():  # tolerance as in test_parallel.py
-        assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, reference)
+        assert got[step] == pytest.approx(loss, rel=1e-4), (step, got, reference)
 
 
 def test_dist_moe_takes_deepseek_v4_moe_with_its_table_and_clamp():
@@ -64,27 +82,27 @@ def test_dist_moe_takes_deepseek_v4_moe_with_its_table_and_clamp():
 
 
 @pytest.mark.parametrize("nproc", [2, 4], ids=["ep2", "ep4"])
-def test_expert_parallel_follows_titan_moe_in_one_process(reference_folder, tmp_path, jobs, nproc):
+def test_expert_parallel_follows_titan_moe_in_one_process(reference_folder, two_ranks, tmp_path, jobs, nproc):
     """dist-moe's layer with the experts over ep ranks (2 or 4 of the 8; hash layer 0 routes by the table,
     layer 1 by sqrt-softplus top-2) against titan-models' MoE in one process. The gradient norm catches a wrong
     expert-gradient scale, which the loss hides (test_expert_parallel.py)."""
-    job = {**DSV4, **STEPS, "parallelism.ep": str(nproc), "model.moe_impl": "dist_moe"}
-    jobs.on_ranks(jobs.tiny(tmp_path, **job), nproc)
-    got, want = curve(tmp_path), curve(reference_folder)
+    if nproc == 2:  # trained with the other 2-rank runs
+        folder = two_ranks["ep2"]
+    else:
+        folder = tmp_path
+        jobs.on_ranks(jobs.tiny(folder, **{**TWO_RANKS["ep2"], "parallelism.ep": "4"}), 4)
+    got, want = curve(folder), curve(reference_folder)
     assert sorted(got) == sorted(want)
     assert_pairs_follow(got, want, want)  # the loss and the gradient norm
 
 
-def test_mtp_in_a_two_stage_pipeline_follows_one_process(tmp_path, jobs):
+def test_mtp_in_a_two_stage_pipeline_follows_one_process(two_ranks, tmp_path, jobs):
     """The MTP module on the last stage reads the streams the first stage hands on (with the embeddings of
     tokens i + 1); main and MTP losses follow one process."""
-    job = {**DSV4, "training.steps": "3", "training.seq_len": "32", "model.mtp_layers": "1",
-           "training.mtp_loss_weight": "0.3"}
-    train(jobs.tiny(tmp_path / "single", **job))
-    jobs.on_ranks(jobs.tiny(tmp_path / "pp2", **job, **{"parallelism.pp": "2", "parallelism.pp_microbatches": "2"}), 2)
+    train(jobs.tiny(tmp_path / "single", **MTP))
     mtp = {}
-    for name in ("single", "pp2"):
-        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    for name, folder in (("single", tmp_path / "single"), ("pp2", two_ranks["mtp_pp2"])):
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         mtp[name] = {r["step"]: (r["loss"], r["mtp_loss"]) for r in records}
     assert sorted(mtp["pp2"]) == [1, 2, 3]
     for step, (loss, mtp_loss) in mtp["single"].items():

@@ -68,10 +68,28 @@ def qwen_reference(tmp_path_factory):
     return folder
 
 
-def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_reference, tmp_path, jobs):
-    folder = tmp_path / "ep2"
-    config = moe_job("qwen3_moe_debug_ep", folder, **{"parallelism.ep": "2", "checkpoint.interval": "5"})
-    jobs.on_ranks(config, 2)
+LINEAR = {"training.seq_len": "80", "training.steps": "6"}  # 80 tokens: past the 64-token chunk of GDN and KDA
+LINEAR_RECIPES = ("qwen3_next_debug_ep", "kimi_linear_debug_ep")
+
+
+@pytest.fixture(scope="module")
+def ep2_runs(tmp_path_factory, jobs) -> dict[str, Path]:
+    """name -> folder of the EP2 runs (experts over 2 ranks, dist-moe's layer), all three in one spawn, and of
+    the single-process references of the two linear-attention models (titan-models' MoE)."""
+    root = tmp_path_factory.mktemp("ep2")
+    for recipe in LINEAR_RECIPES:
+        single = moe_job(recipe, root / f"{recipe}_single", **SINGLE, **LINEAR)
+        assert resolve_moe_impl(single) == "titan"
+        train(single)
+    ep2 = {"parallelism.ep": "2"}
+    jobs.each_on_ranks([
+        moe_job("qwen3_moe_debug_ep", root / "qwen3_moe_debug_ep", **ep2, **{"checkpoint.interval": "5"}),
+        *(moe_job(recipe, root / recipe, **ep2, **LINEAR) for recipe in LINEAR_RECIPES)], 2)
+    return {path.name: path for path in root.iterdir()}
+
+
+def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_reference, ep2_runs, tmp_path):
+    folder = ep2_runs["qwen3_moe_debug_ep"]
     want = curve(qwen_reference)
     assert_pairs_follow(curve(folder), want, range(1, STEPS + 1))
 
@@ -92,59 +110,53 @@ def test_ep2_follows_titan_moe_in_one_process_and_resumes_elsewhere(qwen_referen
     assert_pairs_follow(curve(moved), want, range(6, STEPS + 1))
 
 
-def test_ep2_qwen3_next_with_a_gated_shared_expert_follows_titan_moe(tmp_path, jobs):
-    # dist-moe's layer with the sigmoid-gated shared expert (its own dense FSDP unit), experts over 2 ranks,
-    # against titan-models' MoE in one process; 80 tokens take the Gated DeltaNet past its 64-token chunk.
-    job = {"training.seq_len": "80", "training.steps": "6"}
-    single = moe_job("qwen3_next_debug_ep", tmp_path / "single", **SINGLE, **job)
-    assert resolve_moe_impl(single) == "titan"
-    train(single)
-    jobs.on_ranks(moe_job("qwen3_next_debug_ep", tmp_path / "ep2", **{"parallelism.ep": "2"}, **job), 2)
-    assert_pairs_follow(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
+@pytest.mark.parametrize("recipe", LINEAR_RECIPES)
+def test_ep2_linear_attention_model_follows_titan_moe(ep2_runs, recipe):
+    """Qwen3-Next: dist-moe's layer with the sigmoid-gated shared expert (its own dense FSDP unit). Kimi Linear:
+    DeepSeek-V3's router and shared expert beside Kimi Delta Attention. Experts over 2 ranks, against
+    titan-models' MoE in one process."""
+    assert_pairs_follow(curve(ep2_runs[recipe]), curve(ep2_runs[f"{recipe}_single"]), range(1, 7))
 
 
-def test_ep2_kimi_linear_follows_titan_moe(tmp_path, jobs):
-    # DeepSeek-V3's router and shared expert beside Kimi Delta Attention, experts over 2 ranks, against
-    # titan-models' MoE in one process; 80 tokens take the KDA past its 64-token chunk.
-    job = {"training.seq_len": "80", "training.steps": "6"}
-    single = moe_job("kimi_linear_debug_ep", tmp_path / "single", **SINGLE, **job)
-    assert resolve_moe_impl(single) == "titan"
-    train(single)
-    jobs.on_ranks(moe_job("kimi_linear_debug_ep", tmp_path / "ep2", **{"parallelism.ep": "2"}, **job), 2)
-    assert_pairs_follow(curve(tmp_path / "ep2"), curve(tmp_path / "single"), range(1, 7))
+DEEPSEEK_ACCUM = {"training.batch_size": "8", "model.moe_aux_loss_weight": "0.01"}
 
 
-def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(tmp_path, jobs):
-    """DeepSeek-V3 (a dense first layer, shared experts, group-limited sigmoid routing): experts split over
-    ep=2 and FSDP-sharded over the 2 remaining data-parallel ranks; gradient accumulation (the aux loss
-    weight is shared out over microbatches), the sequence-wise balance loss and full activation
-    checkpointing (the all-to-all runs again in backward) ride along. The reference is one process with
-    dist-moe's layer (titan-models' MoE has no balance loss) and the same global batch in one microbatch."""
-    job = {"training.batch_size": "8", "model.moe_aux_loss_weight": "0.01"}
-    reference = tmp_path / "single"
-    train(moe_job("deepseek_v3_debug_ep", reference, **SINGLE, **job,
-                  **{"model.moe_impl": "dist_moe", "checkpoint.interval": str(STEPS)}))
-    folder = tmp_path / "fsdp4xep2"
-    jobs.on_ranks(moe_job("deepseek_v3_debug_ep", folder, **job, **{
-        "parallelism.ep": "2", "parallelism.dp_shard": "4", "training.grad_accum_steps": "2",
-        "activation_checkpoint.mode": "full", "checkpoint.interval": str(STEPS)}), 4)
+@pytest.fixture(scope="module")
+def deepseek_runs(tmp_path_factory, jobs) -> dict[str, Path]:
+    """name -> folder: DeepSeek-V3 (a dense first layer, shared experts, group-limited sigmoid routing) in one
+    process with dist-moe's layer (titan-models' MoE has no balance loss), and on 4 ranks (experts over ep=2,
+    data-parallel over the 2 remaining): FSDP with accumulation, the balance loss and recomputation, and
+    flexshard; the two 4-rank runs in one spawn."""
+    root = tmp_path_factory.mktemp("deepseek")
+    saved = {"model.moe_impl": "dist_moe", "checkpoint.interval": str(STEPS)}
+    train(moe_job("deepseek_v3_debug_ep", root / "single_accum", **SINGLE, **DEEPSEEK_ACCUM, **saved))
+    train(moe_job("deepseek_v3_debug_ep", root / "single", **SINGLE, **saved))
+    ep2 = {"parallelism.ep": "2", "parallelism.dp_shard": "4", "checkpoint.interval": str(STEPS)}
+    jobs.each_on_ranks([
+        moe_job("deepseek_v3_debug_ep", root / "fsdp4xep2", **DEEPSEEK_ACCUM, **ep2, **{
+            "training.grad_accum_steps": "2", "activation_checkpoint.mode": "full"}),
+        moe_job("deepseek_v3_debug_ep", root / "flexshard_ep2", **ep2, **{
+            "parallelism.fsdp_impl": "flexshard", "parallelism.flexshard_placements": "*.attention.*=owned"})], 4)
+    return {path.name: path for path in root.iterdir()}
+
+
+def test_fsdp4_x_ep2_deepseek_v3_with_accumulation_aux_loss_and_recomputation(deepseek_runs):
+    """Experts split over ep=2 and FSDP-sharded over the 2 remaining data-parallel ranks; gradient accumulation
+    (the aux loss weight is shared out over microbatches), the sequence-wise balance loss and full activation
+    checkpointing (the all-to-all runs again in backward) ride along. The reference has the same global batch
+    in one microbatch."""
+    folder, reference = deepseek_runs["fsdp4xep2"], deepseek_runs["single_accum"]
     assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
     moe_layers = [1]  # layer 0 is dense (first_k_dense=1)
     assert all(torch.equal(a, b) for a, b in zip(expert_biases(folder, STEPS, moe_layers).values(),
                                                  expert_biases(reference, STEPS, moe_layers).values()))
 
 
-def test_flexshard_x_ep2_deepseek_v3_follows_one_process(tmp_path, jobs):
+def test_flexshard_x_ep2_deepseek_v3_follows_one_process(deepseek_runs):
     """flexshard for the non-expert parameters (attention, the dense layer, routers, embeddings, row and
     owned placements) while the MoE layers are fully_shard units over their expert-data-parallel mesh,
     experts split over ep=2 on 4 ranks; the expert biases after 10 updates equal the single process's."""
-    reference = tmp_path / "single"
-    train(moe_job("deepseek_v3_debug_ep", reference, **SINGLE,
-                  **{"model.moe_impl": "dist_moe", "checkpoint.interval": str(STEPS)}))
-    folder = tmp_path / "flexshard_ep2"
-    jobs.on_ranks(moe_job("deepseek_v3_debug_ep", folder, **{
-        "parallelism.ep": "2", "parallelism.dp_shard": "4", "parallelism.fsdp_impl": "flexshard",
-        "parallelism.flexshard_placements": "*.attention.*=owned", "checkpoint.interval": str(STEPS)}), 4)
+    folder, reference = deepseek_runs["flexshard_ep2"], deepseek_runs["single"]
     assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
     assert all(torch.equal(a, b) for a, b in zip(expert_biases(folder, STEPS, [1]).values(),
                                                  expert_biases(reference, STEPS, [1]).values()))

@@ -73,51 +73,50 @@ def reference(tmp_path_factory) -> Path:
 
 PP2_EP2 = {"parallelism.pp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2",
            "parallelism.pp_microbatches": "2"}
-
-
-def test_pp2_x_ep2_follows_one_process_and_resumes_bitwise_after_a_kill(reference, tmp_path, jobs):
-    folder = tmp_path / "pp2xep2"
-    jobs.on_ranks(job(folder, **PP2_EP2), 4)
-    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
-    assert_same_biases(folder, reference)
-
-    # Killed (SIGKILL on every rank) in step 7, after step 5's blocking checkpoint; resumed on 4 ranks.
-    killed = tmp_path / "killed"
-    config = job(killed, **PP2_EP2, **{"checkpoint.interval": "5", "checkpoint.resume": "true"})
-    with pytest.raises(mp.ProcessExitedException):
-        spawn_ranks(_rank_killed_in_step, 4, (4, _free_port(), config, 7))
-    assert sorted(json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines())[-1] == 6
-    jobs.on_ranks(config, 4)
-    assert curve(killed) == curve(folder)  # bitwise: JSON floats round-trip exactly
-
-
-@pytest.mark.parametrize("nproc,layout", [
-    (4, {"parallelism.cp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2"}),
-], ids=["cp2xep2"])
-def test_ep_composed_follows_one_process(reference, tmp_path, jobs, nproc, layout):
-    folder = tmp_path / "run"
-    jobs.on_ranks(job(folder, **layout), nproc)
-    assert_pairs_follow(curve(folder), curve(reference), range(1, STEPS + 1))
-    assert_same_biases(folder, reference)
-
-
+CP2_EP2 = {"parallelism.cp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2"}
 TP2_EP2 = {"parallelism.tp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2", "checkpoint.interval": "5"}
+AUX = {"model.moe_aux_loss_weight": "0.3", "checkpoint.interval": "0"}
+RESUMING = {"checkpoint.interval": "5", "checkpoint.resume": "true"}
+RUNS = {"pp2xep2": PP2_EP2, "cp2xep2": CP2_EP2, "tp2xep2": TP2_EP2,
+        "aux_tp2xep2": {**TP2_EP2, **AUX}, "aux_cp2xep2": {**CP2_EP2, **AUX}}
+KILLED = {"killed_pp2xep2": {**PP2_EP2, **RESUMING}, "killed_tp2xep2": {**TP2_EP2, **RESUMING}}
 
 
 @pytest.fixture(scope="module")
-def tp2_x_ep2(tmp_path_factory, jobs) -> Path:
-    """A TP2 x EP2 run of the recipe (4 ranks), checkpointed at steps 5 and 10."""
-    folder = tmp_path_factory.mktemp("tp2xep2")
-    jobs.on_ranks(job(folder, **TP2_EP2), 4)
-    return folder
+def four_ranks(tmp_path_factory, jobs) -> dict[str, Path]:
+    """name -> job folder of every 4-rank run here, in three spawns (starting 4 ranks and importing torch
+    costs more than a tiny run): each of KILLED is killed (SIGKILL on every rank) in step 7, after step 5's
+    blocking checkpoint; then one spawn trains each of RUNS (TP2 x EP2 checkpointed at steps 5 and 10) and
+    resumes both killed runs on 4 ranks."""
+    root = tmp_path_factory.mktemp("four_ranks")
+    configs = {name: job(root / name, **layout) for name, layout in {**RUNS, **KILLED}.items()}
+    for name in KILLED:
+        with pytest.raises(mp.ProcessExitedException):
+            spawn_ranks(_rank_killed_in_step, 4, (4, _free_port(), configs[name], 7))
+        steps = [json.loads(line)["step"] for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+        assert max(steps) == 6, (name, steps)  # killed in step 7
+    jobs.each_on_ranks(configs.values(), 4)
+    return {name: root / name for name in configs}
 
 
-def test_tp2_x_ep2_follows_one_process_and_saves_each_expert_piece_once(reference, tp2_x_ep2):
+def test_pp2_x_ep2_follows_one_process_and_resumes_bitwise_after_a_kill(reference, four_ranks):
+    assert_pairs_follow(curve(four_ranks["pp2xep2"]), curve(reference), range(1, STEPS + 1))
+    assert_same_biases(four_ranks["pp2xep2"], reference)
+    assert curve(four_ranks["killed_pp2xep2"]) == curve(four_ranks["pp2xep2"])  # bitwise: JSON floats round-trip
+
+
+def test_cp2_x_ep2_follows_one_process(reference, four_ranks):
+    assert_pairs_follow(curve(four_ranks["cp2xep2"]), curve(reference), range(1, STEPS + 1))
+    assert_same_biases(four_ranks["cp2xep2"], reference)
+
+
+def test_tp2_x_ep2_follows_one_process_and_saves_each_expert_piece_once(reference, four_ranks):
     """Attention and dense layers tensor-parallel (MLA's latent projections whole on each tp rank, the shared
     rope key's gradient summed over tp), the MoE layers not TP-split: each tp rank routes its own sequence
     shard over the ep group, and their gradients and loads are summed over tp. Both tp ranks hold the same
     expert shards; the checkpoint stores each piece once (one writing rank per expert range, for the weights
     and their moments) and holds the single process's expert biases, once."""
+    tp2_x_ep2 = four_ranks["tp2xep2"]
     assert_pairs_follow(curve(tp2_x_ep2), curve(reference), range(1, STEPS + 1))
     assert_same_biases(tp2_x_ep2, reference)
     tensors = _saved_tensors(tp2_x_ep2, STEPS)
@@ -128,16 +127,12 @@ def test_tp2_x_ep2_follows_one_process_and_saves_each_expert_piece_once(referenc
     assert len(tensors["model.layers.1.moe.expert_bias"]["chunks"]) == 1
 
 
-def test_tp2_x_ep2_resumes_bitwise_after_a_kill_and_in_one_process(reference, tp2_x_ep2, tmp_path, jobs):
+def test_tp2_x_ep2_resumes_bitwise_after_a_kill_and_in_one_process(reference, four_ranks, tmp_path):
     """Killed (SIGKILL on every rank) in step 7, after step 5's checkpoint, and resumed on the same 4 ranks:
     bitwise the uninterrupted run's curve. Its step-5 checkpoint resumed in one process (experts whole, no
     tp) continues the single process's curve within the layout tests' tolerance."""
-    killed = tmp_path / "killed"
-    config = job(killed, **TP2_EP2, **{"checkpoint.resume": "true"})
-    with pytest.raises(mp.ProcessExitedException):
-        spawn_ranks(_rank_killed_in_step, 4, (4, _free_port(), config, 7))
-    jobs.on_ranks(config, 4)
-    assert curve(killed) == curve(tp2_x_ep2)  # bitwise: JSON floats round-trip exactly
+    tp2_x_ep2 = four_ranks["tp2xep2"]
+    assert curve(four_ranks["killed_tp2xep2"]) == curve(tp2_x_ep2)  # bitwise: JSON floats round-trip exactly
 
     moved = tmp_path / "moved"
     (moved / "checkpoints").mkdir(parents=True)
@@ -153,9 +148,6 @@ def _saved_tensors(folder: Path, step: int) -> dict[str, dict]:
     return json.loads((folder / "checkpoints" / f"step-{step}" / "metadata.json").read_text())["tensors"]
 
 
-AUX = {"model.moe_aux_loss_weight": "0.3", "checkpoint.interval": "0"}
-
-
 @pytest.fixture(scope="module")
 def aux_reference(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("single_aux")
@@ -163,19 +155,15 @@ def aux_reference(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("layout", [
-    TP2_EP2, {"parallelism.cp": "2", "parallelism.dp_shard": "2", "parallelism.ep": "2"},
-], ids=["tp2xep2", "cp2xep2"])
-def test_ep_with_the_sequence_balance_loss_follows_one_process(aux_reference, tmp_path, jobs, layout):
+@pytest.mark.parametrize("layout", ["tp2xep2", "cp2xep2"])
+def test_ep_with_the_sequence_balance_loss_follows_one_process(aux_reference, four_ranks, layout):
     """DeepSeek-V3's sequence-wise balance loss when each rank's MoE layers see part of every sequence: tp's
     sequence shards (TP2 x EP2) or cp's chunks (CP2 x EP2). The expert counts are summed over those ranks and
     each rank's loss is its tokens' share (dist-moe's sequence_group; times cp, whose gradients are averaged);
     the curve follows the single process's with the same loss weight. (Computed from each rank's tokens
     alone, the loss moved the gradient norm off at step 1 in control runs: 9e-3 for TP2 x EP2, 2.4e-4 for
     CP2 x EP2.)"""
-    folder = tmp_path / "run"
-    jobs.on_ranks(job(folder, **{**layout, **AUX}), 4)
-    assert_pairs_follow(curve(folder), curve(aux_reference), range(1, STEPS + 1))
+    assert_pairs_follow(curve(four_ranks[f"aux_{layout}"]), curve(aux_reference), range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -38,13 +38,28 @@ def reference(tmp_path_factory, jobs):
     return curve(folder)
 
 
-def test_flexshard_in_place_of_fully_shard(reference, tmp_path, jobs):
-    folder = tmp_path / "flexshard"
-    jobs.on_ranks(jobs.tiny(folder, **{
-        "training.steps": str(STEPS), "job.device": "cpu", "parallelism.dp_shard": "2",
-        "parallelism.fsdp_impl": "flexshard", "parallelism.flexshard_placements": PLACEMENTS,
-        "parallelism.flexshard_buckets": "attention.*|attention_norm.*,feed_forward.*",
-        "checkpoint.interval": str(STEPS)}), 2)
+FP8_STEPS = 6
+TWO_RANKS = {  # id -> job of each flexshard run on 2 ranks, both in one spawn
+    "flexshard": {"training.steps": str(STEPS), "job.device": "cpu", "parallelism.dp_shard": "2",
+                  "parallelism.fsdp_impl": "flexshard", "parallelism.flexshard_placements": PLACEMENTS,
+                  "parallelism.flexshard_buckets": "attention.*|attention_norm.*,feed_forward.*",
+                  "checkpoint.interval": str(STEPS)},
+    "fp8": {"training.steps": str(FP8_STEPS), "job.device": "cpu", "parallelism.dp_shard": "2",
+            "parallelism.fsdp_impl": "flexshard", "parallelism.flexshard_placements": "layers.*.w*.weight=block:64x64",
+            "parallelism.fp8_all_gather": "true"},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, jobs):
+    """id -> job folder of each of TWO_RANKS, trained in one spawn of 2 gloo ranks."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in TWO_RANKS.items()], 2)
+    return {name: root / name for name in TWO_RANKS}
+
+
+def test_flexshard_in_place_of_fully_shard(reference, two_ranks):
+    folder = two_ranks["flexshard"]
     got = curve(folder)
     for step in range(1, STEPS + 1):
         assert got[step][0] == pytest.approx(reference[step][0], rel=1e-4), ("loss", step, got, reference)
@@ -59,13 +74,9 @@ def test_flexshard_in_place_of_fully_shard(reference, tmp_path, jobs):
     assert [c["shape"] for c in norm] == [[128], [128]]  # unmatched: rows
 
 
-def test_fp8_all_gather_stays_close(reference, tmp_path, jobs):
-    steps = 6
-    folder = tmp_path / "fp8"
-    jobs.on_ranks(jobs.tiny(folder, **{
-        "training.steps": str(steps), "job.device": "cpu", "parallelism.dp_shard": "2",
-        "parallelism.fsdp_impl": "flexshard",
-        "parallelism.flexshard_placements": "layers.*.w*.weight=block:64x64", "parallelism.fp8_all_gather": "true"}), 2)
+def test_fp8_all_gather_stays_close(tmp_path, jobs, two_ranks):
+    steps = FP8_STEPS
+    folder = two_ranks["fp8"]
     exact = train(jobs.tiny(tmp_path / "single", **{"training.steps": str(steps), "job.device": "cpu"})).losses
     got = {step: loss for step, (loss, _) in curve(folder).items()}
     assert got == pytest.approx(exact, rel=1e-2)

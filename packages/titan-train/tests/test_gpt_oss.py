@@ -38,10 +38,20 @@ def reference(tmp_path_factory, jobs):
     return losses
 
 
-@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": "2"}, {"parallelism.pp": "2"}], ids=["fsdp2", "pp2"])
-def test_parallel_layout_follows_single_process(reference, tmp_path, jobs, layout):
-    expected = reference
-    curve = jobs.on_ranks(jobs.tiny(tmp_path, **GPT_OSS, **STEPS, **layout), 2)
+LAYOUTS = {"fsdp2": {"parallelism.dp_shard": "2"}, "pp2": {"parallelism.pp": "2"}}
+
+
+@pytest.fixture(scope="module")
+def two_rank_curves(tmp_path_factory, jobs) -> dict[str, dict[int, float]]:
+    """layout id -> loss curve on 2 gloo ranks, both runs in one spawn."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    configs = [jobs.tiny(root / name, **GPT_OSS, **STEPS, **layout) for name, layout in LAYOUTS.items()]
+    return dict(zip(LAYOUTS, jobs.each_on_ranks(configs, 2)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parallel_layout_follows_single_process(reference, two_rank_curves, layout):
+    expected, curve = reference, two_rank_curves[layout]
     assert sorted(curve) == sorted(expected)
     for step, loss in expected.items():  # tolerance as in test_parallel.py
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)

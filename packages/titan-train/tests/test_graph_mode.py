@@ -66,15 +66,22 @@ def _on_two_ranks(*configs) -> list[tuple[dict[int, float], dict[str, torch.Tens
     return [(losses(Path(c.job.folder)), torch.load(Path(c.job.folder) / "final_weights.pt")) for c in configs]
 
 
-@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
-def test_fsdp_two_ranks_bitwise_equal_to_eager_fsdp(tmp_path, jobs, model, monkeypatch):
-    """20 steps on 2 ranks twice (eager, graph): about a minute on a shared 2-core machine; the length is
-    what the equality is claimed over."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    steps = {"training.steps": "20", **model}
-    eager, graph = _on_two_ranks(jobs.tiny(tmp_path / "eager", **steps),
-                                 jobs.tiny(tmp_path / "graph", **steps, **ALL_PASSES, **{"compile.mode": "graph"}))
-    assert_bitwise(eager, graph)
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, jobs) -> dict[tuple[str, str], tuple[dict[int, float], dict[str, torch.Tensor]]]:
+    """(model, run) -> (losses, final weights) of dense and MoE, eager and graph: 20 steps on the same 2 ranks
+    (one spawn for the four runs, not one per model); the length is what the equality is claimed over."""
+    root = tmp_path_factory.mktemp("fsdp")
+    configs = {}
+    for name, model in (("dense", {}), ("moe", MOE)):
+        steps = {"training.steps": "20", **model}
+        configs[name, "eager"] = jobs.tiny(root / f"{name}_eager", **steps)
+        configs[name, "graph"] = jobs.tiny(root / f"{name}_graph", **steps, **ALL_PASSES, **{"compile.mode": "graph"})
+    return dict(zip(configs, _on_two_ranks(*configs.values())))
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_fsdp_two_ranks_bitwise_equal_to_eager_fsdp(fsdp_runs, model):
+    assert_bitwise(fsdp_runs[model, "eager"], fsdp_runs[model, "graph"])
 
 
 def test_dump_graph_writes_code_and_op_counts(tmp_path, jobs):

@@ -71,16 +71,24 @@ def test_dump_writes_the_optimizer_graph(tmp_path, jobs):
     assert "aten._foreach_addcdiv_.Tensor" in table and "aten.lerp_.Scalar" in table
 
 
-@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
-def test_fsdp_two_ranks_bitwise_equal_to_eager_fsdp(tmp_path, jobs, model, monkeypatch):
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, jobs) -> dict[tuple[str, str], tuple[dict[int, float], dict[str, torch.Tensor]]]:
+    """(model, run) -> (losses, final weights) of dense and MoE, eager and graph: 10 steps on the same 2 gloo
+    ranks, the four runs in one spawn (not one per model)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    configs = {}
+    for name, model in (("dense", {}), ("moe", MOE)):
+        steps = {"training.steps": "10", **model}
+        configs[name, "eager"] = jobs.tiny(root / f"{name}_eager", **steps)
+        configs[name, "graph"] = jobs.tiny(root / f"{name}_graph", **steps, **GRAPH_OPTIMIZER)
+    return dict(zip(configs, _on_two_ranks(*configs.values())))
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_fsdp_two_ranks_bitwise_equal_to_eager_fsdp(fsdp_runs, model):
     """The sharded update is elementwise on each rank's shards: captured on the local tensors (MoE: the
-    stacked experts' dim-0 shards and the routers' group too). 10 steps (eager + graph runs): 35-50 s each on
-    the 2 shared cores, the price of two trainings on spawned ranks."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    steps = {"training.steps": "10", **model}
-    eager, graph = _on_two_ranks(jobs.tiny(tmp_path / "eager", **steps),
-                                 jobs.tiny(tmp_path / "graph", **steps, **GRAPH_OPTIMIZER))
-    assert_bitwise(eager, graph)
+    stacked experts' dim-0 shards and the routers' group too)."""
+    assert_bitwise(fsdp_runs[model, "eager"], fsdp_runs[model, "graph"])
 
 
 @pytest.mark.parametrize("overrides, message", [

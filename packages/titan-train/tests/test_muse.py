@@ -25,20 +25,39 @@ def test_debug_recipe_builds_the_family(family):
     assert (config.model.family, config.model.flavor) == (family, "debug")
 
 
-LAYOUTS = [("muse_glimmer", {"parallelism.dp_shard": "2"}), ("muse_spark", {"parallelism.dp_shard": "2"}),
+LAYOUTS = {"glimmer-fsdp2": ("muse_glimmer", {"parallelism.dp_shard": "2"}),
+           "spark-fsdp2": ("muse_spark", {"parallelism.dp_shard": "2"}),
            # a 2-stage pipeline: the first stage holds the embedding norm, the last the soft-capped head
-           ("muse_glimmer", {"parallelism.pp": "2"}),
+           "glimmer-pp2": ("muse_glimmer", {"parallelism.pp": "2"}),
            # tensor parallel: q/k/v/wg colwise by heads, o rowwise, the post-branch norms replicated
-           ("muse_glimmer", {"parallelism.tp": "2"})]
+           "glimmer-tp2": ("muse_glimmer", {"parallelism.tp": "2"})}
 
 
-@pytest.mark.parametrize(("family", "layout"), LAYOUTS,
-                         ids=["glimmer-fsdp2", "spark-fsdp2", "glimmer-pp2", "glimmer-tp2"])
-def test_parallel_layout_follows_the_single_process_curve(tmp_path, jobs, family, layout):
-    expected = train(jobs.tiny(tmp_path / "single", **{"model.family": family}, **STEPS)).losses
-    assert expected[6] < expected[1] - 0.5, f"the tiny {family} job should learn: {expected}"
-    curve = jobs.on_ranks(jobs.tiny(tmp_path / "ranks", **{"model.family": family}, **STEPS, **layout), 2)
-    jobs.assert_follows(curve, expected)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, jobs):
+    """id -> job folder of each of LAYOUTS and of Spark's EP2 run ("spark-ep2"), all trained in one spawn of 2
+    gloo ranks."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    runs = {name: {"model.family": family, **STEPS, **layout} for name, (family, layout) in LAYOUTS.items()}
+    runs["spark-ep2"] = {**SPARK_EP, "model.moe_impl": "dist_moe", "parallelism.ep": "2"}
+    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in runs.items()], 2)
+    return {name: root / name for name in runs}
+
+
+@pytest.fixture(scope="module")
+def single_curves(tmp_path_factory, jobs) -> dict[str, dict[int, float]]:
+    """family -> the single-process loss curve the layouts follow."""
+    curves = {family: train(jobs.tiny(tmp_path_factory.mktemp(family), **{"model.family": family}, **STEPS)).losses
+              for family in FAMILIES}
+    for family, expected in curves.items():
+        assert expected[6] < expected[1] - 0.5, f"the tiny {family} job should learn: {expected}"
+    return curves
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_parallel_layout_follows_the_single_process_curve(two_ranks, single_curves, name):
+    curve = {step: loss for step, (loss, _) in _curve(two_ranks[name]).items()}
+    assert_follows(curve, single_curves[LAYOUTS[name][0]])
 
 
 def test_dist_moe_takes_muse_spark_moe_with_its_pooling_and_norms():
@@ -71,15 +90,13 @@ def spark_reference(tmp_path_factory, jobs):
     return folder
 
 
-def test_spark_expert_parallel_follows_titan_moe_in_one_process(spark_reference, tmp_path, jobs):
+def test_spark_expert_parallel_follows_titan_moe_in_one_process(spark_reference, two_ranks):
     """The pooling projections and the norms are dense FSDP units (they see every rank's tokens, the post-expert
     norm every rank's rows at its experts). (EP 4, one row per rank, also starts equal, gradient norm to 1e-6 at
     step 1, then parts by 1.8e-4 at step 5 and 6e-4 at step 6: the flips above.) Gradient norms are compared over
     steps 1-4: on the 16-core H200 host EP 2 also flipped a choice by step 5 (gradient norm 1.2e-3 off there,
     6% at step 6, loss still within 1e-6), which is the routing's rounding, not a reduction bug."""
-    job = {**SPARK_EP, "model.moe_impl": "dist_moe", "parallelism.ep": "2"}
-    jobs.on_ranks(jobs.tiny(tmp_path, **job), 2)
-    got, want = _curve(tmp_path), _curve(spark_reference)
+    got, want = _curve(two_ranks["spark-ep2"]), _curve(spark_reference)
     assert sorted(got) == sorted(want)
     assert_pairs_follow(got, want, [1, 2, 3, 4])  # the loss and the gradient norm while no choice flips
     assert_follows({s: loss for s, (loss, _) in got.items()}, {s: loss for s, (loss, _) in want.items()})

@@ -2,6 +2,8 @@
 weights, `titan-train export` reads a pipeline run's checkpoint, LoRA under pipeline parallelism."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -30,23 +32,36 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a - b).abs().max() <= 1e-4 * b.abs().max())  # test_parallel.py's tolerance, on logits
 
 
-def test_fsdp_export_at_end_equals_the_single_process_export(tmp_path, jobs, single):
-    jobs.on_ranks(jobs.tiny(tmp_path, **JOB, **{"checkpoint.export_hf_at_end": "true",
-                                                "parallelism.dp_shard": "2"}), 2)
+LORA = {**JOB, "lora.targets": "layers.*.attention.wq,layers.*.feed_forward.w2", "optimizer.lr": "1e-2"}
+TWO_RANKS = {  # id -> job of each 2-rank run, all in one spawn
+    "fsdp_export": {**JOB, "checkpoint.export_hf_at_end": "true", "parallelism.dp_shard": "2"},
+    "pp": {**JOB, "checkpoint.interval": "3", "parallelism.pp": "2"},
+    "lora_pp": {**LORA, "parallelism.pp": "2"},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, jobs):
+    """id -> job folder of each of TWO_RANKS, all trained in one spawn of 2 gloo ranks."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in TWO_RANKS.items()], 2)
+    return {name: root / name for name in TWO_RANKS}
+
+
+def test_fsdp_export_at_end_equals_the_single_process_export(two_ranks, single):
+    assert close(logits(two_ranks["fsdp_export"] / "hf"), single)
+
+
+def test_export_of_a_pipeline_checkpoint(tmp_path, two_ranks, single):
+    export_job(two_ranks["pp"], tmp_path / "hf")
     assert close(logits(tmp_path / "hf"), single)
 
 
-def test_export_of_a_pipeline_checkpoint(tmp_path, jobs, single):
-    jobs.on_ranks(jobs.tiny(tmp_path / "pp", **JOB, **{"checkpoint.interval": "3", "parallelism.pp": "2"}), 2)
-    export_job(tmp_path / "pp", tmp_path / "hf")
-    assert close(logits(tmp_path / "hf"), single)
-
-
-def test_lora_under_pipeline_parallelism_follows_one_process(tmp_path, jobs):
-    lora = {**JOB, "lora.targets": "layers.*.attention.wq,layers.*.feed_forward.w2", "optimizer.lr": "1e-2"}
-    expected = train(jobs.tiny(tmp_path / "single", **lora)).losses
-    curve = jobs.on_ranks(jobs.tiny(tmp_path / "pp", **lora, **{"parallelism.pp": "2"}), 2)
+def test_lora_under_pipeline_parallelism_follows_one_process(tmp_path, jobs, two_ranks):
+    expected = train(jobs.tiny(tmp_path / "single", **LORA)).losses
+    records = map(json.loads, (two_ranks["lora_pp"] / "metrics.jsonl").read_text().splitlines())
+    curve = {r["step"]: r["loss"] for r in records}
     for step, loss in expected.items():
         assert curve[step] == pytest.approx(loss, rel=1e-4)
-    frozen = train(jobs.tiny(tmp_path / "frozen", **{**lora, "optimizer.lr": "0"})).losses
+    frozen = train(jobs.tiny(tmp_path / "frozen", **{**LORA, "optimizer.lr": "0"})).losses
     assert abs(frozen[3] - expected[3]) > 1e-3  # the adapters did move the loss the pipeline reproduces

@@ -17,6 +17,7 @@ import typing
 
 import pytest
 import torch
+from titan_train_curves import assert_follows
 from torch.distributed.pipelining import PipelineStage
 
 import titan_models as tm
@@ -104,27 +105,54 @@ def references(tmp_path_factory, jobs):
 
 
 V_ON_GLOO = hasattr(PipelineStage, "_is_same_rank")  # older pipelining sends to its own rank at the V's turn
-
-
-@pytest.mark.parametrize("nproc,layout", [
-    (2, {"parallelism.pp": "2"}),
-    (2, {"parallelism.pp": "2", "parallelism.pp_schedule": "Interleaved1F1B", "model.num_layers": "4"}),
-    (2, {"parallelism.pp": "2", "parallelism.pp_schedule": "InterleavedZeroBubble", "model.num_layers": "4",
-         "parallelism.pp_microbatches": "4"}),
-    pytest.param(2, {"parallelism.pp": "2", "parallelism.pp_schedule": "ZBVZeroBubble", "model.num_layers": "4"},
-                 marks=pytest.mark.skipif(not V_ON_GLOO, reason="this torch's V schedules need NCCL")),
-    (4, {"parallelism.pp": "2", "parallelism.dp_shard": "2"}),
+LAYOUTS = {  # id -> (ranks, overrides)
+    "pp2-1f1b": (2, {"parallelism.pp": "2"}),
+    "pp2-interleaved1f1b": (2, {"parallelism.pp": "2", "parallelism.pp_schedule": "Interleaved1F1B",
+                                "model.num_layers": "4"}),
+    "pp2-interleaved-zero-bubble": (2, {"parallelism.pp": "2", "parallelism.pp_schedule": "InterleavedZeroBubble",
+                                        "model.num_layers": "4", "parallelism.pp_microbatches": "4"}),
+    "pp2-zbv": (2, {"parallelism.pp": "2", "parallelism.pp_schedule": "ZBVZeroBubble", "model.num_layers": "4"}),
+    "pp2xfsdp2": (4, {"parallelism.pp": "2", "parallelism.dp_shard": "2"}),
     # Zero bubble under FSDP: the last stage runs its whole backward at once (see Pipeline.finish).
-    (4, {"parallelism.pp": "2", "parallelism.dp_shard": "2", "parallelism.pp_schedule": "InterleavedZeroBubble",
-         "model.num_layers": "4", "training.batch_size": "8"}),
+    "pp2xfsdp2-zero-bubble": (4, {"parallelism.pp": "2", "parallelism.dp_shard": "2", "model.num_layers": "4",
+                                  "parallelism.pp_schedule": "InterleavedZeroBubble", "training.batch_size": "8"}),
     # The last stage's loss is the vocabulary-parallel CausalLMLoss under tensor parallelism.
-    (4, {"parallelism.pp": "2", "parallelism.tp": "2"}),
-], ids=["pp2-1f1b", "pp2-interleaved1f1b", "pp2-interleaved-zero-bubble", "pp2-zbv", "pp2xfsdp2",
-        "pp2xfsdp2-zero-bubble", "pp2xtp2"])
-def test_pipeline_follows_single_process(references, tmp_path, jobs, nproc, layout):
+    "pp2xtp2": (4, {"parallelism.pp": "2", "parallelism.tp": "2"}),
+}
+
+
+def linear_attention_job(family: str) -> dict[str, str]:
+    job = {**STEPS, "model.family": family, "model.flavor": "debug", "model.vocab_size": "384",
+           "training.seq_len": "80"}
+    if family == "kimi_linear":  # its MoE's expert-bias update does not count pipeline microbatches yet
+        job["training.moe_bias_update_rate"] = "0"
+    return job
+
+
+@pytest.fixture(scope="module")
+def pipeline_curves(tmp_path_factory, jobs) -> dict[str, dict[int, float]]:
+    """id -> loss curve of each of LAYOUTS (pp2-zbv only where this torch runs V schedules on gloo) and of the
+    linear-attention models on pp=2 (pp2-FAMILY); the runs of one rank count in one spawn."""
+    root = tmp_path_factory.mktemp("pipeline")
+    layouts = {name: (n, {**STEPS, **layout}) for name, (n, layout) in LAYOUTS.items()
+               if name != "pp2-zbv" or V_ON_GLOO}
+    layouts.update({f"pp2-{family}": (2, {**linear_attention_job(family), "parallelism.pp": "2"})
+                    for family in ("qwen3_5", "kimi_linear")})
+    curves = {}
+    for nproc in (2, 4):
+        names = [name for name, (n, _) in layouts.items() if n == nproc]
+        configs = [jobs.tiny(root / name, **layouts[name][1]) for name in names]
+        curves.update(zip(names, jobs.each_on_ranks(configs, nproc)))
+    return curves
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.skipif(not V_ON_GLOO, reason="this torch's V schedules need NCCL"))
+    if name == "pp2-zbv" else name for name in LAYOUTS])
+def test_pipeline_follows_single_process(references, pipeline_curves, name):
+    layout = LAYOUTS[name][1]
     expected = references[(layout.get("model.num_layers", "2"), layout.get("training.batch_size", "4"))]
-    curve = jobs.on_ranks(jobs.tiny(tmp_path, **{**STEPS, **layout}), nproc)
-    jobs.assert_follows(curve, expected)
+    assert_follows(pipeline_curves[name], expected)
 
 
 def test_pipeline_checkpoint_resumes_in_its_layout_and_in_one_process(tmp_path, jobs):
@@ -145,13 +173,8 @@ def test_pipeline_checkpoint_resumes_in_its_layout_and_in_one_process(tmp_path, 
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
-def test_pipeline_follows_single_process_for_a_linear_attention_model(tmp_path, jobs, family):
+def test_pipeline_follows_single_process_for_a_linear_attention_model(tmp_path, jobs, pipeline_curves, family):
     # The debug model, 2 layers cut at the family's declared point: a Gated DeltaNet (Kimi: KDA) stage, then
     # an attention stage (positions and context cross the cut; the linear attention ignores RoPE).
-    job = {**STEPS, "model.family": family, "model.flavor": "debug", "model.vocab_size": "384",
-           "training.seq_len": "80"}
-    if family == "kimi_linear":  # its MoE's expert-bias update does not count pipeline microbatches yet
-        job["training.moe_bias_update_rate"] = "0"
-    expected = train(jobs.tiny(tmp_path / "single", **job)).losses
-    curve = jobs.on_ranks(jobs.tiny(tmp_path / "pp", **job, **{"parallelism.pp": "2"}), 2)
-    jobs.assert_follows(curve, expected)
+    expected = train(jobs.tiny(tmp_path / "single", **linear_attention_job(family))).losses
+    assert_follows(pipeline_curves[f"pp2-{family}"], expected)

@@ -285,18 +285,28 @@ def rowwise_4_steps(tmp_path_factory, jobs):
     return losses
 
 
-@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "fully_shard"},
-                                    {"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "flexshard"},
-                                    {"parallelism.pp": "2"}], ids=["fully_shard", "flexshard", "pp2"])
-def test_parallel_runs_on_two_ranks_follow_the_single_process_run(layout, rowwise_4_steps, tmp_path, jobs):
+TWO_RANK_LAYOUTS = {"fully_shard": {"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "fully_shard"},
+                    "flexshard": {"parallelism.dp_shard": "2", "parallelism.fsdp_impl": "flexshard"},
+                    "pp2": {"parallelism.pp": "2"}}
+
+
+@pytest.fixture(scope="module")
+def two_rank_curves(tmp_path_factory, jobs) -> dict[str, dict[int, float]]:
+    """layout id -> loss curve of FSDP_JOB on 2 gloo ranks, the three runs in one spawn (start-up, not the 4
+    steps, is most of each run's cost)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    configs = [jobs.tiny(root / name, **FSDP_JOB, **layout) for name, layout in TWO_RANK_LAYOUTS.items()]
+    return dict(zip(TWO_RANK_LAYOUTS, jobs.each_on_ranks(configs, 2)))
+
+
+@pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
+def test_parallel_runs_on_two_ranks_follow_the_single_process_run(layout, rowwise_4_steps, two_rank_curves):
     """FSDP: rank-sharded weights are gathered whole before each quantised GEMM, so the two-rank run is the
     one-process run up to the order of gradient sums (fp32, ~1e-7), which a quantisation step can turn into an
     e4m3 rounding flip of a few elements: 1e-4 relative over 4 steps still separates that from a wrong gradient
     or an unconverted model (the fixture checks the quantised run departs from fp32 by more; the loss falls by ~2).
-    PP2: each rank converts the Linears of its own stages (the pass runs on the rank's part of the model).
-    Two spawned ranks on a shared 2-core machine: ~70 s each, mostly start-up."""
-    config = jobs.tiny(tmp_path, **FSDP_JOB, **layout)
-    curve = jobs.on_ranks(config, 2)
+    PP2: each rank converts the Linears of its own stages (the pass runs on the rank's part of the model)."""
+    curve = two_rank_curves[layout]
     assert sorted(curve) == sorted(rowwise_4_steps)
     for step, ref in rowwise_4_steps.items():
         assert curve[step] == pytest.approx(ref, rel=1e-4), (step, curve, rowwise_4_steps)

@@ -17,9 +17,9 @@ from titan_train.trainer import Trainer
 VALIDATION = {"validation.interval": "2", "validation.steps": "3", "training.steps": "4"}
 
 
-@pytest.fixture
-def held_out(tmp_path):
-    path = tmp_path / "held_out.jsonl"
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "held_out.jsonl"
     lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # held out\n" * (1 + i % 3)})
              for i in range(40)]
     path.write_text("\n".join(lines) + "\n")
@@ -53,45 +53,61 @@ def test_eval_loss_is_the_cross_entropy_of_a_direct_forward(tmp_path, jobs, held
     assert logged[2]["eval_loss"] != pytest.approx(logged[4]["eval_loss"], rel=1e-3)  # the model moved
 
 
-def test_fsdp_on_two_ranks_logs_the_eval_loss_of_one_process(tmp_path, jobs, held_out):
-    job = {**VALIDATION, "validation.source": str(held_out)}
-    single = Trainer(jobs.tiny(tmp_path / "single", **job), torch.device("cpu")).run().eval_losses
-    jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **job, **{"parallelism.dp_shard": "2"}), 2)
-    logged = {r["step"]: r["eval_loss"] for r in records(tmp_path / "fsdp") if "eval_loss" in r}
+V_ON_GLOO = hasattr(PipelineStage, "_is_same_rank")  # older pipelining sends to its own rank at the V's turn
+TWO_RANKS = {  # id -> (job, parallelism) of each 2-rank run; all but FSDP's evaluate at the end only
+    "fsdp": ({}, {"parallelism.dp_shard": "2"}),
+    "pp": ({"validation.interval": "0"}, {"parallelism.pp": "2"}),
+    "dualpipev": ({"validation.interval": "0", "model.num_layers": "4"},
+                  {"parallelism.pp": "2", "parallelism.pp_schedule": "DualPipeV", "parallelism.pp_microbatches": "4"}),
+    "tp2": ({"validation.interval": "0"}, {"parallelism.tp": "2"}),
+    "cp2": ({"validation.interval": "0"}, {"parallelism.cp": "2"}),
+}
+
+
+def job_of(name: str, held_out) -> dict[str, str]:
+    return {**VALIDATION, "validation.source": str(held_out), **TWO_RANKS[name][0]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, jobs, held_out) -> dict[str, dict[int, float]]:
+    """id -> step -> eval loss logged by each of TWO_RANKS (dualpipev only where this torch runs V schedules on
+    gloo), all trained in one spawn of 2 gloo ranks."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    names = [name for name in TWO_RANKS if name != "dualpipev" or V_ON_GLOO]
+    jobs.each_on_ranks([jobs.tiny(root / name, **job_of(name, held_out), **TWO_RANKS[name][1]) for name in names], 2)
+    return {name: {r["step"]: r["eval_loss"] for r in records(root / name) if "eval_loss" in r} for name in names}
+
+
+def single_eval_losses(tmp_path, jobs, held_out, name: str) -> dict[int, float]:
+    return Trainer(jobs.tiny(tmp_path / "single", **job_of(name, held_out)), torch.device("cpu")).run().eval_losses
+
+
+def test_fsdp_on_two_ranks_logs_the_eval_loss_of_one_process(tmp_path, jobs, held_out, two_ranks):
+    single, logged = single_eval_losses(tmp_path, jobs, held_out, "fsdp"), two_ranks["fsdp"]
     assert sorted(logged) == sorted(single)
     for step, loss in single.items():
         assert logged[step] == pytest.approx(loss, rel=1e-4)  # test_parallel.py's tolerance
 
 
-def test_pipeline_last_stage_computes_the_eval_loss(tmp_path, jobs, held_out):
-    job = {**VALIDATION, "validation.source": str(held_out), "validation.interval": "0"}
-    single = Trainer(jobs.tiny(tmp_path / "single", **job), torch.device("cpu")).run().eval_losses
-    jobs.on_ranks(jobs.tiny(tmp_path / "pp", **job, **{"parallelism.pp": "2"}), 2)
-    logged = {r["step"]: r["eval_loss"] for r in records(tmp_path / "pp") if "eval_loss" in r}
+def test_pipeline_last_stage_computes_the_eval_loss(tmp_path, jobs, held_out, two_ranks):
+    single, logged = single_eval_losses(tmp_path, jobs, held_out, "pp"), two_ranks["pp"]
     assert sorted(logged) == [4] == sorted(single)
     assert logged[4] == pytest.approx(single[4], rel=1e-4)
 
 
-@pytest.mark.skipif(not hasattr(PipelineStage, "_is_same_rank"), reason="this torch's V schedules need NCCL")
-def test_dualpipev_computes_the_eval_loss(tmp_path, jobs, held_out):
+@pytest.mark.skipif(not V_ON_GLOO, reason="this torch's V schedules need NCCL")
+def test_dualpipev_computes_the_eval_loss(tmp_path, jobs, held_out, two_ranks):
     """The V schedules' evaluation skips their backward actions (torch's runtime would hand a gradient
     between the rank's two stages at the V's turn, and assert)."""
-    job = {**VALIDATION, "validation.source": str(held_out), "validation.interval": "0", "model.num_layers": "4"}
-    single = Trainer(jobs.tiny(tmp_path / "single", **job), torch.device("cpu")).run().eval_losses
-    jobs.on_ranks(jobs.tiny(tmp_path / "pp", **job, **{"parallelism.pp": "2", "parallelism.pp_schedule": "DualPipeV",
-                                                        "parallelism.pp_microbatches": "4"}), 2)
-    logged = {r["step"]: r["eval_loss"] for r in records(tmp_path / "pp") if "eval_loss" in r}
+    single, logged = single_eval_losses(tmp_path, jobs, held_out, "dualpipev"), two_ranks["dualpipev"]
     assert sorted(logged) == [4] == sorted(single)
     assert logged[4] == pytest.approx(single[4], rel=1e-4)
 
 
-@pytest.mark.parametrize("layout", [{"parallelism.tp": "2"}, {"parallelism.cp": "2"}], ids=["tp2", "cp2"])
-def test_tensor_and_context_parallel_log_the_eval_loss_of_one_process(tmp_path, jobs, held_out, layout):
-    job = {**VALIDATION, "validation.source": str(held_out), "validation.interval": "0"}
-    single = Trainer(jobs.tiny(tmp_path / "single", **job), torch.device("cpu")).run().eval_losses
-    jobs.on_ranks(jobs.tiny(tmp_path / "parallel", **job, **layout), 2)
-    logged = {r["step"]: r["eval_loss"] for r in records(tmp_path / "parallel") if "eval_loss" in r}
-    assert logged[4] == pytest.approx(single[4], rel=1e-4)
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_tensor_and_context_parallel_log_the_eval_loss_of_one_process(tmp_path, jobs, held_out, two_ranks, layout):
+    single = single_eval_losses(tmp_path, jobs, held_out, layout)
+    assert two_ranks[layout][4] == pytest.approx(single[4], rel=1e-4)
 
 
 def test_eval_values_reach_tensorboard(tmp_path, jobs, held_out):

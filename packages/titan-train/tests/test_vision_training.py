@@ -52,16 +52,25 @@ def test_shapes_need_a_vision_model():
         ShapesLoader(tm.flavor("qwen3", "debug"), ByteTokenizer(), seq_len=48)
 
 
+def images_job(family: str) -> dict[str, str]:
+    return {"model.family": family, "model.flavor": "debug", "model.vocab_size": "2048", "data.source": "shapes",
+            "data.document_masking": "false", "training.seq_len": "48", "training.steps": "6"}
+
+
+@pytest.fixture(scope="module")
+def fsdp_curves(tmp_path_factory, jobs) -> dict[str, dict[int, float]]:
+    """family -> loss curve with FSDP on 2 gloo ranks, both families in one spawn."""
+    root, families = tmp_path_factory.mktemp("fsdp"), ["qwen3_vl", "kimi_k25"]
+    configs = [jobs.tiny(root / family, **images_job(family), **{"parallelism.dp_shard": "2"}) for family in families]
+    return dict(zip(families, jobs.each_on_ranks(configs, 2)))
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl", "kimi_k25"])
-def test_fsdp_follows_single_process_with_images(tmp_path, jobs, family):
+def test_fsdp_follows_single_process_with_images(tmp_path, jobs, fsdp_curves, family):
     # 2 gloo ranks, FSDP over the decoder blocks and the vision tower (on the root unit: Qwen3-VL's tower, Kimi's
     # MoonViT one beside its DeepSeek-V3 blocks): the same global batches, each rank its rows and their images;
     # the curve within test_parallel.py's 1e-4
-    job = {"model.family": family, "model.flavor": "debug", "model.vocab_size": "2048",
-           "data.source": "shapes", "data.document_masking": "false", "training.seq_len": "48",
-           "training.steps": "6"}
-    expected = train(jobs.tiny(tmp_path / "single", **job)).losses
-    curve = jobs.on_ranks(jobs.tiny(tmp_path / "fsdp", **job, **{"parallelism.dp_shard": "2"}), 2)
+    expected, curve = train(jobs.tiny(tmp_path / "single", **images_job(family))).losses, fsdp_curves[family]
     assert sorted(curve) == sorted(expected) and expected[6] < expected[1]
     for step, loss in expected.items():
         assert curve[step] == pytest.approx(loss, rel=1e-4), (step, curve, expected)
