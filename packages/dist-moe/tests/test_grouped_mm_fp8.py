@@ -12,16 +12,19 @@ The Triton kernels run the same checks interpreted on CPU (test_triton_interpret
 from __future__ import annotations
 
 import sys
+from fractions import Fraction
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
 
 import dist_moe
-from dist_moe.fp8_quant import Fp8Recipe, quantize_blocks
+from dist_moe.fp8_quant import Fp8Recipe, quantize_blocks, scale_of
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test directory
-from dist_moe_fp8_reference import block_scales, exact, quotient, reference, round_to_format, rounding_bound  # noqa: E402
+from dist_moe_fp8_reference import FORMATS, block_scales, exact, quotient, reference, round_to_format, rounding_bound  # noqa: E402
 
 COUNTS = [5, 0, 130, 1, 0, 20]  # ragged, two empty, one past a 128-row chunk
 
@@ -65,6 +68,29 @@ def test_quantize_matches_float64_rounding(fmt, dtype, blocks):
     want = round_to_format(quotient(t, wide), fmt)
     assert torch.equal(q.double(), want)
     assert q.double().abs().max() <= torch.finfo(dtype).max and q[3].double().abs().max() == 0
+
+
+def _float32_nearest(v: Fraction) -> float:
+    """The float32 nearest an exact rational (ties to even), found among the neighbours of a first guess."""
+    guess = np.float32(float(v))
+    near = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    return float(min(near, key=lambda f: (abs(Fraction(float(f)) - v), int(np.float32(f).view(np.int32)) & 1)))
+
+
+@pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_scales_are_the_correctly_rounded_quotient(fmt, dtype):
+    # amax / max as exact rationals rounded to float32, against the scale; the float64 quotient is right
+    # whether the device divides or, as torch's CUDA kernel by a Python scalar, multiplies by the reciprocal
+    gen = torch.Generator().manual_seed(3)
+    amax = (torch.rand(4000, generator=gen) * torch.logspace(-6, 6, 4000)).float()
+    top = FORMATS[fmt][3]
+    want = torch.tensor([_float32_nearest(Fraction(a) / Fraction(top)) for a in amax.double().tolist()],
+                        dtype=torch.float64)
+    assert torch.equal(scale_of(amax, dtype).double(), want)
+    assert torch.equal((amax.double() * (1.0 / top)).float().double(), want)
+    # control: float32 multiplication by the reciprocal (what the CUDA division did) is an ulp off for many
+    off = (amax * torch.tensor(1.0 / top, dtype=torch.float32)).double() != want
+    assert off.sum() > 100
 
 
 def test_rounding_reference_ties_to_even():
@@ -169,6 +195,22 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device
 
 
 @cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_quantize_matches_float64_rounding_on_gpu(fmt, dtype, backend):
+    """Scales and fp8 values on the GPU bit for bit the float64 reference's (the CUDA division by a Python
+    scalar had put scales an ulp off, and with them single fp8 values a whole step)."""
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(1024, 512, generator=gen) * torch.logspace(-4, 3, 1024).reshape(-1, 1)
+    for blocks in ((1, 512), (1, 128), (128, 128), (128, 1)):
+        q, scale = quantize_blocks(t.cuda(), *blocks, dtype, backend)
+        want_scale = block_scales(t, *blocks, fmt)
+        assert torch.equal(scale.cpu().double(), want_scale), blocks
+        wide = want_scale.repeat_interleave(blocks[0], 0).repeat_interleave(blocks[1], 1)
+        assert torch.equal(q.cpu().double(), round_to_format(quotient(t, wide), fmt)), blocks
+
+
+@cuda
 @pytest.mark.parametrize("granularity", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("grad_format", ["e4m3", "e5m2"])
 def test_triton_matches_float64_on_gpu(granularity, grad_format):
@@ -177,11 +219,14 @@ def test_triton_matches_float64_on_gpu(granularity, grad_format):
     recipe = Fp8Recipe(granularity=granularity, grad_format=grad_format)
     got = run(x, stored, grad, offsets, recipe, "triton")
     want = reference(x.cpu(), stored.cpu().transpose(1, 2), grad.cpu(), counts, granularity, grad_format)
-    # 4e-3 of the output's largest value, not 1e-5: fp8 tensor-core accumulation on Hopper is not IEEE
-    # float32 within a chain of wgmma (DeepSeek-V3 measured ~14 bits kept; triton's sm_90 default lets every
-    # fp8 tl.dot accumulate so, max_num_imprecise_acc = 2^30). Measured on the H200 (torch 2.11, triton 3.6):
-    # 7.6e-4 rowwise, 2.0e-3 blockwise, the same for both gradient formats. A wrong scale, block index or row
-    # would be off by > 1e-2.
+    # 4e-3 of the output's largest value, not 1e-5: Hopper's fp8 wgmma keeps its accumulator in 13 mantissa bits
+    # (truncated; e8m13, DeepSeek-V3's "~14 bits") and triton's sm_90 default never promotes it to float32
+    # (max_num_imprecise_acc = 2^30). A float64 model of that (tools/bench/moe/fp8_dgrad_error_model.py: each
+    # k32 step's products and the accumulator aligned to the largest, truncated 13 bits below it) gives dx
+    # 1.2e-3 (e4m3, as the H200 measured) and 1.0e-3 (e5m2) rowwise, 2.6e-4 blockwise: 4e-3 is 3x the largest.
+    # Before fp8_quant.scale_of, scales an ulp off put single fp8 values a step off (the torch path with the old
+    # scales gives, exactly, the H200's e5m2 dx 7.2e-3 and e4m3 dw 5.5e-4 rowwise, and out 2.0e-3 blockwise).
+    # A wrong scale, block index or row would be off by > 1e-2.
     for g, w_ in zip((got[0], got[1], got[2].transpose(1, 2)), want):
         close(g.cpu(), w_, 4e-3)
 

@@ -77,11 +77,16 @@ def test_from_pixels_equals_the_call_on_the_same_image():
         KimiImagePreprocessing().from_pixels(pixels.float())
 
 
-def test_lanczos_without_torch_support_falls_back_to_pillow_closely(monkeypatch):
-    # torch before 2.12 has no Lanczos interpolate: Pillow's stands in, a few levels off at most
-    pixels = torch.randint(0, 256, (3, 61, 97), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
-    native = image_pixels.resize_uint8(pixels, 56, 84, "lanczos")
+def test_lanczos_without_torch_support_falls_back_to_bicubic_as_transformers_does(monkeypatch):
+    # torch before 2.12 has no Lanczos interpolate, and transformers resizes bicubic below torchvision 0.27 (the
+    # release paired with torch 2.12): both fallbacks forced, so this compares them on any torch
+    images = _images()
+    native, has_lanczos = MuseImagePreprocessing()(images)[0], image_pixels._torch_has_lanczos()
     monkeypatch.setattr(image_pixels, "_torch_has_lanczos", lambda: False)
-    fallback = image_pixels.resize_uint8(pixels, 56, 84, "lanczos")
-    assert fallback.shape == native.shape == (3, 56, 84)
-    assert (fallback.int() - native.int()).abs().max() <= 3
+    monkeypatch.setattr(transformers.image_processing_backends, "is_torchvision_greater_or_equal", lambda _: False)
+    want = transformers.MuseGlimmerImageProcessor()(images, return_tensors="pt")
+    with pytest.warns(UserWarning, match="no Lanczos interpolate"):
+        image_pixels._warn_lanczos_falls_back.cache_clear()
+        _assert_same(MuseImagePreprocessing()(images), want)
+    if has_lanczos:  # a control: the fallback is not the Lanczos resize
+        assert not torch.equal(native, want["pixel_values"])

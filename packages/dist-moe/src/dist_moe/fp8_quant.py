@@ -2,7 +2,8 @@
 
 A quantised operand is (q, scale): q in float8 (e4m3: max 448, 3 mantissa bits; e5m2: max 57344,
 2 mantissa bits), scale float32 with `value ~= q * scale` over one scaling block. The scale of a
-block is amax(|block|) / format max (not rounded to a power of two), so the block's largest entry
+block is amax(|block|) / format max (correctly rounded float32 on CPU and GPU alike; not rounded to a
+power of two), so the block's largest entry
 maps to the format's largest finite value; a block of zeros gets scale `_TINY / max` and stays 0.
 Values are divided by the scale in float32 (IEEE division, so the quotient is the exact one
 rounded to float32), clamped to +-max (the division may round one ulp past it) and cast
@@ -77,6 +78,19 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def scale_of(amax: Tensor, dtype: torch.dtype) -> Tensor:
+    """float32 amax.clamp_min(_TINY) / max, correctly rounded on every device and under torch.compile.
+
+    Not a float32 division by the Python float: torch's CUDA kernel multiplies by the float32 reciprocal
+    (1 / 448 and 1 / 57344 are inexact), one ulp off the quotient in about half the blocks, and a value whose
+    quotient lies within that ulp of an fp8 rounding midpoint then rounds to the other neighbour, a whole fp8
+    step (on the H200 one e5m2 gradient value put the input gradient 7.2e-3 of its max off the float64
+    reference). In float64 the quotient, whether divided or multiplied by the reciprocal (error < 2^-52), rounds
+    to the right float32: max is 7 * 2^k for both formats, so amax / max is exact or has the period-3 binary
+    fraction of m / 7, never within 2^-28 of a float32 rounding midpoint."""
+    return (amax.clamp_min(_TINY).double() / fp8_max(dtype)).float()
+
+
 def block_amax(t: Tensor, block_rows: int, block_cols: int, backend: str = "torch") -> Tensor:
     """t [..., R, C] -> amax(|block|) [..., R / block_rows, C / block_cols] float32 (blocks divide
     their axes). backend "triton": the GPU kernel (kernels/fp8_quantize.py), else torch ops."""
@@ -109,7 +123,7 @@ def quantize_blocks(t: Tensor, block_rows: int, block_cols: int, dtype: torch.dt
                     rows_contiguous: bool = False) -> tuple[Tensor, Tensor]:
     """t [..., R, C] in blocks of block_rows x block_cols (each dividing its axis) -> (q like t in
     `dtype`, scale [..., R / block_rows, C / block_cols] float32). Both backends give the same bits."""
-    scale = block_amax(t, block_rows, block_cols, backend).clamp_min(_TINY) / fp8_max(dtype)
+    scale = scale_of(block_amax(t, block_rows, block_cols, backend), dtype)
     return quantize_with_scale(t, scale, block_rows, block_cols, dtype, backend, rows_contiguous), scale
 
 
@@ -165,6 +179,6 @@ def quantize_token_columns(padded: Tensor, chunks: PaddedChunks, granularity: Gr
         index = chunks.chunk_expert[:, None].expand(amax.shape[0], cols)
         per_expert = amax.new_zeros(num_experts, cols).scatter_reduce_(0, index, amax, "amax")
         amax = per_expert.index_select(0, chunks.chunk_expert)
-    scale = amax.clamp_min(_TINY) / fp8_max(dtype)
+    scale = scale_of(amax, dtype)
     q = quantize_with_scale(padded, scale, BLOCK, 1, dtype, backend, rows_contiguous=True)
     return q.t(), scale

@@ -1,10 +1,11 @@
 """The pixel steps that transformers' torchvision-backed image processors (Kimi K2.x, Muse Glimmer) take,
 done with torch alone: an RGB uint8 [3, h, w] tensor from a Pillow image, an antialiased bicubic or Lanczos
-resize of the uint8 pixels (torch's CPU uint8 kernels, which torchvision calls on CPU), zero padding at the
-bottom and right, and rescale + normalise fused into one float32 step ((x - 255 mean) / (255 std)).
+resize of the uint8 pixels (torch's CPU uint8 kernels, which torchvision calls on CPU; bicubic for Lanczos
+on torch < 2.12, as transformers falls back), zero padding at the bottom and right, and rescale + normalise fused into one float32 step ((x - 255 mean) / (255 std)).
 """
 from __future__ import annotations
 
+import warnings
 from functools import cache
 from typing import TYPE_CHECKING, Literal
 
@@ -44,18 +45,23 @@ def rgb_pixels(image: Image.Image) -> torch.Tensor:
 
 
 def resize_uint8(pixels: torch.Tensor, height: int, width: int, mode: Literal["bicubic", "lanczos"]) -> torch.Tensor:
-    """uint8 [3, h, w] -> uint8 [3, height, width], antialiased (unchanged when the size is the same).
-    torch's uint8 kernels are used as torchvision does on CPU; torch without a Lanczos mode (before 2.12)
-    falls back to Pillow's LANCZOS, which differs from it by at most a few levels on some pixels."""
+    """uint8 [3, h, w] -> uint8 [3, height, width], antialiased (unchanged when the size is the same), with
+    torch's uint8 kernels, as torchvision does on CPU. torch before 2.12 has no Lanczos mode: there Lanczos
+    falls back to bicubic, as transformers' torchvision-backed processors do below torchvision 0.27 (the
+    release paired with torch 2.12, torchvision pinning its torch), so the pixels still equal theirs."""
     if tuple(pixels.shape[1:]) == (height, width):
         return pixels
     if mode == "lanczos" and not _torch_has_lanczos():
-        from PIL import Image
-
-        image = Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy())
-        return rgb_pixels(image.resize((width, height), resample=Image.Resampling.LANCZOS))
+        _warn_lanczos_falls_back()
+        mode = "bicubic"
     return F.interpolate(pixels.cpu()[None], size=[height, width], mode=mode, align_corners=False,
                          antialias=True)[0].to(pixels.device)
+
+
+@cache
+def _warn_lanczos_falls_back() -> None:
+    warnings.warn(f"torch {torch.__version__} has no Lanczos interpolate (torch >= 2.12 has): resizing bicubic "
+                  "instead, as transformers' image processors do with torchvision < 0.27", stacklevel=3)
 
 
 @cache

@@ -5,7 +5,8 @@ Each image is converted to RGB and resized (Lanczos, antialiased) to the grid of
 down first to at most `max_image_tokens` merged patches; normalised ((x / 255 - mean) / std, fused in
 float32); and cut into patches in raster order, each row a still image repeated over the temporal patch
 (temporal-major, then channel, row, column). This is what transformers' Muse Glimmer image processor
-produces, value for value (on torch >= 2.12, whose interpolate has the Lanczos mode torchvision calls).
+produces, value for value: on torch >= 2.12 with the Lanczos interpolate torchvision calls, before that
+with bicubic, which transformers also falls back to below torchvision 0.27 (the release paired with torch 2.12).
 
 Pillow decodes (`pip install titan-models[images]`); resizing and the rest are torch.
 """
