@@ -191,7 +191,30 @@ def prepare_costs(times: list[float], first: int, steady: float, baseline_first:
 
 # ---- one path ---------------------------------------------------------------------------------------
 
+def pinning_ms(device) -> tuple[float, int]:
+    """Time spent in torch's pinned-memory allocation calls so far (cudaHostAlloc, which holds a driver lock
+    that other threads' CUDA calls may wait on), ms, and how many; (0, 0) on CPU or where torch lacks the stats."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type != "cuda" or stats is None:
+        return 0.0, 0
+    s = stats()
+    return s.get("host_alloc_time.total", 0) / 1e3, s.get("num_host_alloc", 0)
+
+
+def release_cached_pinned_memory(device) -> None:
+    """Give the pinned blocks an earlier path freed back to the driver: torch's host allocator caches them,
+    and a path after that would get its staging memory without pinning any (its first save flattered)."""
+    if device.type == "cuda":
+        import gc
+
+        gc.collect()
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or torch._C._host_emptyCache
+        empty()
+
+
 def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, device, baseline: tuple) -> dict:
+    release_cached_pinned_memory(device)
+    pinned_before = pinning_ms(device)
     state = make_state(args, rank, world, device)
     path = make_path(name, root / name, device, args.io_threads)
     steps = args.first_after + args.gap * args.saves
@@ -199,6 +222,8 @@ def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, d
     costs, steady = save_costs(times, saved)
     prepare_step, before_first = prepare_costs(times, args.first_after, steady, baseline[1])
     reserve_s = getattr(path, "reserve_s", None)
+    pinned_after = pinning_ms(device)
+    pin_ms, pin_calls = pinned_after[0] - pinned_before[0], pinned_after[1] - pinned_before[1]
     path.wait()
     dist.barrier()
     began = time.perf_counter()
@@ -226,7 +251,8 @@ def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, d
     if rank == 0:
         shutil.rmtree(root / name, ignore_errors=True)
     return {"first": costs[0], "repeats": costs[1:], "write": write, "load": load, "slowdown": steady / baseline[0] - 1,
-            "prepare_step": prepare_step, "before_first": before_first, "reserve_s": reserve_s}
+            "prepare_step": prepare_step, "before_first": before_first, "reserve_s": reserve_s,
+            "pin_ms": pin_ms, "pin_calls": pin_calls}
 
 
 # ---- running and reporting -----------------------------------------------------------------------------
@@ -287,6 +313,7 @@ def summarize(gathered: list, name: str) -> dict | None:
     return {"first": max(p["first"] for p in per_rank), "mean": statistics.fmean(repeats), "p99": _p99(repeats),
             "slowdown": max(p["slowdown"] for p in per_rank), "prepare_step": max(p["prepare_step"] for p in per_rank),
             "before_first": max(p["before_first"] for p in per_rank), "reserve_s": max(reserve) if reserve else -1.0,
+            "pin_ms": max(p["pin_ms"] for p in per_rank), "pin_calls": max(p["pin_calls"] for p in per_rank),
             "write": max(p["write"] for p in per_rank), "load": max(p["load"] for p in per_rank), "n": len(repeats)}
 
 
@@ -313,6 +340,10 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
     print("prep step: the preparing step against the no-save loop's first step; to 1st save: the steps between it and"
           " the first save against the steady step, summed (reserve()'s background pinning runs then); reserve bg:"
           " how long that allocation took (the first save waits for what is left of it)")
+    if device.type == "cuda":
+        print("pinned allocation during the loop (torch.cuda.host_memory_stats): "
+              + "; ".join(f"{name} {r['pin_ms']:.0f} ms in {r['pin_calls']} calls" for name, r in rows.items()
+                          if r is not None and "error" not in r))
     print()
     for name in args.paths:
         print(f"  {name}: {DESCRIPTIONS[name]}")
