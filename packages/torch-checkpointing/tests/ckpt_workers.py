@@ -495,3 +495,68 @@ def damage_and_failure_on_two(rank: int, world_size: int, root: str) -> None:
     assert torch.equal(target["w"].full_tensor(), full[1])
     if rank == 0:
         assert any(record.name in str(w.message) for w in warned), warned
+
+
+def _reserve_state(rank: int, mesh, step: int, rows: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    w, r = torch.randn(rows, 6, generator=g), torch.randn(5, generator=g)
+    return {"model": {"w": distribute_tensor(w, mesh, [Shard(0)]), "r": distribute_tensor(r, mesh, [Replicate()]),
+                      "bias": torch.full((3,), float(step))},
+            "rng": torch.tensor([rank, step], dtype=torch.uint8), "step": step}
+
+
+def reserve_on_two(rank: int, world_size: int, root: str) -> None:
+    """Two runs of the same saves, `unreserved` then `reserved` (reserve() held back until after the
+    first save was called, so that save waits for it); step 2's state is larger (more slabs) and has a
+    new entry. reserve() runs the first-save exchange; the saves after it run no collective."""
+    import torch_checkpointing.staging as staging
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    states = {1: _reserve_state(rank, mesh, 1, 10), 2: _reserve_state(rank, mesh, 2, 4000)}
+    states[2]["model"]["extra"] = torch.arange(4.0)
+    expected = {step: _reserve_state(rank, mesh, step, rows) for step, rows in ((1, 10), (2, 4000))}
+    release, real_take = threading.Event(), staging.HostPool.take
+
+    def held_back_take(pool, *args, **kwargs):
+        if kwargs.get("touch"):  # reserve()'s allocation, on its background thread
+            assert release.wait(30)
+        return real_take(pool, *args, **kwargs)
+
+    staging.HostPool.take = held_back_take
+    exchange = {"gather_object": 1, "all_gather": 1, "gather": 1, "broadcast_object_list": 1, "broadcast": 2}
+    for name in ("unreserved", "reserved"):
+        ckpt = tc.Checkpointer(f"{root}/{name}", per_rank=("rng",), slab_bytes=16 << 10, block_bytes=4096)
+        with CollectiveCounter() as before:
+            if name == "reserved":
+                reservation = ckpt.reserve(states[1])
+                assert not reservation.done()
+                threading.Timer(0.3, release.set).start()
+        with CollectiveCounter() as saving:
+            ckpt.save(1, states[1], manual_release=True).order_current_stream()
+            if name == "reserved":
+                assert reservation.done()
+            local = states[1]["model"]["w"]._local_tensor
+            kept = local.clone()
+            local.mul_(-1.0)  # after the save returned: not in the checkpoint
+            local.copy_(kept)  # (the same values for the second run)
+            ckpt.save(2, states[2]).wait()
+        if name == "reserved":
+            assert before.calls == exchange and saving.calls == {} and saving.sequence == 0, (before.calls, saving.calls)
+        else:
+            assert before.calls == {} and saving.calls == exchange, saving.calls
+        for step in (1, 2):
+            target = _reserve_state(rank, mesh, step, 10 if step == 1 else 4000)
+            for t in (target["model"]["w"]._local_tensor, target["model"]["r"]._local_tensor, target["model"]["bias"]):
+                t.zero_()
+            if step == 2:
+                target["model"]["extra"] = torch.zeros(4)
+            target["rng"].zero_()
+            assert ckpt.load(target, step=step) == step
+            want = expected[step]
+            for key in ("w", "r"):
+                assert torch.equal(target["model"][key]._local_tensor, want["model"][key]._local_tensor), (name, step, key)
+            assert torch.equal(target["model"]["bias"], want["model"]["bias"])
+            assert target["rng"].tolist() == [rank, step] and target["step"] == step
+            if step == 2:
+                assert torch.equal(target["model"]["extra"], torch.arange(4.0))
+        ckpt.close()

@@ -79,3 +79,37 @@ def test_order_current_stream_lets_work_overlap_the_copies_and_orders_the_change
         ckpt.load(target)
     for k, v in expected.items():
         assert torch.equal(target[k], v), k
+
+
+def test_a_save_during_an_unfinished_pinned_reservation(tmp_path, monkeypatch):
+    """reserve() still pinning (held back) when save() is called: the save waits for the pinned slabs,
+    copies into them, and a change queued right after order_current_stream() does not reach the step."""
+    import threading
+
+    import torch_checkpointing.staging as staging
+
+    release, real_take = threading.Event(), staging.HostPool.take
+
+    def held_back_take(pool, *args, **kwargs):
+        if kwargs.get("touch"):
+            assert release.wait(30)
+        return real_take(pool, *args, **kwargs)
+
+    monkeypatch.setattr(staging.HostPool, "take", held_back_take)
+    state = gpu_state()
+    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    with tc.Checkpointer(tmp_path, slab_bytes=1 << 20, block_bytes=1 << 16) as ckpt:
+        reservation = ckpt.reserve(state)
+        threading.Timer(0.3, release.set).start()
+        assert not reservation.done()
+        handle = ckpt.save(1, state, manual_release=True)
+        assert reservation.done() and all(s.is_pinned() for s in ckpt._pool.slabs)
+        handle.order_current_stream()
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                v.mul_(-3.0)
+        handle.wait()
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+        ckpt.load(target)
+    for k, v in expected.items():
+        assert torch.equal(target[k], v), k

@@ -4,10 +4,17 @@ A stand-in training loop: each step runs a "forward and backward" (matmuls on wo
 the state, and one small all-reduce that keeps the ranks in step) and then an "optimizer step" that
 changes every state tensor in place. A step is timed on the host with the trainer's own stream
 synchronised (not the device: a side stream may still be copying). Every `--gap` steps a save is
-called at the end of the step. The trainer cost of a save is the time of that step and the next
-minus two steps of the same loop away from saves (their median), the slowest rank's; the first save
-and the repeat ones (mean and P99) are reported apart, and how much the steps away from saves were
-slowed by the background writes against a loop without saves.
+called at the end of the step, the first `--first-after` steps after the first one (where a path
+prepares: torch-checkpointing's reserve()). The trainer cost of a save is the time of that step and
+the next minus two steps of the same loop away from saves (their median), the slowest rank's; the
+first save and the repeat ones (mean and P99) are reported apart, and how much the steps away from
+saves were slowed by the background writes against a loop without saves. Also reported: what the
+preparing step cost, what the steps between it and the first save cost together (reserve()'s pinning
+runs on a background thread during them), and how long that background allocation took.
+`--first-after` defaults to `--gap`, as a trainer whose checkpoint interval is the gap saves;
+`--first-after 1` saves at the step right after reserve(), while its pinning is still under way
+(the first H200 figure of issue 23, 3.6 s, was measured that way), and the `tc_unreserved` path has
+no reserve() at all, so its first save pins the memory itself.
 Then, per save path, with nothing else running: one save until durable (write time), and a load
 into an empty state, checked bitwise against the state at save time.
 
@@ -53,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=64, help="number of state tensors (alternately bf16 and fp32)")
     p.add_argument("--step-ms", type=float, default=None, help="stand-in step time to aim for (default: 60 CPU, 250 GPU)")
     p.add_argument("--gap", type=int, default=12, help="steps from one save to the next")
+    p.add_argument("--first-after", type=int, default=None,
+                   help="steps from the first one (where a path prepares, e.g. reserve()) to the first save; "
+                        "default: --gap, as a trainer checkpointing every gap steps; 1: the next step")
     p.add_argument("--saves", type=int, default=11, help="saves per path: the first and the repeats (>= 10 repeats for a P99)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"save paths to time, of {', '.join(PATHS)}")
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a new folder in the temp dir)")
@@ -67,6 +77,9 @@ def parse_args() -> argparse.Namespace:
         p.error(f"unknown --paths {unknown}; allowed: {', '.join(PATHS)}")
     if args.saves < 2 or args.gap < 2:
         p.error("--saves and --gap must be >= 2 (a first save, a repeat, and a step after each)")
+    args.first_after = args.gap if args.first_after is None else args.first_after
+    if args.first_after < 1:
+        p.error("--first-after must be >= 1 (the first step prepares)")
     return args
 
 
@@ -161,7 +174,7 @@ def train_loop(work: Work, state: dict, device, *, steps: int, path=None, save_e
     return times, saved
 
 
-def save_costs(times: list[float], saved: list[tuple[int, int]], gap: int) -> tuple[list[float], float]:
+def save_costs(times: list[float], saved: list[tuple[int, int]]) -> tuple[list[float], float]:
     """Per save: its step and the next (where the copies overlap the forward and backward, or hold
     them back) minus two steps of the same loop far from any save (the median of the others); and
     that median, which the background writes may slow down."""
@@ -170,14 +183,47 @@ def save_costs(times: list[float], saved: list[tuple[int, int]], gap: int) -> tu
     return [times[i] + times[i + 1] - 2 * steady for i, _ in saved], steady
 
 
+def prepare_costs(times: list[float], first: int, steady: float, baseline_first: float) -> tuple[float, float]:
+    """The preparing step (step 0) against the no-save loop's step 0, and the steps after it up to the
+    first save (where a background reservation runs) against the steady step, summed."""
+    return times[0] - baseline_first, sum(t - steady for t in times[1:first])
+
+
 # ---- one path ---------------------------------------------------------------------------------------
 
-def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, device, baseline: float) -> dict:
+def pinning_ms(device) -> tuple[float, int]:
+    """Time spent in torch's pinned-memory allocation calls so far (cudaHostAlloc, which holds a driver lock
+    that other threads' CUDA calls may wait on), ms, and how many; (0, 0) on CPU or where torch lacks the stats."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type != "cuda" or stats is None:
+        return 0.0, 0
+    s = stats()
+    return s.get("host_alloc_time.total", 0) / 1e3, s.get("num_host_alloc", 0)
+
+
+def release_cached_pinned_memory(device) -> None:
+    """Give the pinned blocks an earlier path freed back to the driver: torch's host allocator caches them,
+    and a path after that would get its staging memory without pinning any (its first save flattered)."""
+    if device.type == "cuda":
+        import gc
+
+        gc.collect()
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or torch._C._host_emptyCache
+        empty()
+
+
+def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, device, baseline: tuple) -> dict:
+    release_cached_pinned_memory(device)
+    pinned_before = pinning_ms(device)
     state = make_state(args, rank, world, device)
     path = make_path(name, root / name, device, args.io_threads)
-    steps = 1 + args.gap * args.saves
-    times, saved = train_loop(work, state, device, steps=steps, path=path, save_every=args.gap)
-    costs, steady = save_costs(times, saved, args.gap)
+    steps = args.first_after + args.gap * args.saves
+    times, saved = train_loop(work, state, device, steps=steps, path=path, save_every=args.gap, first=args.first_after)
+    costs, steady = save_costs(times, saved)
+    prepare_step, before_first = prepare_costs(times, args.first_after, steady, baseline[1])
+    reserve_s = getattr(path, "reserve_s", None)
+    pinned_after = pinning_ms(device)
+    pin_ms, pin_calls = pinned_after[0] - pinned_before[0], pinned_after[1] - pinned_before[1]
     path.wait()
     dist.barrier()
     began = time.perf_counter()
@@ -204,7 +250,9 @@ def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, d
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root / name, ignore_errors=True)
-    return {"first": costs[0], "repeats": costs[1:], "write": write, "load": load, "slowdown": steady / baseline - 1}
+    return {"first": costs[0], "repeats": costs[1:], "write": write, "load": load, "slowdown": steady / baseline[0] - 1,
+            "prepare_step": prepare_step, "before_first": before_first, "reserve_s": reserve_s,
+            "pin_ms": pin_ms, "pin_calls": pin_calls}
 
 
 # ---- running and reporting -----------------------------------------------------------------------------
@@ -224,12 +272,13 @@ def worker(rank: int, world: int, args, root: Path, store_path: str | None) -> N
     baseline = statistics.median(base_times[2:])
     del state
     results = {"bytes": nbytes, "baseline": baseline, "paths": {}}
+    first_step = base_times[0]  # a loop's step 0 (cold effects), what a preparing step 0 is compared with
     if rank == 0:
         print(f"step without saves: {baseline * 1e3:.1f} ms; timing {', '.join(args.paths)}", flush=True)
     for name in args.paths:
         began = time.perf_counter()
         try:
-            results["paths"][name] = bench_path(args, name, root, work, rank, world, device, baseline)
+            results["paths"][name] = bench_path(args, name, root, work, rank, world, device, (baseline, first_step))
         except Exception as e:  # a DCP mode that does not run here: say so, time the others
             results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         dist.barrier()
@@ -260,8 +309,11 @@ def summarize(gathered: list, name: str) -> dict | None:
     if errors:
         return {"error": errors[0]}
     repeats = [max(p["repeats"][i] for p in per_rank) for i in range(len(per_rank[0]["repeats"]))]
+    reserve = [p["reserve_s"] for p in per_rank if p.get("reserve_s") is not None]
     return {"first": max(p["first"] for p in per_rank), "mean": statistics.fmean(repeats), "p99": _p99(repeats),
-            "slowdown": max(p["slowdown"] for p in per_rank),
+            "slowdown": max(p["slowdown"] for p in per_rank), "prepare_step": max(p["prepare_step"] for p in per_rank),
+            "before_first": max(p["before_first"] for p in per_rank), "reserve_s": max(reserve) if reserve else -1.0,
+            "pin_ms": max(p["pin_ms"] for p in per_rank), "pin_calls": max(p["pin_calls"] for p in per_rank),
             "write": max(p["write"] for p in per_rank), "load": max(p["load"] for p in per_rank), "n": len(repeats)}
 
 
@@ -272,17 +324,26 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"\nstate: {gb:.3f} GB over {world} rank(s) on {device.type} ({machine}), {args.tensors} tensors; "
           f"torch {torch.__version__}; step without saves {baseline * 1e3:.1f} ms ({work.repeats} matmuls); "
-          f"a save every {args.gap} steps")
+          f"a save every {args.gap} steps, the first {args.first_after} after the preparing step")
     print("trainer cost of a save = its step and the next, minus two steps of the same loop away from saves;"
           " other steps: how much slower those were than steps without any saves (background writes)\n")
-    print(f"{'path':12s} {'first (ms)':>11s} {'repeat mean':>12s} {'repeat P99':>11s} {'n':>3s} {'other steps':>12s}"
-          f" {'write (s)':>10s} {'load (s)':>9s}")
+    print(f"{'path':14s} {'first (ms)':>11s} {'repeat mean':>12s} {'repeat P99':>11s} {'n':>3s} {'other steps':>12s}"
+          f" {'write (s)':>10s} {'load (s)':>9s} {'prep step':>10s} {'to 1st save':>12s} {'reserve bg':>11s}")
     for name, r in rows.items():
         if r is None or "error" in r:
-            print(f"{name:12s} did not run: {r['error'] if r else 'missing'}")
+            print(f"{name:14s} did not run: {r['error'] if r else 'missing'}")
             continue
-        print(f"{name:12s} {r['first'] * 1e3:11.1f} {r['mean'] * 1e3:12.1f} {r['p99'] * 1e3:11.1f} {r['n']:3d}"
-              f" {r['slowdown'] * 100:+11.1f}% {r['write']:10.3f} {r['load']:9.3f}")
+        reserve = f"{r['reserve_s']:10.3f}s" if r["reserve_s"] >= 0 else f"{'-':>11s}"
+        print(f"{name:14s} {r['first'] * 1e3:11.1f} {r['mean'] * 1e3:12.1f} {r['p99'] * 1e3:11.1f} {r['n']:3d}"
+              f" {r['slowdown'] * 100:+11.1f}% {r['write']:10.3f} {r['load']:9.3f} {r['prepare_step'] * 1e3:8.1f}ms"
+              f" {r['before_first'] * 1e3:10.1f}ms {reserve}")
+    print("prep step: the preparing step against the no-save loop's first step; to 1st save: the steps between it and"
+          " the first save against the steady step, summed (reserve()'s background pinning runs then); reserve bg:"
+          " how long that allocation took (the first save waits for what is left of it)")
+    if device.type == "cuda":
+        print("pinned allocation during the loop (torch.cuda.host_memory_stats): "
+              + "; ".join(f"{name} {r['pin_ms']:.0f} ms in {r['pin_calls']} calls" for name, r in rows.items()
+                          if r is not None and "error" not in r))
     print()
     for name in args.paths:
         print(f"  {name}: {DESCRIPTIONS[name]}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,10 +19,12 @@ import torch.distributed.checkpoint as dcp
 
 import torch_checkpointing as tc
 
-PATHS = ("tc", "tc_default", "dcp", "dcp_pinned", "dcp_stager", "dcp_process")
+PATHS = ("tc", "tc_unreserved", "tc_default", "dcp", "dcp_pinned", "dcp_stager", "dcp_process")
 DESCRIPTIONS = {
-    "tc": "torch-checkpointing as titan-train calls it: reserve() after the first step, "
-          "save(manual_release=True), order_current_stream() right before the update",
+    "tc": "torch-checkpointing as titan-train calls it: reserve() after the first step (its pinning runs in "
+          "the background), save(manual_release=True), order_current_stream() right before the update",
+    "tc_unreserved": "as tc without reserve(): the first save lays out, exchanges and allocates the pinned "
+                     "staging memory itself (what reserve() moves out of the loop)",
     "tc_default": "torch-checkpointing save() with its defaults (the current stream waits for the copies "
                   "at save time; the pinned pool is allocated by the first save)",
     "dcp": "DCP async_save(checkpoint_id=...), its default stager",
@@ -38,18 +41,21 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 
 class TorchCheckpointing:
-    def __init__(self, root: Path, *, as_trainer: bool, io_threads: int | None):
+    def __init__(self, root: Path, *, as_trainer: bool, reserve: bool, io_threads: int | None):
         fields = {"keep_last": 2}
         if io_threads:
             fields["io_threads"] = io_threads
         self.ckpt = tc.Checkpointer(root, **fields)
-        self.as_trainer = as_trainer
+        self.as_trainer, self.reserve = as_trainer, reserve
+        self.reserve_s: float | None = None  # how long reserve()'s background allocation took
         self.handle: tc.SaveHandle | None = None
         self.copying: tc.SaveHandle | None = None
 
     def prepare(self, state: dict) -> None:
-        if self.as_trainer:
-            self.ckpt.reserve(state)
+        if self.reserve:
+            began = time.perf_counter()
+            self.ckpt.reserve(state).add_done_callback(
+                lambda _: setattr(self, "reserve_s", time.perf_counter() - began))
 
     def before_update(self) -> None:
         if self.copying is not None:
@@ -180,6 +186,6 @@ def _host_like(t: torch.Tensor, pinned: bool) -> torch.Tensor:
 
 
 def make_path(name: str, root: Path, device: torch.device, io_threads: int | None):
-    if name in ("tc", "tc_default"):
-        return TorchCheckpointing(root, as_trainer=name == "tc", io_threads=io_threads)
+    if name in ("tc", "tc_unreserved", "tc_default"):
+        return TorchCheckpointing(root, as_trainer=name != "tc_default", reserve=name == "tc", io_threads=io_threads)
     return DCPPath(root, name, device)

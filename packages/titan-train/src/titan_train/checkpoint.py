@@ -64,7 +64,10 @@ class RunCheckpoints:
     before_optimizer_step() right before every optimizer step, which orders that step after the copies
     (on the GPU, without blocking the host), so the next step's forward and backward run while they do.
     reserve(), once after the first step, allocates the pinned staging memory in the background, so
-    the first save costs what later ones do.
+    a first save that comes after the allocation ended (the first steps overlap it) costs what later
+    ones do; one that comes sooner (checkpoint.interval 1) waits for the rest of it and is as correct.
+    Not before the first step: the optimizer has no moments yet, and asking torch.distributed.checkpoint
+    for its state then runs a zero-lr optimizer step that would advance AdamW's step count.
     """
 
     def __init__(self, folder: Path, *, keep_last: int, async_save: bool,

@@ -173,17 +173,22 @@ class Checkpointer:
         later ones do: lay it out, exchange the layouts (collectives: every rank calls reserve() where it
         would call save()), and allocate the host staging memory (pinned for CUDA state, 2-3 s per 8 GB)
         on a background thread. Call it once the state has its final shape (after the first optimizer
-        step creates the optimizer's moments). Returns a Future done when the memory is ready; save()
-        waits for it. The state is only read for its layout, not copied.
+        step creates the optimizer's moments). Returns a Future done when the memory is ready; a save()
+        called before then waits for it (and is as correct as any other). The state is only read for
+        its layout, not copied.
+
+        A later save of a state whose layout differs (other shapes, new entries) is planned anew, as
+        any layout change is: its staging reuses the reserved slabs and allocates only those missing,
+        and the ranks' layouts are re-checked through storage, not by a collective (raising instead
+        would break trainers whose state changes, and a collective would hang if only some ranks changed).
         """
         self._check_open()
         tree, _, plan = self._prepare(state)
         sources = self._sources(tree.leaves, plan.layout)
         pinned = any(s.device.type == "cuda" for s in sources)
         self._side_streams({s.device for s in sources if s.device.type == "cuda"})
-        previous = self._reservation
-        if previous is not None:
-            previous.result()  # one allocation at a time: the pool is not shared between threads
+        if self._reservation is not None:  # one allocation at a time: the pool is not shared between threads
+            wait_futures([self._reservation])
         self._reservation = self._writer.submit(
             self._pool.take, plan.staging.num_slabs, plan.staging.slab_bytes, pinned, touch=True)
         self._start_threads()
@@ -218,9 +223,7 @@ class Checkpointer:
         sources = self._sources(tree.leaves, plan.layout)
         extras, values = self._per_rank_entries(tree.leaves, kinds)
         streams = self._side_streams({s.device for s in sources if s.device.type == "cuda"})
-        if self._reservation is not None:  # reserve()'s slabs: the pool is not shared between threads
-            self._reservation.result()
-            self._reservation = None
+        self._finish_reservation()
         staged = stage(plan.staging, plan.layout.pieces, sources, self._pool, streams, direct_cpu=blocking)
         if not manual_release:
             staged.order_current_streams()
@@ -241,6 +244,19 @@ class Checkpointer:
         if blocking:
             handle.wait()
         return handle
+
+    def _finish_reservation(self) -> None:
+        """Wait for reserve()'s slabs (the pool is not shared between threads). A save called before
+        the reservation finished waits here: its copies need every slab before the state may change.
+        A reservation that failed (no pinned memory left, say) is not this save's failure: it warns,
+        and the save allocates what it needs itself (raising if that fails too)."""
+        reservation, self._reservation = self._reservation, None
+        if reservation is None:
+            return
+        error = reservation.exception()
+        if error is not None:
+            warnings.warn(f"reserve() could not allocate the staging memory ({type(error).__name__}: {error}); "
+                          "the save allocates it", RuntimeWarning, stacklevel=3)
 
     def _side_streams(self, devices: set[torch.device]) -> dict[torch.device, torch.cuda.Stream]:
         """The staging stream of each device (made once: the copies of consecutive saves stay in order)."""
@@ -517,8 +533,8 @@ class Checkpointer:
             return
         try:
             self.wait()
-            if self._reservation is not None:
-                self._reservation.result()
+            if self._reservation is not None:  # never used by a save: its failure changed nothing
+                wait_futures([self._reservation])
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)

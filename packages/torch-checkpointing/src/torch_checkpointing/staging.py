@@ -64,6 +64,8 @@ def plan_staging(pieces: list[Piece], sources: list[torch.Tensor], *, slab_bytes
             slab, offset = slab + 1, 0
         segments.append(Segment(index, start, nbytes, rows, slab, offset))
         offset += -(-nbytes // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
+    if slab == 0:  # a state smaller than a slab: no need to allocate (and pin, or touch) a whole one
+        slab_bytes = min(slab_bytes, _next_power_of_two(max(offset, SEGMENT_ALIGNMENT)))
     return StagingPlan(segments, slab_bytes, slab + 1 if segments else 0)
 
 
@@ -78,10 +80,10 @@ class HostPool:
     def take(self, count: int, slab_bytes: int, pinned: bool, *, touch: bool = False) -> list[torch.Tensor]:
         """`count` slabs, allocated where missing. touch: write new unpinned slabs once, so the first
         staging copy does not pay the page faults (pinned memory is resident when allocated)."""
-        if slab_bytes != self.slab_bytes or pinned != self.pinned:
+        if slab_bytes > self.slab_bytes or pinned != self.pinned:  # larger slabs serve smaller plans too
             self.slabs, self.slab_bytes, self.pinned = [], slab_bytes, pinned
         while len(self.slabs) < count:  # kept at the largest save's size: pinned allocation is slow
-            slab = torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pinned)
+            slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=pinned)
             if touch and not pinned:
                 slab.zero_()
             self.slabs.append(slab)
