@@ -208,8 +208,9 @@ def test_tied_embedding_policy_keeps_its_generator_tied_and_bitwise(tmp_path, mo
                        sorted(state_dict) and all(torch.equal(held[k], state_dict[k]) for k in state_dict)))
 
     monkeypatch.setattr(titan_rl.BuiltinGenerator, "update_weights", recorded_update)
-    config = small_job(tmp_path, policy__flavor="debug_tied", policy__num_layers=1, pretrain__steps=2, training__steps=2, eval__problems=0,
-                       rollout__prompts_per_step=2, algorithm__group_size=4, generator__batch_invariant=True)
+    config = small_job(tmp_path, policy__flavor="debug_tied", policy__num_layers=1, pretrain__steps=2,
+                       training__steps=2, eval__problems=0, rollout__prompts_per_step=2, algorithm__group_size=4,
+                       generator__batch_invariant=True)
     result = run_rl(config)
     assert synced == [(1, True, True), (2, True, True)]
     assert [m["logprob_mismatch_max"] for m in result.curve] == [0.0, 0.0]
