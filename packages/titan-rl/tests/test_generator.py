@@ -145,6 +145,41 @@ def test_weight_update_bumps_the_version(tiny_llama):
         gen.update_weights({"nope": torch.zeros(1)}, version=2)
 
 
+def _tied_llama(seed: int):
+    import titan_models as tm
+
+    config = tm.llama3.Llama3Config(vocab_size=512, dim=128, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=384,
+                                    max_seq_len=512, tie_embeddings=True)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model
+
+
+def test_weight_update_of_a_tied_model_keeps_it_tied():
+    """A tied model's state dict names the shared matrix twice (tok_embeddings.weight and output.weight, as
+    Llama 3 1B's does): the generator takes it once, stays tied, and then holds the new weights bitwise."""
+    gen = BuiltinGenerator(_tied_llama(seed=0), copy_model=True)
+    new_weights = _tied_llama(seed=1)
+    state = new_weights.state_dict()
+    assert state["output.weight"].data_ptr() == state["tok_embeddings.weight"].data_ptr()
+    gen.update_weights(state, version=1)
+    assert gen.model.output.weight is gen.model.tok_embeddings.weight
+    assert gen.model.state_dict().keys() == state.keys()
+    assert all(torch.equal(value, state[name]) for name, value in gen.model.state_dict().items())
+    assert not torch.equal(state["tok_embeddings.weight"], _tied_llama(seed=0).tok_embeddings.weight)  # it changed
+    greedy = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    expected = BuiltinGenerator(new_weights).generate([[1, 2, 3]], greedy)[0]
+    assert torch.equal(gen.generate([[1, 2, 3]], greedy)[0].logprobs, expected.logprobs)
+    # separate copies of the same values (weights that came by message) are fine; an untied pair is not
+    gen.update_weights({name: value.clone() for name, value in state.items()}, version=2)
+    untied = {name: value.clone() for name, value in state.items()}
+    untied["output.weight"] += 1.0
+    with pytest.raises(ValueError, match="tied parameter"):
+        gen.update_weights(untied, version=3)
+
+
 @pytest.mark.parametrize("family, flavor, dtype", [("qwen3", "debug", torch.float32), ("llama3", "debug", torch.bfloat16),
                                                    ("qwen3", "debug_moe", torch.float32)])
 def test_bitwise_agreement_for_other_families_and_bf16(family, flavor, dtype):

@@ -190,3 +190,28 @@ def test_two_rank_async_job_keeps_the_staleness_bound(two_ranks):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["staleness"] <= 1 for r in records)
     assert all(r["trained_samples"] == 16 for r in records)
+
+
+def test_tied_embedding_policy_keeps_its_generator_tied_and_bitwise(tmp_path, monkeypatch):
+    """A policy whose output projection is its embedding (Llama 3's debug_tied flavor, tied as 1B and 3B are):
+    the exported weights name the matrix twice, and after every update the generator holds them bitwise,
+    still tied; batch-invariant, its logprobs of every sampled token are then bitwise the trainer's."""
+    import titan_rl
+
+    synced = []
+    update = titan_rl.BuiltinGenerator.update_weights
+
+    def recorded_update(self, state_dict, *, version):
+        update(self, state_dict, version=version)
+        held = self.model.state_dict()
+        synced.append((version, self.model.output.weight is self.model.tok_embeddings.weight, sorted(held) ==
+                       sorted(state_dict) and all(torch.equal(held[k], state_dict[k]) for k in state_dict)))
+
+    monkeypatch.setattr(titan_rl.BuiltinGenerator, "update_weights", recorded_update)
+    config = small_job(tmp_path, policy__flavor="debug_tied", policy__num_layers=1, pretrain__steps=2,
+                       training__steps=2, eval__problems=0, rollout__prompts_per_step=2, algorithm__group_size=4,
+                       generator__batch_invariant=True)
+    result = run_rl(config)
+    assert synced == [(1, True, True), (2, True, True)]
+    assert [m["logprob_mismatch_max"] for m in result.curve] == [0.0, 0.0]
+    assert all(m["trained_samples"] == 8 for m in result.curve)

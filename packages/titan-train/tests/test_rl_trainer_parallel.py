@@ -14,6 +14,7 @@ agree to rounding, and what differs is the trainer's split alone.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from titan_train_curves import tolerance
@@ -45,18 +46,15 @@ def long_context_job(folder, **changes):
     return config
 
 
-def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
+def _rank_main(rank: int, world: int, port: int, folder: str, run: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     try:
-        tp = os.path.join(folder, "tp")
-        with recording_weights(tp, generator_ranks=1):
-            run_rl(small_job(tp, **TP_JOB, generator__ranks=1, training__tensor_parallel=2))
-        cp = os.path.join(folder, "cp")
-        with recording_weights(cp, generator_ranks=1):
-            run_rl(long_context_job(cp, generator__ranks=1))
+        with recording_weights(folder, generator_ranks=1):
+            run_rl(small_job(folder, **TP_JOB, generator__ranks=1, training__tensor_parallel=2) if run == "tp"
+                   else long_context_job(folder, generator__ranks=1))
     finally:
         dist.destroy_process_group()
     os._exit(0)
@@ -64,11 +62,24 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
+    """run -> its folder, each run on 3 ranks of its own, spawned on first use: in one spawn a failed tp run
+    showed as a cp failure too (its trainer ranks died; the generator rank, stopped by the trainer's cleanup,
+    went on to cp's pretraining barrier: "Connection closed by peer")."""
     folder = tmp_path_factory.mktemp("rl_trainer_parallel")
-    for run in ("tp", "cp"):
-        (folder / run).mkdir()
-    spawn_ranks(_rank_main, 3, (3, free_port(), str(folder)))
-    return folder
+    outcomes: dict[str, Path | BaseException] = {}
+
+    def get(run: str) -> Path:
+        if run not in outcomes:
+            (folder / run).mkdir()
+            try:
+                spawn_ranks(_rank_main, 3, (3, free_port(), str(folder / run), run))
+                outcomes[run] = folder / run
+            except Exception as error:  # kept, and raised again for each test of the run
+                outcomes[run] = error
+        if isinstance(outcomes[run], BaseException):
+            raise outcomes[run]
+        return outcomes[run]
+    return get
 
 
 def _curve(folder) -> dict[int, dict[str, float]]:
@@ -77,7 +88,7 @@ def _curve(folder) -> dict[int, dict[str, float]]:
 
 @pytest.mark.parametrize("run", ["tp", "cp"])
 def test_generator_holds_the_trainers_full_weights_bitwise_after_every_update(split_runs, run):
-    trainer, generator = load_weights(split_runs / run, 0), load_weights(split_runs / run, 2)
+    trainer, generator = load_weights(split_runs(run), 0), load_weights(split_runs(run), 2)
     assert sorted(generator) == list(range(STEPS + 1)) and sorted(trainer) == list(range(STEPS + 1))
     for version in range(STEPS + 1):
         assert generator[version] == trainer[version], f"version {version}"
@@ -88,7 +99,7 @@ def test_generator_holds_the_trainers_full_weights_bitwise_after_every_update(sp
 def test_split_trainers_logprobs_match_the_generators(split_runs, run):
     """The trainer's split forward (TP shards, or the CP ring) scores every sampled token as the generator's
     whole model with its KV cache did, to float rounding (not batch-invariant: fp32, different kernels)."""
-    got = records(split_runs / run)
+    got = records(split_runs(run))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all(r["trained_samples"] == 8 and r["staleness"] == 0 for r in got)
     assert max(r["logprob_mismatch_max"] for r in got) < 1e-4, got
@@ -97,12 +108,18 @@ def test_split_trainers_logprobs_match_the_generators(split_runs, run):
 @pytest.mark.parametrize("run", ["tp", "cp"])
 def test_split_trainer_follows_the_one_process_run(split_runs, tmp_path, run):
     run_rl(small_job(tmp_path, **TP_JOB) if run == "tp" else long_context_job(tmp_path, training__context_parallel=1))
-    got, want = _curve(split_runs / run), _curve(tmp_path)
+    got, want = _curve(split_runs(run)), _curve(tmp_path)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got[step]["reward_mean"] == want[step]["reward_mean"], step  # the same rollouts
-        for name in ("grad_norm", "entropy", "kl"):
+        for name in ("grad_norm", "kl"):
             assert got[step][name] == pytest.approx(want[step][name], rel=tolerance(step), abs=1e-7), (step, name)
+        # entropy in nats, at the scale of the first step's: a policy that has collapsed (torch 2.11's run: 0.021
+        # nats at step 3, from 2.5) turns the split's rounding (7.5e-8 relative in step 1's gradient norm) into
+        # 3.8e-4 relative entropy (8e-6 nats), the sensitivity of a near-deterministic distribution's entropy
+        entropy_scale = want[1]["entropy"]
+        assert got[step]["entropy"] == pytest.approx(want[step]["entropy"], rel=tolerance(step),
+                                                     abs=tolerance(step) * entropy_scale), (step, "entropy")
         # on-policy GRPO's loss is a sum of normalised advantages, ~0 up to rounding: compared absolutely
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-6), step
     assert max(r["grad_norm"] for r in want.values()) > 0.1, "some step should train (else nothing is compared)"

@@ -89,7 +89,9 @@ def measure(args, batch_invariant: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="debug Llama on CPU, a few steps (checks the script)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="Llama's debug_tied flavor on CPU, a few steps (checks the script; tied embeddings "
+                             "as the default 1B flavor's, so the tied weight sync runs too)")
     parser.add_argument("--family", default="llama3")
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--layers", type=int, default=0, help="override the flavor's layer count (0 keeps it)")
@@ -105,7 +107,7 @@ def main() -> None:
     args.device = "cpu" if args.tiny else "cuda"
     if args.tiny:
         args.flavor, args.layers, args.prompts, args.group, args.new_tokens, args.steps, args.warmup = (
-            "debug", 2, 2, 4, 8, 3, 1)
+            "debug_tied", 2, 2, 4, 8, 3, 1)
     elif not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --tiny for the CPU check)")
     if args.tf32:

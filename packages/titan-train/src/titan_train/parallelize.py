@@ -45,9 +45,13 @@ def tensor_parallel_styles(model: nn.Module) -> dict[str, str]:
 def _tp_style(style: str, pattern: str) -> ParallelStyle:
     """The torch ParallelStyle for one of titan-models' TP_STYLES (residual stream sharded on the sequence).
 
-    "output" is colwise over the vocabulary: the output weight is Shard(0) over the tp ranks. Its forward
-    never runs (CausalLMLoss reads the weight into its vocabulary-parallel fused loss), so its input and
-    output layouts do not matter.
+    "output" is colwise over the vocabulary: the output weight is Shard(0) over the tp ranks. Pretraining
+    never runs its forward (CausalLMLoss reads the weight into its vocabulary-parallel fused loss); the RL
+    update's does (tensor_parallel_logprobs). Its input is the sequence-sharded residual stream, declared
+    Shard(1) so that it is all-gathered to [b, s, d] (reduce-scattered in backward) before the linear, which
+    gives vocabulary-sharded logits: a Shard(1) DTensor handed to F.linear as is relies on the linear's
+    sharding propagation, which torch 2.11 lacks ("Attempted to flatten multiple dimensions, with dimension
+    1 being sharded").
     """
     if style == "colwise":
         return ColwiseParallel()
@@ -58,7 +62,7 @@ def _tp_style(style: str, pattern: str) -> ParallelStyle:
     if style == "sequence_parallel":
         return SequenceParallel()
     if style == "output":
-        return ColwiseParallel(use_local_output=False)
+        return ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
     raise ValueError(f"tensor-parallel style {style!r} of {pattern!r} is not supported by this trainer yet "
                      "(supported: colwise, rowwise, embedding, output, sequence_parallel, replicate, headwise)")
 

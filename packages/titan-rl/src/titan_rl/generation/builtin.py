@@ -41,15 +41,29 @@ class BuiltinGenerator:
         self._lock = threading.Lock()  # weights never change during a generate() call
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], *, version: int) -> None:
-        """Copy new weights in (names as in model.state_dict()) and take their version."""
+        """Copy new weights in (names as in model.state_dict()) and take their version.
+
+        A tied parameter (tok_embeddings.weight is output.weight) has a name per module in the state dict, as
+        it does in any exported one: it is copied once, and its other names must bring the same values (a
+        tied model cannot hold an untied trainer's two matrices)."""
         with self._lock, torch.no_grad():
-            params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+            params = (dict(self.model.named_parameters(remove_duplicate=False))
+                      | dict(self.model.named_buffers(remove_duplicate=False)))
             unknown = sorted(set(state_dict) - set(params))
             if unknown:
                 raise ValueError(f"update_weights got names the model does not have: {unknown[:5]}")
+            written: dict[int, str] = {}  # id of a target tensor -> the name whose value it took
             for name, value in state_dict.items():
-                if value is not params[name]:  # a generator sharing the trainer's model gets its own tensors
-                    params[name].copy_(value)
+                target = params[name]
+                if id(target) in written:
+                    first = written[id(target)]
+                    if value is not target and not torch.equal(value, state_dict[first]):
+                        raise ValueError(f"update_weights got different values for {name} and {first}, which are "
+                                         "one tied parameter of the generator's model")
+                    continue
+                written[id(target)] = name
+                if value is not target:  # a generator sharing the trainer's model gets its own tensors
+                    target.copy_(value)
             self.policy_version = version
 
     @torch.no_grad()

@@ -14,6 +14,9 @@ FLAVORS: dict[str, Llama3Config] = {
     # Tiny, for tests and CPU demos; vocab fits a byte-level tokenizer (256 + specials) with room.
     "debug": Llama3Config(vocab_size=2048, dim=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=768,
                           max_seq_len=2048),
+    # debug with the output projection tied to the embedding, as the 1B and 3B flavors are.
+    "debug_tied": Llama3Config(vocab_size=2048, dim=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=768,
+                               max_seq_len=2048, tie_embeddings=True),
     "1B": Llama3Config(vocab_size=_VOCAB, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, ffn_dim=8192,
                        head_dim=64, tie_embeddings=True,
                        rope_scaling=Llama3RopeScaling(factor=32.0, original_max_seq_len=8192)),
