@@ -66,7 +66,7 @@ class Point:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="debug model, 2 layers x 256 tokens, CPU fp32: checks the script")
+    p.add_argument("--tiny", action="store_true", help="debug model (2 layers, 256 tokens, CPU, fp32): checks it")
     p.add_argument("--grid", action="store_true", help="batches 2,3,4, every mode, remat at 4 levels (~15 min/batch)")
     p.add_argument("--batches", default="", help="comma list (default 2; --grid: 2,3,4)")
     p.add_argument("--budgets", default="", help="remat budgets in GiB, total (default: the levels above)")
