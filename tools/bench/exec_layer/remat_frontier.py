@@ -1,7 +1,7 @@
 """The memory-throughput frontier of activation checkpointing for Llama 3 8B on one H200, in one run.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/exec_layer/remat_frontier.py [--grid]
-    (CPU check of the script:  ... remat_frontier.py --tiny)
+    (CPU check of the script:  ... remat_frontier.py --tiny; its peaks are not the GPU's allocator's)
 
 Each point is one titan-train process (an OOM ends only that point) running Llama 3 8B (all 32 layers;
 --layers trims them, keeping the 8B's per-layer shapes) on random tokens, compiled blocks, 6 steps, with
@@ -11,9 +11,10 @@ state is 10 bytes a parameter through the forward (bf16 weight, fp32 master, two
 the bf16 gradients: 74.8 + 15.0 = 89.8 GiB for the 8.03B parameters (without the lean settings, fp32
 moments, it would be 119.7 GiB and hardly any point would fit). The script prints these figures.
 
-Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, then
+Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, and
 activation_checkpoint.mode=remat at three memory levels: the counted peaks of full, ops and none (+1 GiB
-of allocator slack), so each remat point meets the existing mode that fits exactly there. A point takes
+of allocator slack), so each remat point meets the existing mode that fits exactly there; they run by
+memory, each level after its mode (full, remat_92.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
 ~60-75 s (start and imports ~10 s, 8B materialized ~10 s, compile ~30-40 s, 6 steps of ~1.0-1.4 s), 6
 points ~7 min; a point stops after --point-timeout (150 s) and none starts past --deadline (480 s), so a
 cut run still prints every line that ended. --grid runs batches 2, 3, 4 with selective layers (every 2)
@@ -118,8 +119,10 @@ def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
         predicted = remat_peak(shape, tokens, int(level * GIB)) / GIB
         skip = f"budget below the planner's state ({planner_floor:.2f} GiB)" if level <= planner_floor else ""
         points.append(Point(f"remat_{level:g}GiB", _remat_flags(level), predicted, level, skip))
-    return [p if p.skip or p.predicted_gib <= args.capacity else
-            Point(p.name, p.flags, p.predicted_gib, p.budget_gib, "predicted OOM") for p in points]
+    points = [p if p.skip or p.predicted_gib <= args.capacity else
+              Point(p.name, p.flags, p.predicted_gib, p.budget_gib, "predicted OOM") for p in points]
+    # by memory: each remat level right after the mode it meets, so a run cut short keeps whole pairs
+    return sorted(points, key=lambda p: p.predicted_gib if p.budget_gib is None else p.budget_gib)
 
 
 def _round_up(gib: float) -> float:
@@ -143,8 +146,14 @@ def run_points(points: list[Point], model: list[str], batch: int, args, began: f
                         timeout=min(args.point_timeout, max(left, 30.0)))
         results[p.name] = r
         shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "plan"}
-        print(f"batch {batch} {p.name} (pred {p.predicted_gib:.2f} GiB): {shown}", flush=True)
+        print(f"batch {batch} {p.name} (pred {_gib(p.predicted_gib).strip()} GiB): {shown}", flush=True)
+        if p.budget_gib is not None and "error" not in r:  # against the modes run so far (its own ran just before)
+            print(f"batch {batch} {p.name}: {remat_check(p, r, results)}", flush=True)
     return results
+
+
+def _gib(value: float) -> str:
+    return f"{value:9.2f}" if value >= 1 else f"{value:9.4f}"  # the tiny model's differ by MiB
 
 
 def print_table(batch: int, points: list[Point], results: dict[str, dict]) -> None:
@@ -154,10 +163,10 @@ def print_table(batch: int, points: list[Point], results: dict[str, dict]) -> No
     for p in points:
         r = results[p.name]
         if "error" in r:
-            print(f"batch {batch}: {p.name:16s} {p.predicted_gib:9.2f} {r['error']}")
+            print(f"batch {batch}: {p.name:16s} {_gib(p.predicted_gib)} {r['error']}")
             continue
         ratio = f"{r['tokens_per_s'] / full:.3f}x" if full else "-"
-        print(f"batch {batch}: {p.name:16s} {p.predicted_gib:9.2f} {r['memory_gib']:9.2f} {r['tokens_per_s']:9.0f} "
+        print(f"batch {batch}: {p.name:16s} {_gib(p.predicted_gib)} {_gib(r['memory_gib'])} {r['tokens_per_s']:9.0f} "
               f"{ratio:>8s}  {remat_check(p, r, results)}")
 
 
@@ -175,7 +184,7 @@ def remat_check(point: Point, r: dict, results: dict[str, dict]) -> str:
     plan = r.get("plan") or {}
     options = sorted({b["option"] for b in plan.get("blocks", [])})
     planned = plan.get("planned_total_bytes")
-    planned = f", planned {planned / GIB:.2f}" if planned else ""
+    planned = f", planned {_gib(planned / GIB).strip()}" if planned else ""
     return (f"peak {'<=' if r['memory_gib'] <= level else '>'} budget{planned}; {against}; "
             f"plan {'/'.join(options) or '?'}")
 
