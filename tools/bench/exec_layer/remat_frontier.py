@@ -1,85 +1,223 @@
-"""The memory-throughput frontier of activation checkpointing for Llama 3 8B on one GPU, in one run.
+"""The memory-throughput frontier of activation checkpointing for Llama 3 8B on one H200, in one run.
 
-    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/exec_layer/remat_frontier.py
-    (CPU check of the script:  ... remat_frontier.py --tiny)
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/exec_layer/remat_frontier.py [--grid]
+    (CPU check of the script:  ... remat_frontier.py --tiny; its peaks are not the GPU's allocator's)
 
-For each batch (2, 3, 4 x 4096 tokens) it runs Llama 3 8B (bf16_params, compiled blocks, random tokens, 8
-steps) under full checkpointing, today's selective modes (ops; layers every 2), no checkpointing, and
-activation_checkpoint.mode=remat at several memory budgets, each in its own process (an OOM ends only
-that point). It prints peak memory (torch.cuda.max_memory_allocated, from metrics.jsonl), tokens/s, the
-ratio against full checkpointing at the same batch, and, per remat budget, whether the measured peak kept
-to the budget and whether its throughput reached the best existing mode that fit in as much memory.
+Each point is one titan-train process (an OOM ends only that point) running Llama 3 8B (all 32 layers;
+--layers trims them, keeping the 8B's per-layer shapes) on random tokens, compiled blocks, 6 steps, with
+the memory-saving settings a strong user picks (tools/bench/train_throughput's titan_compile_lean):
+bf16_params, AdamW moments in bf16, 2048-token loss chunks with a bf16 output-weight gradient sum. Its
+state is 10 bytes a parameter through the forward (bf16 weight, fp32 master, two bf16 moments) and 12 with
+the bf16 gradients: 74.8 + 15.0 = 89.8 GiB for the 8.03B parameters (without the lean settings, fp32
+moments, it would be 119.7 GiB and hardly any point would fit). The script prints these figures.
+
+Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, and
+activation_checkpoint.mode=remat at three memory levels: the counted peaks of full, ops and none (+1 GiB
+of allocator slack), so each remat point meets the existing mode that fits exactly there; they run by
+memory, each level after its mode (full, remat_92.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
+~60-75 s (start and imports ~10 s, 8B materialized ~10 s, compile ~30-40 s, 6 steps of ~1.0-1.4 s), 6
+points ~7 min; a point stops after --point-timeout (150 s) and none starts past --deadline (480 s), so a
+cut run still prints every line that ended. --grid runs batches 2, 3, 4 with selective layers (every 2)
+too and remat also at the top level (--capacity minus 4 GiB): 8 points at batch 2 (~9-10 min), 6 at
+batches 3 and 4 (none is predicted OOM there; ~7 min each): one batch per GPU call, e.g.
+--grid --batches 3 --deadline 520.
+
+Memory levels and the budget: activation_checkpoint.memory_budget_gib is the TOTAL peak the remat planner
+aims at (weights + gradients + moments + saved activations; titan_train/remat/apply.py), not an activation
+budget; a remat point is called with the level as its budget, its measured peak is checked against it, and
+it is compared with the best existing mode whose measured peak is within the same level. (The planner
+counts the gradients, which do not coexist with the saved activations, and leaves out the loss buffers.)
+frontier_memory.py counts each point's peak (memory_model.py's layouts); a point counted above --capacity
+prints 'predicted OOM' and does not run. Measured peak: torch.cuda.max_memory_allocated (metrics.jsonl).
+The last table gives, per variant, the largest batch of the run that fit.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import run_job  # noqa: E402
+from frontier_memory import GIB, Shape, peak, remat_peak  # noqa: E402
 
 EXISTING = {
     "full": ["--activation_checkpoint.mode", "full"],
-    "selective_ops": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "ops"],
-    "selective_layers2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "layers",
-                          "--activation_checkpoint.every", "2"],
+    "ops": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "ops"],
+    "layers2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "layers",
+                "--activation_checkpoint.every", "2"],
     "none": ["--activation_checkpoint.mode", "none"],
 }
+COUNTED = {"full": "full", "ops": "ops", "layers2": "layers", "none": "none"}  # frontier_memory's mode names
+LEAN = ["--training.loss_chunk_size", "2048", "--training.loss_weight_grad_dtype", "param"]
+SLACK_GIB = 1.0  # the allocator's, over the counted peak (memory_model.py)
 
 
-def remat(budget_gib: float) -> list[str]:
+@dataclass(frozen=True)
+class Point:
+    name: str
+    flags: list[str]
+    predicted_gib: float
+    budget_gib: float | None = None  # remat: its level
+    skip: str = ""  # why it does not run (predicted OOM, below the planner's minimum)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="debug model (2 layers, 256 tokens, CPU, fp32): checks it")
+    p.add_argument("--grid", action="store_true", help="batches 2,3,4, every mode, remat at 4 levels (~15 min/batch)")
+    p.add_argument("--batches", default="", help="comma list (default 2; --grid: 2,3,4)")
+    p.add_argument("--budgets", default="", help="remat budgets in GiB, total (default: the levels above)")
+    p.add_argument("--layers", type=int, default=0, help="layers of the 8B (0: all 32)")
+    p.add_argument("--steps", type=int, default=6, help="steps a point; tokens/s is the median after two")
+    p.add_argument("--capacity", type=float, default=139.0, help="GiB the device holds")
+    p.add_argument("--point-timeout", type=float, default=150.0, help="seconds a point may take")
+    p.add_argument("--deadline", type=float, default=480.0, help="no point starts after this many seconds")
+    args = p.parse_args(argv)
+    args.batches = args.batches or ("2,3,4" if args.grid else "2")
+    return args
+
+
+def model_setup(args) -> tuple[list[str], Shape]:
+    """The titan-train flags of the model and precision, and the Shape frontier_memory counts them with."""
+    import titan_models
+
+    flavor = "debug" if args.tiny else "8B"
+    cfg = titan_models.flavor("llama3", flavor)
+    layers = args.layers or (2 if args.tiny else cfg.num_layers)
+    shape = dict(dim=cfg.dim, layers=layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_dim,
+                 vocab=cfg.vocab_size)
+    # --model.vocab_size: the default recipe's 384 (its byte tokenizer's) would replace the flavor's
+    flags = ["--model.flavor", flavor, "--model.num_layers", str(layers), "--model.vocab_size", str(cfg.vocab_size),
+             "--training.steps", str(args.steps),
+             "--data.source", "random", *LEAN]
+    if args.tiny:  # fp32 on CPU: 4-byte weights and gradients, fp32 moments
+        flags += ["--job.device", "cpu", "--training.seq_len", "256", "--compile.mode", "none"]
+        return flags, Shape(**shape, value_bytes=4, forward_state_bytes=12, grad_bytes=4, loss_weight_grad_bytes=4)
+    flags += ["--job.device", "cuda", "--training.seq_len", "4096", "--compile.mode", "blocks",
+              "--training.mixed_precision", "bf16_params", "--optimizer.moment_dtype", "bfloat16"]
+    return flags, Shape(**shape)
+
+
+def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
+    """The existing modes of the run, then remat at each level, each with its counted peak."""
+    names = list(EXISTING) if args.grid else ["full", "ops", "none"]
+    counted = {n: peak(shape, tokens, COUNTED[n]) / GIB for n in names}
+    points = [Point(n, EXISTING[n], counted[n]) for n in names]
+    if args.budgets:
+        levels = [float(b) for b in args.budgets.split(",")]
+    else:
+        slack = min(SLACK_GIB, 0.05 * counted["full"])  # the tiny model's peaks are MiB
+        top = args.capacity - 4  # the grid's top level: what is left for remat past the existing modes
+        levels = [_round_up(counted[n] + slack) for n in names if n != "layers2" and counted[n] <= args.capacity]
+        levels = sorted({lv for lv in levels if lv < top} | ({top} if args.grid else set()))
+    planner_floor = shape.planner_static_bytes / GIB
+    for level in levels:
+        predicted = remat_peak(shape, tokens, int(level * GIB)) / GIB
+        skip = f"budget below the planner's state ({planner_floor:.2f} GiB)" if level <= planner_floor else ""
+        points.append(Point(f"remat_{level:g}GiB", _remat_flags(level), predicted, level, skip))
+    points = [p if p.skip or p.predicted_gib <= args.capacity else
+              Point(p.name, p.flags, p.predicted_gib, p.budget_gib, "predicted OOM") for p in points]
+    # by memory: each remat level right after the mode it meets, so a run cut short keeps whole pairs
+    return sorted(points, key=lambda p: p.predicted_gib if p.budget_gib is None else p.budget_gib)
+
+
+def _round_up(gib: float) -> float:
+    step = 0.5 if gib >= 4 else 0.0001  # the tiny model's levels differ by MiB
+    return round(math.ceil(gib / step) * step, 4)
+
+
+def _remat_flags(budget_gib: float) -> list[str]:
     return ["--activation_checkpoint.mode", "remat", "--activation_checkpoint.memory_budget_gib", str(budget_gib)]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="debug model on CPU: checks the script")
-    p.add_argument("--batches", default="2,3,4")
-    p.add_argument("--budgets", default="70,90,110,130", help="remat budgets in GiB")
-    args = p.parse_args()
-    if args.tiny:
-        model = ["--model.flavor", "debug", "--model.num_layers", "2", "--job.device", "cpu",
-                 "--training.seq_len", "64", "--training.steps", "3"]
-        args.batches, args.budgets = "2", "0.0275,0.05"
-    else:
-        model = ["--model.flavor", "8B", "--job.device", "cuda", "--training.seq_len", "4096", "--training.steps", "8",
-                 "--training.mixed_precision", "bf16_params", "--compile.mode", "blocks"]
-    rows = []
-    for batch in args.batches.split(","):
-        variants = dict(EXISTING) | {f"remat_{b}GiB": remat(float(b)) for b in args.budgets.split(",")}
-        results = {}
-        for name, flags in variants.items():
-            r = run_job([*model, "--data.source", "random", "--training.batch_size", batch, *flags], timeout=1800)
-            results[name] = r
-            print(f"batch {batch} {name}: { {k: v for k, v in r.items() if k != 'plan'} }", flush=True)
-        rows.append((batch, results))
-    print(f"\n{'batch':>5s} {'variant':18s} {'peak GiB':>9s} {'tokens/s':>9s} {'vs full':>8s}  remat check")
-    for batch, results in rows:
-        full = results["full"].get("tokens_per_s")
-        for name, r in results.items():
-            if "error" in r:
-                print(f"{batch:>5s} {name:18s} {r['error']}")
-                continue
-            ratio = f"{r['tokens_per_s'] / full:.3f}x" if full else "-"
-            print(f"{batch:>5s} {name:18s} {r['memory_gib']:9.2f} {r['tokens_per_s']:9.0f} {ratio:>8s}  "
-                  f"{_check(name, r, results)}")
-    return 0
+def run_points(points: list[Point], model: list[str], batch: int, args, began: float) -> dict[str, dict]:
+    """Each point in its own process, its line printed as soon as it ends (a cut run keeps what ended)."""
+    results = {}
+    for p in points:
+        left = args.deadline - (time.perf_counter() - began)
+        if p.skip or left <= 0:
+            r = {"error": p.skip or "not started: past --deadline"}
+        else:
+            r = run_job([*model, "--training.batch_size", str(batch), *p.flags],
+                        timeout=min(args.point_timeout, max(left, 30.0)))
+        results[p.name] = r
+        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "plan"}
+        print(f"batch {batch} {p.name} (pred {_gib(p.predicted_gib).strip()} GiB): {shown}", flush=True)
+        if p.budget_gib is not None and "error" not in r:  # against the modes run so far (its own ran just before)
+            print(f"batch {batch} {p.name}: {remat_check(p, r, results)}", flush=True)
+    return results
 
 
-def _check(name: str, r: dict, results: dict) -> str:
-    """For a remat point: budget kept (measured peak) and throughput against the best existing mode whose
-    peak fits in the same memory."""
-    if not name.startswith("remat_"):
+def _gib(value: float) -> str:
+    return f"{value:9.2f}" if value >= 1 else f"{value:9.4f}"  # the tiny model's differ by MiB
+
+
+def print_table(batch: int, points: list[Point], results: dict[str, dict]) -> None:
+    print(f"\nbatch {batch}: {'variant':16s} {'pred GiB':>9s} {'peak GiB':>9s} {'tokens/s':>9s} {'vs full':>8s}  "
+          "remat check")
+    full = results.get("full", {}).get("tokens_per_s")
+    for p in points:
+        r = results[p.name]
+        if "error" in r:
+            print(f"batch {batch}: {p.name:16s} {_gib(p.predicted_gib)} {r['error']}")
+            continue
+        ratio = f"{r['tokens_per_s'] / full:.3f}x" if full else "-"
+        print(f"batch {batch}: {p.name:16s} {_gib(p.predicted_gib)} {_gib(r['memory_gib'])} {r['tokens_per_s']:9.0f} "
+              f"{ratio:>8s}  {remat_check(p, r, results)}")
+
+
+def remat_check(point: Point, r: dict, results: dict[str, dict]) -> str:
+    """A remat point at level B (its total budget): measured peak <= B, and its throughput against the best
+    existing mode whose measured peak is <= B (the same meaning of memory)."""
+    if point.budget_gib is None:
         return ""
-    budget = float(name.removeprefix("remat_").removesuffix("GiB"))
-    fitting = [x["tokens_per_s"] for n, x in results.items()
-               if n in EXISTING and "error" not in x and x["memory_gib"] <= r["memory_gib"]]
-    best = max(fitting, default=None)
+    level = point.budget_gib
+    fitting = {n: x["tokens_per_s"] for n, x in results.items()
+               if n in EXISTING and "error" not in x and x["memory_gib"] <= level}
+    best = max(fitting, key=fitting.get, default=None)
+    against = (f"{r['tokens_per_s'] / fitting[best]:.3f}x {best} (best existing <= {level:g} GiB)" if best
+               else f"no existing mode measured <= {level:g} GiB")
     plan = r.get("plan") or {}
     options = sorted({b["option"] for b in plan.get("blocks", [])})
-    against = f"{r['tokens_per_s'] / best:.3f}x best existing that fits" if best else "no existing mode fits"
-    return f"peak {'<=' if r['memory_gib'] <= budget else '>'} budget; {against}; plan {'/'.join(options)}"
+    planned = plan.get("planned_total_bytes")
+    planned = f", planned {_gib(planned / GIB).strip()}" if planned else ""
+    return (f"peak {'<=' if r['memory_gib'] <= level else '>'} budget{planned}; {against}; "
+            f"plan {'/'.join(options) or '?'}")
+
+
+def print_largest_batches(rows: list[tuple[int, dict[str, dict]]]) -> None:
+    """Per variant (remat: any level), the largest batch of this run that ran to the end."""
+    largest: dict[str, int] = {}
+    for batch, results in rows:
+        for name, r in results.items():
+            key = "remat (any level)" if name.startswith("remat_") else name
+            if "error" not in r:
+                largest[key] = max(largest.get(key, 0), batch)
+    print("\nlargest batch that fit: " + (", ".join(f"{k} {v}" for k, v in largest.items()) or "none"))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    model, shape = model_setup(args)
+    seq = 256 if args.tiny else 4096
+    n = shape.parameters
+    print(f"Llama 3 {'debug' if args.tiny else '8B'}, {shape.layers} layers, {n / 1e9:.3f}B parameters; state "
+          f"{n * shape.forward_state_bytes / GIB:.2f} GiB through the forward ({shape.forward_state_bytes} B/param) + "
+          f"{n * shape.grad_bytes / GIB:.2f} GiB gradients = {shape.planner_static_bytes / GIB:.2f} GiB, what the "
+          f"remat planner counts against its budget; capacity {args.capacity:g} GiB", flush=True)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        points = plan_points(shape, batch * seq, args)
+        rows.append((batch, points, run_points(points, model, batch, args, began)))
+    for batch, points, results in rows:
+        print_table(batch, points, results)
+    print_largest_batches([(b, r) for b, _, r in rows])
+    return 0
 
 
 if __name__ == "__main__":

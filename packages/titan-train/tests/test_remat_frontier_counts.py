@@ -1,0 +1,82 @@
+"""tools/bench/exec_layer/remat_frontier.py's plan of a GPU run, checked on a CPU without running it: its flags
+parse as titan-train's, its counted state is the trainer's (the real 8B built on meta, state_bytes_per_param),
+its peaks agree with tools/bench/train_throughput/memory_model.py's independent count, and the default run
+holds only points that are counted to fit, at remat levels the planner accepts. Under a second."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "tools/bench/exec_layer"), str(ROOT / "tools/bench/train_throughput")]
+
+import frontier_memory  # noqa: E402
+import memory_model  # noqa: E402
+import remat_frontier  # noqa: E402
+
+GIB = 2**30
+
+
+def _config(argv):
+    from titan_train.cli import parse_args
+
+    config, actions = parse_args(argv)
+    assert not actions
+    return config
+
+
+def test_the_8b_state_is_what_the_trainer_and_the_remat_planner_count():
+    import titan_models
+    from titan_train.memory_estimate import state_bytes_per_param
+
+    args = remat_frontier.parse_args([])
+    flags, shape = remat_frontier.model_setup(args)
+    config = _config([*flags, "--training.batch_size", "2"])
+    assert config.model.vocab_size == 128256 and config.optimizer.moment_dtype == "bfloat16"
+    cfg = titan_models.transforms.num_layers(32)(titan_models.flavor("llama3", "8B"))
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cfg.build().parameters())
+    assert shape.parameters == n == 8_030_261_248
+    assert shape.planner_static_bytes == state_bytes_per_param(config, torch.device("cuda")) * n  # 12 B/param
+    assert 89 < shape.planner_static_bytes / GIB < 90
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_counted_peaks_agree_with_memory_model(batch):
+    shape, tokens = remat_frontier.model_setup(remat_frontier.parse_args([]))[1], batch * 4096
+    lean = memory_model.expected_gib("titan_compile_lean", "8B", batch, 4096)  # selective ops, same settings
+    assert frontier_memory.peak(shape, tokens, "ops") / GIB == pytest.approx(lean, rel=1e-12)
+    none = memory_model.Setting(state_bytes=10, activations="titan_compile", loss_chunk=2048, weight_grad_bytes=2)
+    none_gib = sum(memory_model.breakdown("8B", batch, 4096, none).values())
+    assert frontier_memory.peak(shape, tokens, "none") / GIB == pytest.approx(none_gib, rel=1e-12)
+    # full checkpointing's high mark is the backward's: all the state, gradients included, and one block
+    full = frontier_memory.peak(shape, tokens, "full")
+    assert shape.planner_static_bytes < full < shape.planner_static_bytes + 4 * GIB
+
+
+def test_default_run_fits_and_every_point_parses():
+    args = remat_frontier.parse_args([])
+    flags, shape = remat_frontier.model_setup(args)
+    points = remat_frontier.plan_points(shape, 2 * 4096, args)
+    # each remat level runs right after the existing mode whose counted peak it is
+    assert [p.name for p in points] == ["full", "remat_92.5GiB", "ops", "remat_101GiB", "none", "remat_123GiB"]
+    assert not any(p.skip for p in points)
+    levels = [p.budget_gib for p in points if p.budget_gib is not None]
+    assert all(shape.planner_static_bytes / GIB < lv < args.capacity for lv in levels), levels
+    for p in points:
+        config = _config([*flags, "--training.batch_size", "2", *p.flags])
+        config.activation_checkpoint.check()
+        assert config.activation_checkpoint.memory_budget_gib == (p.budget_gib or 0.0)
+
+
+def test_a_point_counted_past_the_capacity_is_skipped_not_run():
+    args = remat_frontier.parse_args(["--grid"])
+    shape = remat_frontier.model_setup(args)[1]
+    skipped = {p.name: p.skip for p in remat_frontier.plan_points(shape, 4 * 4096, args) if p.skip}
+    assert skipped == {"none": "predicted OOM"}  # 158 GiB counted at batch 4
+    results = remat_frontier.run_points([remat_frontier.Point("none", [], 158.0, skip="predicted OOM")], [], 4, args,
+                                        began=0.0)
+    assert results == {"none": {"error": "predicted OOM"}}
