@@ -1,5 +1,6 @@
 """Let triton < 3.7's interpreter (TRITON_INTERPRET=1, the CPU check of the kernels) run loops whose
-bounds are kernel scalars (the Gated DeltaNet kernels; titan-train's blockwise fp8 GEMM uses it too).
+bounds are kernel scalars (the Gated DeltaNet kernels; titan-train's blockwise fp8 GEMM and titan-rl's
+batch-invariant kernels use it too).
 
 The interpreter keeps every scalar as a one-element numpy array, and `range(0, n)` calls
 `n.__index__`, which triton 3.6 implements as `int(array)`: numpy 2 refuses that for one-dimensional

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from titan_rl.batch_invariant.torch_ops import eager_sink_grad, sdpa_attention_grad
-from titan_rl.batch_invariant.triton_interpreter import backport_scalar_index
+from titan_models.kernels.triton_interpreter import backport_scalar_index
 
 backport_scalar_index()  # only the CPU interpreter of triton < 3.7 needs it; compiled kernels are unaffected
 
