@@ -56,15 +56,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 if "--tiny" in sys.argv:  # the kernels' CPU check: before triton is first imported
@@ -74,6 +71,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_anchor import adamw, loss_gap, train_steps  # noqa: E402
+from variant_run import measured, train_titan  # noqa: E402
 
 RECIPE = "qwen3_5_debug"
 WARMUP_STEPS = 3  # the lr warm-up, both sides
@@ -140,14 +138,9 @@ def titan_config(args, shape: Shape, job: Path, folder: Path):
 
 
 def run_titan(args, shape: Shape, folder: Path) -> dict:
-    from titan_train import train
-
-    with tempfile.TemporaryDirectory() as job:
-        train(titan_config(args, shape, Path(job), folder))
-        records = [json.loads(line) for line in (Path(job) / "metrics.jsonl").read_text().splitlines()]
-    for r in records:
-        print(f"  titan step {r['step']}: loss {r['loss']:.4f}  {r['step_seconds'] * 1e3:.0f} ms", flush=True)
-    return {"losses": [r["loss"] for r in records], "seconds": [r["step_seconds"] for r in records]}
+    out = train_titan(lambda job: titan_config(args, shape, job, folder))
+    del out["records"]
+    return out
 
 
 def hf_batches(args, shape: Shape, vocab: int):
@@ -188,26 +181,8 @@ def run_hf(args, shape: Shape, folder: Path) -> dict:
 def run_variant(args, shape: Shape, folder: Path, variant: str) -> dict:
     """One variant's figures, or {"error": ...} when it failed (the other variants still run)."""
     print(f"--- qwen3_5 {shape.name}{args.seq} {variant}", flush=True)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    began = time.perf_counter()
-    try:
-        out = run_titan(args, shape, folder) if variant == "titan" else run_hf(args, shape, folder)
-    except Exception as e:  # an anchor out of memory must not cost titan's figures
-        traceback.print_exc()
-        out = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]}
-    finally:
-        gc.collect()
-    out["wall_s"] = time.perf_counter() - began  # the model's load and the kernels' first compilation included
-    if "error" in out:
-        return out
-    timed = out["seconds"][args.warmup:]
-    out["step_median_s"], out["step_mean_s"] = statistics.median(timed), statistics.mean(timed)
-    out["tokens_per_s"] = shape.batch * args.seq / out["step_median_s"]
-    out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
-    out["first_loss"], out["last_loss"] = out["losses"][0], statistics.mean(out["losses"][-3:])
-    return out
+    run = (lambda: run_titan(args, shape, folder)) if variant == "titan" else (lambda: run_hf(args, shape, folder))
+    return measured(run, device=args.device, warmup=args.warmup, tokens_per_step=shape.batch * args.seq)
 
 
 def measure(args, shapes: list[Shape]) -> list[dict]:

@@ -47,20 +47,18 @@ compiled anchor there (inductor: minutes), within 1.2e-7 of eager's losses.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_anchor import adamw, loss_gap, train_steps  # noqa: E402
+from variant_run import measured, train_titan  # noqa: E402
 
 FLAVORS = {"debug": ("debug", 0), "2B-7L": ("2B", 7), "2B": ("2B", 0)}  # name: (titan-models flavor, layers)
 HF_VARIANTS = ("hf", "hf_compile")
@@ -125,15 +123,10 @@ def draw_seconds(args, folder: Path) -> float:
 
 
 def run_titan(args, name: str, folder: Path) -> dict:
-    from titan_train import train
-
-    with tempfile.TemporaryDirectory() as job:
-        train(titan_config(args, name, Path(job), folder))
-        records = [json.loads(line) for line in (Path(job) / "metrics.jsonl").read_text().splitlines()]
-    for r in records:
-        print(f"  titan step {r['step']}: loss {r['loss']:.4f}  {r['step_seconds'] * 1e3:.0f} ms", flush=True)
-    return {"losses": [r["loss"] for r in records], "seconds": [r["step_seconds"] for r in records],
-            "mfu_per_token_s": records[-1]["mfu"] / records[-1]["tokens_per_s"] if records[-1]["mfu"] else None}
+    out = train_titan(lambda job: titan_config(args, name, job, folder))
+    last = out.pop("records")[-1]
+    out["mfu_per_token_s"] = last["mfu"] / last["tokens_per_s"] if last["mfu"] else None
+    return out
 
 
 def hf_batches(args, folder: Path, image_token_id: int):
@@ -169,27 +162,11 @@ def run_hf(args, name: str, folder: Path, variant: str) -> dict:
 def run_variant(args, name: str, folder: Path, variant: str) -> dict:
     """One variant's figures, or {"error": ...} when it failed (the other variants still run)."""
     print(f"--- qwen3_vl {name} {variant}", flush=True)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    began = time.perf_counter()
-    try:
-        out = run_titan(args, name, folder) if variant == "titan" else run_hf(args, name, folder, variant)
-    except Exception as e:  # one failing variant (hf_compile) must not cost the others' figures
-        traceback.print_exc()
-        out = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]}
-    finally:
-        gc.collect()
-        torch._dynamo.reset()
-    out["wall_s"] = time.perf_counter() - began  # its build (and hf_compile's compilation) included
-    if "error" in out:
-        return out
-    timed = out["seconds"][args.warmup:]
-    out["step_median_s"], out["step_mean_s"] = statistics.median(timed), statistics.mean(timed)
-    out["tokens_per_s"] = args.batch * args.seq / out["step_median_s"]
-    out["images_per_s"] = out["tokens_per_s"] / args.seq
-    out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
-    out["first_loss"], out["last_loss"] = out["losses"][0], statistics.mean(out["losses"][-3:])
+    run = (lambda: run_titan(args, name, folder)) if variant == "titan" else (
+        lambda: run_hf(args, name, folder, variant))
+    out = measured(run, device=args.device, warmup=args.warmup, tokens_per_step=args.batch * args.seq)
+    if "error" not in out:
+        out["images_per_s"] = out["tokens_per_s"] / args.seq
     return out
 
 
