@@ -104,6 +104,13 @@ def train_each_on_ranks(configs: list[TrainConfig], nproc: int) -> list[dict[int
     return [losses(Path(config.job.folder)) for config in configs]
 
 
+def train_folders_on_ranks(root: Path, runs: dict[str, dict[str, str]], nproc: int) -> dict[str, Path]:
+    """Each run (id -> tiny_config overrides) trained in root / id, all in one spawn of `nproc` gloo ranks;
+    id -> its job folder."""
+    train_each_on_ranks([tiny_config(root / name, **overrides) for name, overrides in runs.items()], nproc)
+    return {name: root / name for name in runs}
+
+
 @pytest.fixture(scope="session")
 def cli():
     """cli.run(args, nproc=1), cli.command(args, nproc), cli.env(), cli.losses(folder), cli.TINY (as args)."""
@@ -113,7 +120,8 @@ def cli():
 @pytest.fixture(scope="session")
 def jobs():
     """jobs.tiny(folder, **overrides) -> TrainConfig; jobs.on_ranks(config, nproc) -> loss curve;
-    jobs.each_on_ranks(configs, nproc): several runs, one spawn; jobs.assert_follows(curve, expected): a parallel
-    curve against the single-process one."""
+    jobs.each_on_ranks(configs, nproc): several runs, one spawn; jobs.folders_on_ranks(root, runs, nproc): runs by
+    id, one spawn, id -> folder; jobs.assert_follows(curve, expected): a parallel curve against the single-process
+    one."""
     return SimpleNamespace(tiny=tiny_config, on_ranks=train_on_ranks, each_on_ranks=train_each_on_ranks,
-                           assert_follows=assert_follows)
+                           folders_on_ranks=train_folders_on_ranks, assert_follows=assert_follows)

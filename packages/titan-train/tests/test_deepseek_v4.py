@@ -60,8 +60,7 @@ TWO_RANKS = {  # id -> the job of each 2-rank run here
 def two_ranks(tmp_path_factory, jobs) -> dict[str, Path]:
     """id -> job folder of each of TWO_RANKS, all trained in one spawn of 2 gloo ranks."""
     root = tmp_path_factory.mktemp("two_ranks")
-    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in TWO_RANKS.items()], 2)
-    return {name: root / name for name in TWO_RANKS}
+    return jobs.folders_on_ranks(root, TWO_RANKS, 2)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "pp2"])

@@ -54,8 +54,7 @@ TWO_RANKS = {  # id -> job of each flexshard run on 2 ranks, both in one spawn
 def two_ranks(tmp_path_factory, jobs):
     """id -> job folder of each of TWO_RANKS, trained in one spawn of 2 gloo ranks."""
     root = tmp_path_factory.mktemp("two_ranks")
-    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in TWO_RANKS.items()], 2)
-    return {name: root / name for name in TWO_RANKS}
+    return jobs.folders_on_ranks(root, TWO_RANKS, 2)
 
 
 def test_flexshard_in_place_of_fully_shard(reference, two_ranks):

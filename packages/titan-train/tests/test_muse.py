@@ -40,8 +40,7 @@ def two_ranks(tmp_path_factory, jobs):
     root = tmp_path_factory.mktemp("two_ranks")
     runs = {name: {"model.family": family, **STEPS, **layout} for name, (family, layout) in LAYOUTS.items()}
     runs["spark-ep2"] = {**SPARK_EP, "model.moe_impl": "dist_moe", "parallelism.ep": "2"}
-    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in runs.items()], 2)
-    return {name: root / name for name in runs}
+    return jobs.folders_on_ranks(root, runs, 2)
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,7 @@ TWO_RANKS = {  # id -> job of each 2-rank run, all in one spawn
 def two_ranks(tmp_path_factory, jobs):
     """id -> job folder of each of TWO_RANKS, all trained in one spawn of 2 gloo ranks."""
     root = tmp_path_factory.mktemp("two_ranks")
-    jobs.each_on_ranks([jobs.tiny(root / name, **job) for name, job in TWO_RANKS.items()], 2)
-    return {name: root / name for name in TWO_RANKS}
+    return jobs.folders_on_ranks(root, TWO_RANKS, 2)
 
 
 def test_fsdp_export_at_end_equals_the_single_process_export(two_ranks, single):
