@@ -1,5 +1,5 @@
 """One variant's run and its figures, shared by the benchmarks that set titan-train beside a transformers
-anchor variant by variant (vlm, gated_deltanet/train_qwen35): titan's side trains through the Trainer and
+anchor variant by variant (vlm, gated_deltanet/train_qwen35): both start from one saved init; titan's side trains through the Trainer and
 reads its per-step metrics; either side's run is then summarised the same way (median and mean step, tokens/s,
 peak memory, first and last loss), and a failing variant becomes an error row instead of ending the run.
 """
@@ -15,6 +15,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+
+def save_seed0_init(model_config, folder: Path, *, device: str, dtype: torch.dtype, seq: int) -> tuple[int, float]:
+    """titan-models' init (seed 0) of `model_config` as a Hugging Face folder in `dtype`, the weights both
+    sides start from; (parameters, FLOPs per token at `seq`)."""
+    import titan_models as tm
+
+    with torch.device("meta"):
+        model = model_config.build()
+    model.to_empty(device=device)
+    model.init_weights(seed=0)
+    tm.to_hf(model.to(dtype), folder)
+    return tm.count_params(model).total, tm.flops_per_token(model, seq)
 
 
 def train_titan(config_for_job: Callable[[Path], object]) -> dict:

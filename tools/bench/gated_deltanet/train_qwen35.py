@@ -71,7 +71,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_anchor import adamw, loss_gap, train_steps  # noqa: E402
-from variant_run import measured, train_titan  # noqa: E402
+from variant_run import measured, save_seed0_init, train_titan  # noqa: E402
 
 RECIPE = "qwen3_5_debug"
 WARMUP_STEPS = 3  # the lr warm-up, both sides
@@ -101,17 +101,7 @@ def model_config(args, layers: int):
 
 def save_initial_weights(args, layers: int, folder: Path) -> tuple[int, float]:
     """titan-models' init (seed 0) as a Hugging Face folder in the training dtype; (parameters, FLOPs/token)."""
-    import titan_models as tm
-
-    config = model_config(args, layers)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device=args.device)
-    model.init_weights(seed=0)
-    tm.to_hf(model.to(args.dtype), folder)
-    params, flops = tm.count_params(model).total, tm.flops_per_token(model, args.seq)
-    del model
-    return params, flops
+    return save_seed0_init(model_config(args, layers), folder, device=args.device, dtype=args.dtype, seq=args.seq)
 
 
 def titan_config(args, shape: Shape, job: Path, folder: Path):

@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_anchor import adamw, loss_gap, train_steps  # noqa: E402
-from variant_run import measured, train_titan  # noqa: E402
+from variant_run import measured, save_seed0_init, train_titan  # noqa: E402
 
 FLAVORS = {"debug": ("debug", 0), "2B-7L": ("2B", 7), "2B": ("2B", 0)}  # name: (titan-models flavor, layers)
 HF_VARIANTS = ("hf", "hf_compile")
@@ -95,12 +95,7 @@ def save_initial_weights(args, name: str, folder: Path) -> None:
     model_cfg = tm.flavor("qwen3_vl", flavor)
     if layers:
         model_cfg = tm.transforms.num_layers(layers)(model_cfg)
-    with torch.device("meta"):
-        model = model_cfg.build()
-    model.to_empty(device=args.device)
-    model.init_weights(seed=0)
-    tm.to_hf(model.to(args.dtype), folder)
-    del model
+    save_seed0_init(model_cfg, folder, device=args.device, dtype=args.dtype, seq=args.seq)
 
 
 def shapes_loader(args, folder: Path):
