@@ -1,7 +1,8 @@
 """The pixel steps that transformers' torchvision-backed image processors (Kimi K2.x, Muse Glimmer) take,
 done with torch alone: an RGB uint8 [3, h, w] tensor from a Pillow image, an antialiased bicubic or Lanczos
 resize of the uint8 pixels (torch's CPU uint8 kernels, which torchvision calls on CPU; bicubic for Lanczos
-on torch < 2.12, as transformers falls back), zero padding at the bottom and right, and rescale + normalise fused into one float32 step ((x - 255 mean) / (255 std)).
+on torch < 2.12, as transformers falls back), zero padding at the bottom and right, and rescale + normalise
+fused into one float32 step ((x - 255 mean) / (255 std)).
 """
 from __future__ import annotations
 
