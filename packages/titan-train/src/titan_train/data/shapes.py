@@ -6,10 +6,9 @@ instead of resizing (Kimi K2.x: to multiples of patch * merge = 28 pixels) gets 
 unpadded, 56: 4 x 4 patches, 4 image tokens, as Qwen3-VL's 64x64 at 16-pixel patches. Padded to 84 x 84
 (6 x 6 patches, 42% of the pixels padding, the shape on a few patches), the debug Kimi's trained tower
 came to give every image the same tokens and the model never read them; drawn 84 x 84 unpadded, the same.
-A row is
-`[image tokens] caption EOS` right-padded: loss on the caption's tokens only (image and padding positions
-are IGNORE_INDEX), so the loss falls only as the model learns to read the image. Samples depend only on
-(seed, index): the loader's position is one integer.
+A row is `[image tokens] caption EOS` right-padded: loss on the caption's tokens only (image and padding
+positions are IGNORE_INDEX), so the loss falls only as the model learns to read the image. Samples depend
+only on (seed, index): the loader's position is one integer.
 """
 from __future__ import annotations
 
