@@ -26,6 +26,7 @@ GPU (fla-core's wheel installed beside it for its column):
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import time
@@ -61,6 +62,9 @@ def implementations(args):
     """name -> fn(q, k, v, g, beta) -> out, taking raw q/k (each normalises them)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
+    # transformers' hub-kernel decorator swaps in fla's kernel whenever fla is importable (the H200 run of
+    # 2026-12-02 timed fla twice that way); the undecorated function is its torch form, the anchor.
+    torch_chunk_gated_delta_rule = inspect.unwrap(torch_chunk_gated_delta_rule)
     segments, cu_seqlens = documents(args)
 
     def normalised(q, k):  # as the layer gives them: float32 norm, back to the input dtype
@@ -93,6 +97,8 @@ def implementations(args):
 
 def per_channel_implementations(ours):
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    chunk_kimi_delta_attention = inspect.unwrap(chunk_kimi_delta_attention)  # its torch form, not fla's kernel
 
     impls = {"transformers (torch)": lambda q, k, v, g, beta: chunk_kimi_delta_attention(
         q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0], "titan-models (torch)": ours}
@@ -161,25 +167,27 @@ def main() -> None:
     impls = implementations(args)
     # titan-models' chunked form in float64 (tests/test_gated_deltanet.py holds it to a float64 recurrence)
     reference = impls["titan-models (torch)"](*(t.double() for t in inputs(args, args.dtype))).double()
+    print(f"{'per-channel (KDA)' if args.per_channel else 'per-head'} delta rule, batch {args.batch}, seq {args.seq}, "
+          f"{args.documents} document(s) per row, {args.heads} heads, dk {args.dk}, dv {args.dv}, {args.device}, "
+          f"{str(args.dtype).removeprefix('torch.')} q/k/v, median of {args.repeats}")
     rows = []
-    for name, fn in impls.items():
+    for name, fn in impls.items():  # each row printed as it ends: a run cut by a time limit keeps what ended
         err = float("nan")
         if not (name == "transformers (torch)" and args.documents > 1):  # it has no document resets
             with torch.no_grad():
                 err = ((fn(*inputs(args, args.dtype)).double() - reference).norm() / reference.norm()).item()
+        start = time.perf_counter()
         rows.append((name, err, timed(fn, args, backward=False), timed_unless_refused(name, fn, args)))
+        print(f"  {name}: rel err {err:.2e}, fwd {rows[-1][2]:.2f} ms, fwd+bwd {rows[-1][3]:.2f} ms "
+              f"({time.perf_counter() - start:.1f} s with warm-up)", flush=True)
     anchor = rows[0]
     fla = next((row for row in rows if row[0] == "flash-linear-attention"), None)
-    print(f"{'per-channel (KDA)' if args.per_channel else 'per-head'} delta rule, batch {args.batch}, seq {args.seq}, "
-          f"{args.documents} document(s) per row, {args.heads} heads, dk {args.dk}, dv {args.dv}, {args.device}, "
-          f"{str(args.dtype).removeprefix('torch.')} q/k/v, median of {args.repeats}")
     print(f"{'implementation':24s} {'rel err vs fp64':>16s} {'fwd ms':>9s} {'x anchor':>9s} {'x fla':>7s} "
           f"{'fwd+bwd ms':>11s} {'x anchor':>9s} {'x fla':>7s}")
     for name, err, fwd, both in rows:
         vs_fla = (f"{fla[2] / fwd:7.3f}", f"{fla[3] / both:7.3f}") if fla else ("      -", "      -")
         print(f"{name:24s} {err:16.2e} {fwd:9.2f} {anchor[2] / fwd:9.3f} {vs_fla[0]} {both:11.2f} "
               f"{anchor[3] / both:9.3f} {vs_fla[1]}")
-
 
 if __name__ == "__main__":
     main()

@@ -25,8 +25,10 @@ The figures are the job's own per-step metrics (rl_metrics.jsonl), medians over 
   gen tok/s   gen_tokens_per_s (generated tokens over generation_seconds);
   train tok/s train_tokens_per_s (padded prompt + completion tokens through the update, over its time);
   ratio       the variant's step time over the anchor's (per column in the JSON line).
-Estimate on an H200 (not measured here): about 3 s/step off and 4-6 s/step on at the defaults, so with
-model builds each variant takes ~1-2 minutes and the whole run ~3-4 minutes (well under 8).
+Measured on an H200 (2026-12-02, torch 2.11): ~4 s a step off and ~26 s a step on at the defaults (the
+batch-invariant kernels in IEEE fp32 generate ~10x slower), so off takes ~1 minute and on ~5.5 minutes for 12
+steps; each variant's row is printed as soon as it ends (a run cut by a time limit keeps the rows that ended);
+`--steps-on N` runs the on variant for fewer steps.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ COLUMNS = ("generation_seconds", "weight_sync_seconds", "train_seconds", "step_s
            "train_tokens_per_s")
 
 
-def config(args, batch_invariant: bool, folder: Path):
+def config(args, batch_invariant: bool, folder: Path, steps: int):
     from titan_train.cli_args import apply_override
     from titan_train.rl import RL_RECIPES
 
@@ -56,7 +58,7 @@ def config(args, batch_invariant: bool, folder: Path):
         "env.task": "sorting", "algorithm.name": "grpo", "algorithm.group_size": str(args.group),
         "rollout.prompts_per_step": str(args.prompts), "rollout.max_new_tokens": str(args.new_tokens),
         "rollout.max_policy_lag": "0", "generator.kind": "builtin",
-        "generator.batch_invariant": str(batch_invariant).lower(), "training.steps": str(args.steps),
+        "generator.batch_invariant": str(batch_invariant).lower(), "training.steps": str(steps),
         "training.minibatches": "1", "metrics.progress": "true", "metrics.log_interval": "1",
     }
     for name, value in overrides.items():
@@ -64,14 +66,14 @@ def config(args, batch_invariant: bool, folder: Path):
     return run
 
 
-def measure(args, batch_invariant: bool) -> dict:
+def measure(args, batch_invariant: bool, steps: int) -> dict:
     from titan_train.rl import run_rl
 
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     print(f"--- batch_invariant={batch_invariant}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
-        result = run_rl(config(args, batch_invariant, Path(folder)))
+        result = run_rl(config(args, batch_invariant, Path(folder), steps))
     timed = [m for m in result.curve if m["step"] > args.warmup]
     row = {"batch_invariant": batch_invariant, "steps_timed": len(timed)}
     row |= {name: statistics.median(m[name] for m in timed) for name in COLUMNS}
@@ -87,6 +89,21 @@ def measure(args, batch_invariant: bool) -> dict:
     return row
 
 
+def print_table(args, device: str, rows: list[dict]) -> None:
+    print(f"\nRL step split: {args.family} {args.flavor}{f' ({args.layers} layers)' if args.layers else ''}, "
+          f"random init, GRPO on sorting, {args.prompts} prompts x {args.group} samples x <= {args.new_tokens} "
+          f"new tokens, colocated, {device}; medians of the steps after {args.warmup} warm-up")
+    print("| batch-invariant | steps timed | gen s | sync s | train s | step s | gen tok/s | train tok/s | "
+          "step ratio | mismatch max | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        memory = f"{r['memory_gib']:.1f}" if r["memory_gib"] is not None else "-"
+        print(f"| {'on' if r['batch_invariant'] else 'off'} | {r['steps_timed']} | {r['generation_seconds']:.3f} | "
+              f"{r['weight_sync_seconds']:.4f} | {r['train_seconds']:.3f} | {r['step_seconds']:.3f} | "
+              f"{r['gen_tokens_per_s']:.0f} | {r['train_tokens_per_s']:.0f} | {r['ratio']['step_seconds']:.2f}x | "
+              f"{r['logprob_mismatch_max']:.2e} | {memory} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true",
@@ -100,6 +117,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="completion length cap")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--steps-on", type=int, default=0, help="steps of the batch-invariant variant (0: --steps)")
     parser.add_argument("--tf32", action="store_true",
                         help="allow TF32 in torch matmuls (the job's default is IEEE fp32): speeds up the off "
                              "variant only, as the batch-invariant Triton kernels keep IEEE fp32 products")
@@ -112,23 +130,12 @@ def main() -> None:
         sys.exit("needs a CUDA GPU (or --tiny for the CPU check)")
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
-    rows = [measure(args, invariant) for invariant in (False, True)]
-    off = rows[0]
-    for r in rows:
-        r["ratio"] = {name: r[name] / off[name] if off[name] else None for name in COLUMNS}
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\nRL step split: {args.family} {args.flavor}{f' ({args.layers} layers)' if args.layers else ''}, "
-          f"random init, GRPO on sorting, {args.prompts} prompts x {args.group} samples x <= {args.new_tokens} "
-          f"new tokens, colocated, {device}; medians of {off['steps_timed']} steps after {args.warmup} warm-up")
-    print("| batch-invariant | gen s | sync s | train s | step s | gen tok/s | train tok/s | step ratio | "
-          "mismatch max | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        memory = f"{r['memory_gib']:.1f}" if r["memory_gib"] is not None else "-"
-        print(f"| {'on' if r['batch_invariant'] else 'off'} | {r['generation_seconds']:.3f} | "
-              f"{r['weight_sync_seconds']:.4f} | {r['train_seconds']:.3f} | {r['step_seconds']:.3f} | "
-              f"{r['gen_tokens_per_s']:.0f} | {r['train_tokens_per_s']:.0f} | {r['ratio']['step_seconds']:.2f}x | "
-              f"{r['logprob_mismatch_max']:.2e} | {memory} |")
+    rows = []
+    for invariant in (False, True):
+        rows.append(measure(args, invariant, (args.steps_on or args.steps) if invariant else args.steps))
+        rows[-1]["ratio"] = {name: rows[-1][name] / rows[0][name] if rows[0][name] else None for name in COLUMNS}
+        print_table(args, device, rows)  # after each variant: a cut run keeps what ended
     print(json.dumps({"bench": "rl_step_split", "device": device, "family": args.family, "flavor": args.flavor,
                       "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
                       "tf32": args.tf32, "rows": rows}))
