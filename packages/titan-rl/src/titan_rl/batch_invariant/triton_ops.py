@@ -1,12 +1,13 @@
-"""Batch-invariant ops as Triton kernels (GPU), with fixed tiles and no split reductions.
+"""Batch-invariant ops as Triton kernels (GPU), with fixed tiles and a fixed reduction order.
 
 Why these are batch-invariant: every output element is produced by one program whose reduction
 loop has a fixed tile size and a fixed start, whatever the number of rows:
-- matmul: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps (no split-K,
-  no autotuning: the tile sizes never change with the problem's shape);
+- matmul: one program per [BLOCK_M, BLOCK_N] output tile and K chunk walks the chunk in BLOCK_K steps;
+  the plan (tiles, chunks: tiles.matmul_plan) follows the weight's shape and the dtype, never the number
+  of rows, and a split's partial sums are added in chunk order (no autotuning, no atomics);
 - rms_norm / log_softmax: one program per row, reducing the row in fixed BLOCK-sized chunks;
-- attention: one program per (batch, query head, BLOCK_M queries) walks the keys in BLOCK_N blocks
-  from slot 0 with an online softmax; blocks past a row's position are masked to exact zeros, which
+- attention: one program per (batch, kv head, BLOCK_M rows of (query, query head of the group) pairs)
+  walks the keys in BLOCK_N blocks from slot 0 with an online softmax; blocks past a row's position are masked to exact zeros, which
   leave the running statistics bitwise unchanged.
 
 Backward passes use torch on the saved inputs (they need not be batch-invariant: only the forward
@@ -18,15 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_rl.batch_invariant.tiles import attention_plan, matmul_plan
 from titan_rl.batch_invariant.torch_ops import eager_sink_grad, sdpa_attention_grad
 from titan_models.kernels.triton_interpreter import backport_scalar_index
 
 backport_scalar_index()  # only the CPU interpreter of triton < 3.7 needs it; compiled kernels are unaffected
 
-MATMUL_TILE = (128, 128, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: one fixed config, never autotuned per shape
 MATMUL_GROUP_M = 8            # tile launch order (L2 reuse); does not change any element's reduction
+SUM_BLOCK = 1024              # elements per program of the split-K sum
 ROW_BLOCK = 1024            # chunk of a row for rms_norm / log_softmax
-ATTN_TILE = (64, 64)        # BLOCK_M queries, BLOCK_N keys
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -36,10 +37,13 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_CHUNK, stride_am, stride_ak, stride_bn, stride_bk, stride_cs,
+                   stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    # program_id(1): the split; it sums K in [split * K_CHUNK, min(K, (split + 1) * K_CHUNK)) into slice
+    # `split` of c (stride_cs; one split and stride 0 when K is not split)
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * grid_n)
@@ -50,27 +54,55 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    k_lo = split * K_CHUNK
+    k_hi = tl.minimum(K, k_lo + K_CHUNK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # chunks are multiples of BLOCK_K: only K's tail is masked
         kk = k0 + rk
         a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(c_ptr + split * stride_cs + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, out_ptr, numel, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    # partials [SPLITS, numel] (slice stride stride_s) -> out [numel], added in split order: the same
+    # order for every element
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptr + s * stride_s + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _matmul_fwd(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     M, K = x2d.shape
     N = weight.shape[0]
     out = torch.empty(M, N, dtype=x2d.dtype, device=x2d.device)
-    bm, bn, bk = MATMUL_TILE
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _matmul_kernel[grid](x2d, weight, out, M, N, K, x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1),
-                         out.stride(0), out.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M,
-                         PRECISION=_precision(x2d.dtype), num_warps=8, num_stages=3)
+    if M == 0:
+        return out
+    plan = matmul_plan(N, K, x2d.dtype)
+    rows = plan.rows_per_launch(M, N)
+    partials = None if plan.splits == 1 else torch.empty(plan.splits, rows, N, dtype=torch.float32,
+                                                         device=x2d.device)
+    for r0 in range(0, M, rows):  # row chunks bound the workspace; no element's arithmetic depends on them
+        a, m = x2d[r0:r0 + rows], min(rows, M - r0)
+        c = out[r0:r0 + m] if partials is None else partials[:, :m]
+        _matmul_kernel[plan.grid(m, N)](
+            a, weight, c, m, N, K, plan.k_chunk, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1),
+            0 if partials is None else c.stride(0), c.stride(-2), c.stride(-1), BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=MATMUL_GROUP_M, PRECISION=_precision(x2d.dtype),
+            num_warps=plan.num_warps, num_stages=plan.num_stages)
+        if partials is not None:
+            numel = m * N
+            _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](c, out[r0:r0 + m], numel, c.stride(0),
+                                                                  SPLITS=plan.splits,
+                                                                  BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
@@ -179,25 +211,28 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, sink_ptr, S, L, HQ, G, scale, window,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, sink_ptr, S, L, HKV, G, scale, window,
                       sqb, sqs, sqh, skb, skl, skh, svb, svl, svh, sob, sos, soh, spb,
                       D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):
     # D_PAD / DV_PAD: the head widths rounded up to powers of two (tl.arange's); the extra columns load zeros
     # (MLA's q/k width is not one: DeepSeek-V3 debug 48), which add nothing to the dot products.
+    # Row r of a (batch, kv head) problem is query r // G of head hk * G + r % G: the G query heads that
+    # share the kv head share the tile (a decode step's one query per sequence fills G rows, not one).
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // G
+    b = bh // HKV
+    hk = bh % HKV
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // G
+    h = hk * G + rows % G
     dcol = tl.arange(0, D_PAD)
     vcol = tl.arange(0, DV_PAD)
     d_ok, v_ok = dcol < D, vcol < DV
-    row_ok = rows < S
-    q = tl.load(q_ptr + b * sqb + rows[:, None] * sqs + h * sqh + dcol[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0)
-    pos = tl.load(pos_ptr + b * spb + rows, mask=row_ok, other=0)
+    row_ok = qi < S
+    q = tl.load(q_ptr + b * sqb + qi[:, None] * sqs + h[:, None] * sqh + dcol[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = tl.load(pos_ptr + b * spb + qi, mask=row_ok, other=0)
     limit = tl.minimum(pos, tl.load(kvlen_ptr + b) - 1)  # slot j is visible iff j <= limit
     hi = tl.minimum(tl.max(tl.where(row_ok, limit, 0), axis=0) + 1, L)
     # Blocks left of every row's window leave the initial state unchanged: start at the first block
@@ -225,13 +260,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, kvlen_ptr, sink_ptr, 
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if HAS_SINKS:  # the head's sink joins the denominator: rescale to the larger max, add its mass
-        sink = tl.load(sink_ptr + h).to(tl.float32)
+        sink = tl.load(sink_ptr + h, mask=row_ok, other=0.0).to(tl.float32)
         m_final = tl.maximum(m, sink)
         alpha = tl.exp(m - m_final)
         l = l * alpha + tl.exp(sink - m_final)
         acc = acc * alpha[:, None]
     out = acc / l[:, None]
-    tl.store(o_ptr + b * sob + rows[:, None] * sos + h * soh + vcol[None, :], out.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + b * sob + qi[:, None] * sos + h[:, None] * soh + vcol[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & v_ok[None, :])
 
 
@@ -245,16 +280,17 @@ class _Attention(torch.autograd.Function):
         lens = (torch.full((b,), L, dtype=torch.int32, device=q.device) if kv_len is None
                 else kv_len.to(torch.int32).contiguous())
         out = torch.empty(b, s, hq, dv, dtype=q.dtype, device=q.device)
-        bm, bn = ATTN_TILE
-        grid = (triton.cdiv(s, bm), b * hq)
+        plan = attention_plan(q.dtype)
+        g = hq // hkv
+        grid = (triton.cdiv(s * g, plan.block_m), b * hkv)
         sink_arg = sinks.contiguous() if sinks is not None else out  # any pointer when HAS_SINKS is off
-        _attention_kernel[grid](q, k, v, out, pos, lens, sink_arg, s, L, hq, hq // hkv, scale,
+        _attention_kernel[grid](q, k, v, out, pos, lens, sink_arg, s, L, hkv, g, scale,
                                 window if window is not None else 2**30,
                                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                                 pos.stride(0), D=d, DV=dv, D_PAD=max(16, triton.next_power_of_2(d)),
-                                DV_PAD=max(16, triton.next_power_of_2(dv)), BLOCK_M=bm, BLOCK_N=bn,
-                                PRECISION=_precision(q.dtype),
+                                DV_PAD=max(16, triton.next_power_of_2(dv)), BLOCK_M=plan.block_m,
+                                BLOCK_N=plan.block_n, PRECISION=_precision(q.dtype),
                                 HAS_SINKS=sinks is not None, num_warps=4)
         ctx.save_for_backward(q, k, v, q_positions, kv_len, sinks)
         ctx.scale, ctx.window = scale, window

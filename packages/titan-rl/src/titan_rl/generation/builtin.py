@@ -133,22 +133,23 @@ class BuiltinGenerator:
         out_tokens: list[list[int]] = [[] for _ in range(batch)]
         out_logprobs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        done = [False] * batch  # host-side: reading a device tensor per row was a sync per row and step
         stops = set(sampling.stop_token_ids)
         cur_len = lengths.clone()
         for step in range(sampling.max_new_tokens):
             nxt = sample_next(last_logits, sampling, rng)
             logp = logprobs_from_logits(last_logits, nxt, temperature=sampling.temperature, batch_invariant=invariant)
+            picked = nxt.tolist()  # one device-to-host copy a step
             for i in range(batch):
                 if done[i]:
                     continue
-                tok = int(nxt[i])
+                tok = picked[i]
                 out_tokens[i].append(tok)
                 out_logprobs[i].append(logp[i])
                 if tok in stops or any(out_tokens[i][-len(s):] == list(s) for s in sampling.stop_sequences):
                     done[i] = True
                     finish[i] = "stop"
-            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+            if all(done) or step == sampling.max_new_tokens - 1:
                 break
             # Decode: one token per sequence at its own position (finished ones keep going on
             # padding; their outputs are ignored).
