@@ -12,9 +12,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_train import train
-from titan_train.remat import BlockProfile, budget_plan
+from titan_train.remat import BlockProfile, StaticMemory, budget_plan, peak_model, peak_plan
 from titan_train.remat.measure import OpRecord
-from titan_train.remat.plan import GIB, OPTIONS, cost
+from titan_train.remat.peak import block_transient
+from titan_train.remat.plan import GIB, OPTIONS, BlockChoice, cost
 from titan_train.trainer import Trainer
 
 
@@ -92,11 +93,17 @@ def test_save_blocks_keep_whole_blocks(tmp_path, jobs, plain_counts):
     assert [b["option"] for b in trainer.parallelizer.remat_plan["blocks"]] == ["explicit", "keep"]
 
 
-# 0.02704 GiB: the 0.0264 GiB of weights, gradients and moments + room for the two blocks' inputs only
-@pytest.mark.parametrize("budget_gib, option", [(0.02704, "recompute"), (1.0, "keep")])
-def test_budget_plan_in_the_trainer(tmp_path, jobs, plain_counts, budget_gib, option):
+ACCUMULATE = {"training.grad_accum_steps": "2", "training.batch_size": "8"}  # the same 4-row microbatch
+
+
+# 0.0396 GiB with two microbatches: the 0.0264 GiB of weights, gradients (kept across microbatches) and moments +
+# one block's transient (its keep bytes, 0.0126 GiB) + the two blocks' inputs (0.0005) only; a block saving its
+# attention would need 0.00025 GiB more. (Without accumulation no budget gives all-recompute here: the backward's
+# walk at the first block, holding every gradient, sets the floor, and the last block then has room to save.)
+@pytest.mark.parametrize("budget_gib, option, overrides", [(0.0396, "recompute", ACCUMULATE), (1.0, "keep", {})])
+def test_budget_plan_in_the_trainer(tmp_path, jobs, plain_counts, budget_gib, option, overrides):
     trainer = tiny_trainer(jobs, tmp_path, **{"activation_checkpoint.mode": "remat",
-                                              "activation_checkpoint.memory_budget_gib": str(budget_gib)})
+                                              "activation_checkpoint.memory_budget_gib": str(budget_gib), **overrides})
     report = json.loads((tmp_path / "remat_plan.json").read_text())
     assert report["planned_total_bytes"] <= budget_gib * GIB
     assert {b["option"] for b in report["blocks"]} == {option}
@@ -129,6 +136,68 @@ def test_budget_plan_is_the_cheapest_that_fits(budget):
     plan = budget_plan(profiles, budget)
     assert sum(c.saved_bytes for c in plan) <= budget
     assert sum(c.recomputed_flops for c in plan) == best
+
+
+def _budget_report(jobs, folder, budget_gib: float, **overrides) -> dict:
+    tiny_trainer(jobs, folder, **{"activation_checkpoint.mode": "remat",
+                                  "activation_checkpoint.memory_budget_gib": str(budget_gib), **overrides})
+    return json.loads((folder / "remat_plan.json").read_text())
+
+
+def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
+    """The same microbatch (4 rows) and budget: without accumulation the gradients (None through the forward)
+    leave room to keep both blocks; with two microbatches they persist and a block recomputes. 0.063 GiB lies
+    between the two keep-everything peaks (0.0614 and 0.0643 GiB)."""
+    single = _budget_report(jobs, tmp_path / "one", 0.063)
+    accumulated = _budget_report(jobs, tmp_path / "two", 0.063, **ACCUMULATE)
+    assert not single["gradients_persist"] and accumulated["gradients_persist"]
+    assert single["gradient_bytes"] == accumulated["gradient_bytes"] > 0
+    assert accumulated["forward_static_bytes"] == single["forward_static_bytes"] + single["gradient_bytes"]
+    assert {b["option"] for b in single["blocks"]} == {"keep"}
+    assert accumulated["recomputed_flops"] > single["recomputed_flops"] == 0
+    for report in (single, accumulated):
+        peaks = [report[k] for k in ("forward_peak_bytes", "backward_peak_bytes", "end_of_backward_bytes")]
+        assert report["planned_total_bytes"] == max(peaks) <= report["budget_bytes"]
+        assert report["end_of_backward_bytes"] == (report["forward_static_bytes"]
+                                                   + (0 if report["gradients_persist"] else report["gradient_bytes"]))
+
+
+def test_budget_below_weights_moments_and_gradients_is_refused(tmp_path, jobs):
+    """0.023 GiB holds the weights and moments (0.0198) but not them with the gradients (0.0264), which all
+    exist at the end of the backward; 0.039 holds those but not also the first block's recomputation in the
+    backward (its keep bytes and input: 0.0393 in all), with or without gradient accumulation."""
+    for folder, budget, overrides in (("a", "0.023", {}), ("b", "0.039", {}), ("c", "0.039", ACCUMULATE)):
+        with pytest.raises(ValueError, match=rf"memory_budget_gib={budget}0 does not hold the weights, gradients "
+                                             r"and AdamW moments the backward ends with, 28332032 bytes .* with the "
+                                             r"first block's recomputation: 42168320 bytes"):
+            tiny_trainer(jobs, tmp_path / folder, **{"activation_checkpoint.mode": "remat",
+                                                     "activation_checkpoint.memory_budget_gib": budget, **overrides})
+
+
+@pytest.mark.parametrize("budget", [3750, 3810, 3870, 3960, 4050, 4200])  # small: the knapsack's grid is 1 byte
+@pytest.mark.parametrize("persist", [False, True])
+def test_peak_plan_is_the_cheapest_whose_walk_fits(budget, persist):
+    """Against a brute force over every combination (ordered as the blocks are) whose peak model fits: the
+    backward's walk caps each prefix of blocks, so where blocks saving more than their gradients (keep: 230
+    saved, 200 of gradients) precede ones saving less, the walk's inside decides, not its ends."""
+    profiles = [_profile(f"layers.{i}", 1) for i in range(4)]
+    grads = [200] * 4
+    memory = StaticMemory(forward_bytes=2000 + (1500 if persist else 0), gradient_bytes=1500,
+                          gradients_persist=persist, loss_bytes=50)
+    transient = block_transient(profiles)
+    best = None
+    for combo in itertools.product(OPTIONS.items(), repeat=len(profiles)):
+        choices = [BlockChoice(p.path, name, ops, *cost(p, ops)) for p, (name, ops) in zip(profiles, combo)]
+        if peak_model(choices, grads, memory, transient).total_bytes <= budget:
+            flops = sum(c.recomputed_flops for c in choices)
+            best = flops if best is None else min(best, flops)
+    if best is None:  # with persisting gradients 3750 cannot hold the forward: 3500 + 80 of inputs + one block
+        with pytest.raises(ValueError, match="memory_budget_gib"):
+            peak_plan(profiles, budget, memory, grads)
+        return
+    choices, model = peak_plan(profiles, budget, memory, grads)
+    assert model.total_bytes <= budget and model == peak_model(choices, grads, memory, transient)
+    assert sum(c.recomputed_flops for c in choices) == best
 
 
 def test_remat_errors(tmp_path, jobs):

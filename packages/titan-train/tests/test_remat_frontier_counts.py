@@ -44,6 +44,36 @@ def test_the_8b_state_is_what_the_trainer_and_the_remat_planner_count():
     assert 89 < shape.planner_static_bytes / GIB < 90
 
 
+def test_the_planner_model_is_the_planners():
+    """frontier_memory's model of the remat planner (its forward state, reserve and floor) is what titan-train's
+    planner computes for the 8B (2 layers, on meta) at batch 2: gradients counted from the backward on."""
+    import dataclasses
+
+    import titan_models
+    from titan_train.memory_estimate import remat_static_memory
+    from titan_train.remat import profile_blocks
+    from titan_train.remat.apply import block_gradients
+    from titan_train.remat.peak import backward_floor, block_transient
+
+    args = remat_frontier.parse_args([])
+    flags, shape = remat_frontier.model_setup(args)
+    shape = dataclasses.replace(shape, layers=2)
+    config = _config([*flags, "--training.batch_size", "2"])
+    with torch.device("meta"):
+        model = titan_models.transforms.num_layers(2)(titan_models.flavor("llama3", "8B")).build()
+    tokens = 2 * 4096
+    memory = remat_static_memory(config, model, device=torch.device("cuda"), shards=1, tokens=tokens, autocast=False)
+    assert not memory.gradients_persist
+    assert memory.forward_bytes == shape.parameters * shape.forward_state_bytes  # 10 B/param: no gradients
+    assert memory.gradient_bytes == shape.parameters * shape.grad_bytes
+    profiles = profile_blocks(model, rows=2, seq_len=4096, dtype=torch.bfloat16)
+    transient, grads = block_transient(profiles), block_gradients(model, memory.gradient_bytes)
+    assert transient == shape.planner_keep_bytes(tokens)
+    outside = memory.gradient_bytes - sum(grads)
+    assert shape.planner_reserve_bytes(tokens) == max(transient + outside + grads[-1], memory.loss_bytes + outside)
+    assert shape.planner_floor_bytes(tokens) == backward_floor(profiles, memory)
+
+
 @pytest.mark.parametrize("batch", [2, 4])
 def test_counted_peaks_agree_with_memory_model(batch):
     shape, tokens = remat_frontier.model_setup(remat_frontier.parse_args([]))[1], batch * 4096
@@ -62,10 +92,11 @@ def test_default_run_fits_and_every_point_parses():
     flags, shape = remat_frontier.model_setup(args)
     points = remat_frontier.plan_points(shape, 2 * 4096, args)
     # each remat level runs right after the existing mode whose counted peak it is
-    assert [p.name for p in points] == ["full", "remat_92.5GiB", "ops", "remat_101GiB", "none", "remat_123GiB"]
+    # (full's level is the planner's floor, 93.5 GiB: every gradient + one block's keep bytes as it profiles them)
+    assert [p.name for p in points] == ["full", "remat_93.5GiB", "ops", "remat_101GiB", "none", "remat_123GiB"]
     assert not any(p.skip for p in points)
     levels = [p.budget_gib for p in points if p.budget_gib is not None]
-    assert all(shape.planner_static_bytes / GIB < lv < args.capacity for lv in levels), levels
+    assert all(shape.planner_floor_bytes(2 * 4096) / GIB < lv < args.capacity for lv in levels), levels
     for p in points:
         config = _config([*flags, "--training.batch_size", "2", *p.flags])
         config.activation_checkpoint.check()

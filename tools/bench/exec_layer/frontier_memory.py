@@ -9,10 +9,13 @@ block, measured there through saved-tensor hooks), extended to the checkpointing
             logits and output-weight gradient sum + embedding output, fp32 final-norm input and token rows;
   backward  state + gradients + one block's recomputed (or not yet freed) values, the backward's high mark
             when little is saved (full checkpointing);
-  remat     activation_checkpoint.memory_budget_gib is a TOTAL: the planner (titan_train/remat) keeps the
-            saved activations it plans under budget - (weights + gradients + moments) and leaves the loss
-            buffers and the allocator out, so its peak is counted as state + that much + loss + other,
-            no less than full checkpointing's and no more than none's.
+  remat     activation_checkpoint.memory_budget_gib is a TOTAL: the planner (titan_train/remat/peak.py) keeps
+            the saved activations it plans (in its profile's bytes) under budget - state - its reserve at the
+            backward's start (the larger of one block's keep bytes with the gradients outside the blocks and
+            the last block's, and its count of the loss buffers with those outside gradients; the gradients
+            are None through the forward), so its peak is counted as state + that much + loss + other, no
+            less than full checkpointing's and no more than none's; it refuses budgets below state + all the
+            gradients + one block's keep bytes and input (its backward at the first block).
 The allocator's slack (~1 GiB measured on the 1.5B model) is not counted.
 """
 from __future__ import annotations
@@ -42,6 +45,13 @@ class Shape:
     """training.loss_chunk_size"""
     loss_weight_grad_bytes: int = 2
     """training.loss_weight_grad_dtype: param (bf16) 2, float32 4."""
+    planner_keep_bytes_per_token: int = 0
+    planner_keep_fixed_bytes: int = 0
+    """A block's keep bytes as the remat planner's profile counts them (every op output): fixed + per token
+    (remat_frontier.model_setup measures both with titan_train.remat.profile_blocks)."""
+
+    def planner_keep_bytes(self, tokens: int) -> int:
+        return self.planner_keep_fixed_bytes + tokens * self.planner_keep_bytes_per_token
 
     @property
     def kv(self) -> int:
@@ -49,14 +59,32 @@ class Shape:
 
     @property
     def parameters(self) -> int:
-        d = self.dim
-        return self.layers * (d * (2 * d + 2 * self.kv) + 3 * d * self.ffn + 2 * d) + 2 * self.vocab * d + d
+        return self.layers * self.block_parameters + 2 * self.vocab * self.dim + self.dim
 
     @property
     def planner_static_bytes(self) -> int:
-        """What titan-train's remat planner counts against the budget: weights, gradients and moments
-        (state_bytes_per_param: 12 a parameter under bf16_params with bf16 moments, 16 in fp32)."""
+        """Weights, gradients and moments (state_bytes_per_param: 12 a parameter under bf16_params with bf16
+        moments, 16 in fp32): what the remat planner's step holds at the end of the backward."""
         return self.parameters * (self.forward_state_bytes + self.grad_bytes)
+
+    @property
+    def block_parameters(self) -> int:
+        d = self.dim
+        return d * (2 * d + 2 * self.kv) + 3 * d * self.ffn + 2 * d
+
+    def planner_floor_bytes(self, tokens: int) -> int:
+        """The least budget the planner accepts (remat/peak.py backward_floor): the end of the backward + the
+        first block's keep bytes and input."""
+        return self.planner_static_bytes + self.planner_keep_bytes(tokens) + tokens * self.dim * self.value_bytes
+
+    def planner_reserve_bytes(self, tokens: int) -> int:
+        """What the planner holds back from budget - forward state for the backward's start (peak.py peak_plan,
+        memory_estimate.remat_static_memory's loss buffers, no autocast)."""
+        outside = (self.parameters - self.layers * self.block_parameters) * self.grad_bytes
+        loss = (min(self.loss_chunk, tokens) * self.vocab * 8 + self.vocab * self.dim * self.loss_weight_grad_bytes
+                + tokens * self.dim * (2 * self.value_bytes + 8))
+        keep = self.planner_keep_bytes(tokens)
+        return max(keep + outside + self.block_parameters * self.grad_bytes, loss + outside)
 
 
 def _per_token_layer(shape: Shape, saved: str) -> int:
@@ -101,8 +129,7 @@ def peak(shape: Shape, tokens: int, mode: str, every: int = 2) -> int:
 
 def remat_peak(shape: Shape, tokens: int, budget_bytes: int) -> int:
     """Counted peak of activation_checkpoint.mode=remat at a total budget (see the module docstring)."""
-    planned = max(budget_bytes - shape.planner_static_bytes, 0)
     state = shape.parameters * shape.forward_state_bytes
+    planned = max(budget_bytes - state - shape.planner_reserve_bytes(tokens), 0)
     counted = state + planned + _loss_and_other(shape, tokens)
     return max(peak(shape, tokens, "full"), min(peak(shape, tokens, "none"), counted))
-

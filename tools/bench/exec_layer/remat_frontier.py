@@ -13,8 +13,8 @@ moments, it would be 119.7 GiB and hardly any point would fit). The script print
 
 Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, and
 activation_checkpoint.mode=remat at three memory levels: the counted peaks of full, ops and none (+1 GiB
-of allocator slack), so each remat point meets the existing mode that fits exactly there; they run by
-memory, each level after its mode (full, remat_92.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
+of allocator slack; no lower than the planner's floor, 93.5 GiB at batch 2, which sets full's level), so
+each remat point meets the existing mode that fits there; they run by memory, each level after its mode (full, remat_93.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
 ~60-75 s (start and imports ~10 s, 8B materialized ~10 s, compile ~30-40 s, 6 steps of ~1.0-1.4 s), 6
 points ~7 min; a point stops after --point-timeout (150 s) and none starts past --deadline (480 s), so a
 cut run still prints every line that ended. --grid runs batches 2, 3, 4 with selective layers (every 2)
@@ -26,7 +26,8 @@ Memory levels and the budget: activation_checkpoint.memory_budget_gib is the TOT
 aims at (weights + gradients + moments + saved activations; titan_train/remat/apply.py), not an activation
 budget; a remat point is called with the level as its budget, its measured peak is checked against it, and
 it is compared with the best existing mode whose measured peak is within the same level. (The planner
-counts the gradients, which do not coexist with the saved activations, and leaves out the loss buffers.)
+counts the gradients only from the backward on, when the saved activations are being freed, and reserves the
+backward's transient and the loss buffers: titan_train/remat/peak.py.)
 frontier_memory.py counts each point's peak (memory_model.py's layouts); a point counted above --capacity
 prints 'predicted OOM' and does not run. Measured peak: torch.cuda.max_memory_allocated (metrics.jsonl).
 The last table gives, per variant, the largest batch of the run that fit.
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import torch  # noqa: E402
 from common import run_job  # noqa: E402
 from frontier_memory import GIB, Shape, peak, remat_peak  # noqa: E402
 
@@ -96,10 +98,24 @@ def model_setup(args) -> tuple[list[str], Shape]:
              "--data.source", "random", *LEAN]
     if args.tiny:  # fp32 on CPU: 4-byte weights and gradients, fp32 moments
         flags += ["--job.device", "cpu", "--training.seq_len", "256", "--compile.mode", "none"]
-        return flags, Shape(**shape, value_bytes=4, forward_state_bytes=12, grad_bytes=4, loss_weight_grad_bytes=4)
+        return flags, Shape(**shape, value_bytes=4, forward_state_bytes=12, grad_bytes=4, loss_weight_grad_bytes=4,
+                            **_planner_keep(cfg, 256, torch.float32))
     flags += ["--job.device", "cuda", "--training.seq_len", "4096", "--compile.mode", "blocks",
               "--training.mixed_precision", "bf16_params", "--optimizer.moment_dtype", "bfloat16"]
-    return flags, Shape(**shape)
+    return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16))
+
+
+def _planner_keep(cfg, seq_len: int, dtype) -> dict[str, int]:
+    """One block's keep bytes as the remat planner profiles them (on meta: no memory, no compute), as a fixed
+    part (the weights' copies its products make) + a part per token: profiled at one and two rows."""
+    import titan_models
+    from titan_train.remat import profile_blocks
+    from titan_train.remat.plan import cost
+
+    with torch.device("meta"):
+        model = titan_models.transforms.num_layers(1)(cfg).build()
+    one, two = (cost(profile_blocks(model, rows=r, seq_len=seq_len, dtype=dtype)[0], None)[0] for r in (1, 2))
+    return {"planner_keep_bytes_per_token": (two - one) // seq_len, "planner_keep_fixed_bytes": 2 * one - two}
 
 
 def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
@@ -112,12 +128,16 @@ def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
     else:
         slack = min(SLACK_GIB, 0.05 * counted["full"])  # the tiny model's peaks are MiB
         top = args.capacity - 4  # the grid's top level: what is left for remat past the existing modes
-        levels = [_round_up(counted[n] + slack) for n in names if n != "layers2" and counted[n] <= args.capacity]
+        # no lower than the planner accepts (its backward at the first block: every gradient and one block's
+        # keep bytes as it profiles them, more than full checkpointing's measured recomputation)
+        floor = shape.planner_floor_bytes(tokens) / GIB
+        levels = [_round_up(max(counted[n] + slack, floor)) for n in names
+                  if n != "layers2" and counted[n] <= args.capacity]
         levels = sorted({lv for lv in levels if lv < top} | ({top} if args.grid else set()))
-    planner_floor = shape.planner_static_bytes / GIB
+    planner_floor = shape.planner_floor_bytes(tokens) / GIB
     for level in levels:
         predicted = remat_peak(shape, tokens, int(level * GIB)) / GIB
-        skip = f"budget below the planner's state ({planner_floor:.2f} GiB)" if level <= planner_floor else ""
+        skip = f"budget below the planner's floor ({planner_floor:.2f} GiB)" if level < planner_floor else ""
         points.append(Point(f"remat_{level:g}GiB", _remat_flags(level), predicted, level, skip))
     points = [p if p.skip or p.predicted_gib <= args.capacity else
               Point(p.name, p.flags, p.predicted_gib, p.budget_gib, "predicted OOM") for p in points]
@@ -208,8 +228,11 @@ def main(argv=None) -> int:
     n = shape.parameters
     print(f"Llama 3 {'debug' if args.tiny else '8B'}, {shape.layers} layers, {n / 1e9:.3f}B parameters; state "
           f"{n * shape.forward_state_bytes / GIB:.2f} GiB through the forward ({shape.forward_state_bytes} B/param) + "
-          f"{n * shape.grad_bytes / GIB:.2f} GiB gradients = {shape.planner_static_bytes / GIB:.2f} GiB, what the "
-          f"remat planner counts against its budget; capacity {args.capacity:g} GiB", flush=True)
+          f"{n * shape.grad_bytes / GIB:.2f} GiB gradients = {shape.planner_static_bytes / GIB:.2f} GiB at the end of "
+          "the backward; the remat planner counts the gradients from the backward on (None through the forward) "
+          f"and reserves one block's keep bytes ({shape.planner_keep_bytes_per_token} B/token + "
+          f"{shape.planner_keep_fixed_bytes / GIB:.3f} GiB); capacity "
+          f"{args.capacity:g} GiB", flush=True)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         points = plan_points(shape, batch * seq, args)

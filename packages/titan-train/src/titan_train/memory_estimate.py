@@ -23,6 +23,7 @@ import torch
 
 from .config import TrainConfig
 from .mesh import Degrees
+from .remat.peak import StaticMemory
 
 GiB = 2**30
 
@@ -69,6 +70,38 @@ def state_bytes_per_param(config: TrainConfig, device: torch.device) -> int:
     gradient with fp32 master and moments), 12 with optimizer.moment_dtype=bfloat16 under bf16_params."""
     bf16_moments = config.training.precision(device) == "bf16_params" and config.optimizer.moment_dtype == "bfloat16"
     return 12 if bf16_moments else 16
+
+
+def gradient_bytes_per_param(config: TrainConfig, device: torch.device) -> int:
+    """The gradient's share of state_bytes_per_param: 2 under bf16_params (the model's parameters, hence their
+    gradients, are bf16), else 4 (fp32 parameters: fp32, and bf16 autocast or FSDP's bf16 policy, whose
+    sharded gradients are reduced into fp32)."""
+    return 2 if config.training.precision(device) == "bf16_params" else 4
+
+
+def remat_static_memory(config: TrainConfig, model: torch.nn.Module, *, device: torch.device, shards: int,
+                        tokens: int, autocast: bool) -> StaticMemory:
+    """What the remat planner counts besides the saved activations of one microbatch of `tokens` (remat/peak.py):
+    the state split into what the forward holds and the gradients (None through the forward unless
+    training.grad_accum_steps > 1 keeps them across microbatches), and the fused loss's buffers. Under autocast
+    every block's bf16 weight copies are counted too (a kept block's products save them); a sharded model's
+    gathered weights are not."""
+    n = sum(p.numel() for p in model.parameters())
+    grad_bytes = gradient_bytes_per_param(config, device)
+    persist = config.training.grad_accum_steps > 1
+    forward = (state_bytes_per_param(config, device) - (0 if persist else grad_bytes)) * n // shards
+    if autocast:
+        forward += 2 * sum(p.numel() for block in model.layers.values() for p in block.parameters())
+    t, model_cfg = config.training, getattr(model, "config", None)
+    vocab, dim = getattr(model_cfg, "vocab_size", 0), getattr(model_cfg, "dim", 0)
+    act = 2 if config.training.precision(device) in ("bf16", "bf16_params") else 4
+    sum_bytes = grad_bytes if t.loss_weight_grad_dtype == "param" else 4  # the output weight's gradient sum
+    # a chunk's logits, fp32 work and gradient (8 bytes an element at most); the [V, d] sum (and under autocast
+    # the weight's bf16 copy); the hidden states' cast and gradient, the final norm's fp32 input and output
+    loss = (min(t.loss_chunk_size, tokens) * vocab * 8 + vocab * dim * (sum_bytes + (2 if autocast else 0))
+            + tokens * dim * (2 * act + 8))
+    return StaticMemory(forward_bytes=forward, gradient_bytes=grad_bytes * n // shards, gradients_persist=persist,
+                        loss_bytes=loss)
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -207,19 +207,20 @@ class Parallelizer:
         return expert_parallel
 
     def _apply_remat(self, model: nn.Module) -> None:
-        """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank; the weights,
-        gradients and AdamW moments (16 bytes a parameter, 12 with bf16 moments; sharded over FSDP) count
-        against the budget."""
-        from .memory_estimate import state_bytes_per_param
+        """Per-op/per-block recomputation (remat/): planned for one microbatch of this rank against the peak
+        model of remat/peak.py: the weights and AdamW moments (sharded over FSDP) through the forward, the
+        gradients from the backward on (through the forward as well under gradient accumulation)."""
+        from .memory_estimate import remat_static_memory
         from .remat import apply_remat
 
         t, d = self.run.training, self.degrees
         shards = d.dp * d.cp if self.fsdp else 1
-        static = state_bytes_per_param(self.run, self.device) * sum(p.numel() for p in model.parameters()) // shards
+        rows, seq_len = t.batch_size // d.dp // t.grad_accum_steps, t.seq_len // d.cp
+        memory = remat_static_memory(self.run, model, device=self.device, shards=shards, tokens=rows * seq_len,
+                                     autocast=self.precision == "bf16" and not self.fsdp)
         is_main = not dist.is_initialized() or dist.get_rank() == 0
-        self.remat_plan = apply_remat(model, self.run.activation_checkpoint,
-                                      rows=t.batch_size // d.dp // t.grad_accum_steps, seq_len=t.seq_len // d.cp,
-                                      activation_dtype=self.compute_dtype, static_bytes=static,
+        self.remat_plan = apply_remat(model, self.run.activation_checkpoint, rows=rows, seq_len=seq_len,
+                                      activation_dtype=self.compute_dtype, memory=memory,
                                       folder=Path(self.run.job.folder) if is_main else None)
 
     def _shard(self, loss: CausalLMLoss, pipeline: Pipeline | None, expert_parallel: ExpertParallel | None) -> None:

@@ -10,7 +10,9 @@ import torch.nn as nn
 
 from ..config import ActivationCheckpointConfig
 from .measure import op_name, profile_blocks
-from .plan import GIB, budget_plan, explicit_plan, plan_report, summary_line
+from .peak import StaticMemory, block_transient, peak_model, peak_plan
+from .plan import GIB, explicit_plan
+from .report import plan_report, summary_line
 
 
 def _policy(save_ops: tuple[str, ...]):
@@ -25,22 +27,21 @@ def _policy(save_ops: tuple[str, ...]):
 
 
 def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: int, seq_len: int,
-                activation_dtype: torch.dtype, static_bytes: int, folder: Path | None) -> dict:
-    """Plan (explicit lists or the budget), wrap the blocks, print the plan and write <folder>/remat_plan.json
-    (folder None: not this rank's job); returns the plan's report."""
+                activation_dtype: torch.dtype, memory: StaticMemory, folder: Path | None) -> dict:
+    """Plan (explicit lists or the budget, against peak.py's peak model), wrap the blocks, print the plan and
+    write <folder>/remat_plan.json (folder None: not this rank's job); returns the plan's report."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype)
+    gradients = block_gradients(model, memory.gradient_bytes)
     budget = None
     if config.memory_budget_gib:
         budget = int(config.memory_budget_gib * GIB)
-        if budget <= static_bytes:
-            raise ValueError(f"activation_checkpoint.memory_budget_gib={config.memory_budget_gib} does not hold "
-                             f"the weights, gradients and AdamW moments ({static_bytes / GIB:.3f} GiB per rank)")
-        choices = budget_plan(profiles, budget - static_bytes)
+        choices, peak = peak_plan(profiles, budget, memory, gradients)
     else:
         choices = explicit_plan(profiles, config.save_ops, config.save_blocks)
+        peak = peak_model(choices, gradients, memory, block_transient(profiles))
     for choice in choices:
         name = choice.path.removeprefix("layers.")
         if choice.save_ops is None:
@@ -51,9 +52,17 @@ def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: i
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
         else:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-    report = plan_report(choices, static_bytes=static_bytes, budget_bytes=budget)
+    report = plan_report(choices, memory=memory, peak=peak, transient_bytes=block_transient(profiles),
+                         budget_bytes=budget)
     if folder is not None:
         print(summary_line(report), flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "remat_plan.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def block_gradients(model: nn.Module, gradient_bytes: int) -> list[int]:
+    """Each block's share of the gradient bytes, by its parameter count."""
+    total = sum(p.numel() for p in model.parameters())
+    return [gradient_bytes * sum(p.numel() for p in block.parameters()) // max(total, 1)
+            for block in model.layers.values()]

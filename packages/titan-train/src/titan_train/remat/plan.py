@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .measure import ATTENTION_OPS, MATMUL_OPS, BlockProfile
 
@@ -70,8 +70,10 @@ def explicit_plan(profiles: list[BlockProfile], save_ops: tuple[str, ...],
     return choices
 
 
-def budget_plan(profiles: list[BlockProfile], budget_bytes: int) -> list[BlockChoice]:
-    """The choices with the least recomputed FLOPs whose saved bytes sum to at most `budget_bytes`."""
+def budget_plan(profiles: list[BlockProfile], budget_bytes: int,
+                prefix_caps: list[int] | None = None) -> list[BlockChoice]:
+    """The choices with the least recomputed FLOPs whose saved bytes sum to at most `budget_bytes`, and those of
+    blocks 0..i to at most prefix_caps[i] (the backward's walk, peak.py)."""
     options = [[BlockChoice(b.path, name, ops, *cost(b, ops)) for name, ops in OPTIONS.items()] for b in profiles]
     least = sum(min(c.saved_bytes for c in opts) for opts in options)
     if least > budget_bytes:
@@ -80,31 +82,17 @@ def budget_plan(profiles: list[BlockProfile], budget_bytes: int) -> list[BlockCh
                          "budget, or shrink the microbatch (training.grad_accum_steps)")
     unit = max(1, math.ceil(budget_bytes / 4000))
     slots = budget_bytes // unit
+    caps = [slots] * len(profiles) if prefix_caps is None else [min(slots, c // unit) for c in prefix_caps]
     best: dict[int, tuple[int, list[BlockChoice]]] = {0: (0, [])}  # used units -> (flops, choices)
-    for opts in options:
+    for opts, cap in zip(options, caps, strict=True):
         nxt: dict[int, tuple[int, list[BlockChoice]]] = {}
         for used, (flops, chosen) in best.items():
             for c in opts:
                 u = used + math.ceil(c.saved_bytes / unit)
-                if u <= slots and (u not in nxt or flops + c.recomputed_flops < nxt[u][0]):
+                if u <= cap and (u not in nxt or flops + c.recomputed_flops < nxt[u][0]):
                     nxt[u] = (flops + c.recomputed_flops, chosen + [c])
         best = nxt
+        if not best:
+            raise ValueError(f"activation_checkpoint.memory_budget_gib: recomputing every block still exceeds the "
+                             f"budget in the backward at {opts[0].path}: raise the budget")
     return min(best.values(), key=lambda v: v[0])[1]
-
-
-def plan_report(choices: list[BlockChoice], *, static_bytes: int, budget_bytes: int | None) -> dict:
-    saved = sum(c.saved_bytes for c in choices)
-    return {"blocks": [asdict(c) for c in choices], "saved_activation_bytes": saved,
-            "recomputed_flops": sum(c.recomputed_flops for c in choices), "static_bytes": static_bytes,
-            "planned_total_bytes": saved + static_bytes, "budget_bytes": budget_bytes}
-
-
-def summary_line(report: dict) -> str:
-    counts: dict[str, int] = {}
-    for b in report["blocks"]:
-        counts[b["option"]] = counts.get(b["option"], 0) + 1
-    budget = "" if report["budget_bytes"] is None else f" of a {report['budget_bytes'] / GIB:.2f} GiB budget"
-    return (f"titan-train remat: {', '.join(f'{n} {k}' for k, n in counts.items())}; saves "
-            f"{report['saved_activation_bytes'] / GIB:.3f} GiB of activations + {report['static_bytes'] / GIB:.3f} "
-            f"GiB of weights/gradients/moments{budget}, recomputes {report['recomputed_flops'] / 1e9:.2f} GFLOP "
-            "per microbatch")

@@ -1,0 +1,112 @@
+"""The remat planner's peak model: what a step holds besides the saved activations, and when.
+
+With training.grad_accum_steps == 1 the trainer's zero_grad(set_to_none=True) leaves no gradient through
+the forward, when every saved activation is alive; the gradients appear in the backward while the blocks'
+saved activations are freed, last block first. So the step's high mark is the largest of
+  forward   forward_bytes (weights, fp32 masters, AdamW moments) + every saved activation + the larger of
+            one block's transient and the fused loss's buffers with the gradients outside the blocks (the
+            output head's appears at the backward's start, while those buffers are still held);
+  backward  at each block, walking backward: forward_bytes + the gradients made so far (outside the blocks,
+            this block's and the later blocks') + the activations still saved (this block's and the earlier
+            blocks') + one block's transient;
+  end       forward_bytes + every gradient: what the clip and the optimizer step start from.
+With accumulation (grad_accum_steps > 1) the gradients persist across microbatches: forward_bytes holds
+them and the backward adds none. No plan fits below the backward's walk at the first block: the end of the
+backward's weights, moments and gradients with that block's transient and input.
+
+One block's transient is bounded by the largest block's keep bytes (every op output a block's forward makes:
+what its forward allocates before freeing the unsaved part, what a recomputation re-materialises, and, for a
+kept block, more than its intermediates' gradients hold at once), whatever option each block takes. Each
+point of the walk caps the saved bytes of blocks 0..i, which the knapsack (plan.budget_plan) keeps to: the
+walk may peak inside when blocks saving more than their gradients come before blocks saving less.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .measure import BlockProfile
+from .plan import GIB, BlockChoice, budget_plan, cost
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """A rank's bytes besides the saved activations, as the planner counts them."""
+
+    forward_bytes: int
+    """Held through the whole forward: weights, fp32 masters and AdamW moments (with grad_accum_steps > 1 the
+    gradients too), and under autocast the bf16 weight copies kept blocks save."""
+    gradient_bytes: int
+    """Every gradient (this rank's shards), all alive at the end of the backward."""
+    gradients_persist: bool
+    """grad_accum_steps > 1: the gradients are already in forward_bytes."""
+    loss_bytes: int = 0
+    """The fused loss's buffers at the backward's start: a chunk's logits and their gradient, the output
+    weight's gradient sum, the hidden states' gradient, the final norm's input and output."""
+
+    @property
+    def end_of_backward_bytes(self) -> int:
+        return self.forward_bytes + (0 if self.gradients_persist else self.gradient_bytes)
+
+
+@dataclass(frozen=True)
+class PeakModel:
+    forward_bytes: int
+    backward_bytes: int
+    end_of_backward_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return max(self.forward_bytes, self.backward_bytes, self.end_of_backward_bytes)
+
+
+def block_transient(profiles: list[BlockProfile]) -> int:
+    """The backward headroom: the largest block's keep bytes (see the module docstring)."""
+    return max((cost(b, None)[0] for b in profiles), default=0)
+
+
+def peak_model(choices: list[BlockChoice], block_gradients: list[int], memory: StaticMemory,
+               transient: int) -> PeakModel:
+    """The plan's high marks; block_gradients[i]: the gradient bytes of block i's parameters."""
+    grads = [0] * len(choices) if memory.gradients_persist else block_gradients
+    outside = 0 if memory.gradients_persist else memory.gradient_bytes - sum(block_gradients)
+    saved = [c.saved_bytes for c in choices]
+    alive, made, backward = sum(saved), outside, 0
+    forward = memory.forward_bytes + alive + max(transient, memory.loss_bytes + outside)
+    for i in reversed(range(len(choices))):
+        made += grads[i]
+        backward = max(backward, memory.forward_bytes + made + alive + transient)
+        alive -= saved[i]
+    return PeakModel(forward, backward, memory.end_of_backward_bytes)
+
+
+def backward_floor(profiles: list[BlockProfile], memory: StaticMemory) -> int:
+    """The least budget of any plan: the backward's walk at the first block, which holds every gradient but the
+    embedding's (and the later blocks' are there at the end anyway) with that block's transient and input."""
+    if not profiles:
+        return memory.end_of_backward_bytes
+    return memory.end_of_backward_bytes + block_transient(profiles) + cost(profiles[0], ())[0]
+
+
+def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMemory,
+              block_gradients: list[int]) -> tuple[list[BlockChoice], PeakModel]:
+    """The least recomputation whose peak model fits `budget_bytes`, and that model."""
+    floor = backward_floor(profiles, memory)
+    if budget_bytes < floor:
+        m = memory
+        raise ValueError(
+            f"activation_checkpoint.memory_budget_gib={budget_bytes / GIB:.4f} does not hold the weights, gradients "
+            f"and AdamW moments the backward ends with, {m.end_of_backward_bytes} bytes "
+            f"({m.end_of_backward_bytes / GIB:.4f} GiB per rank, gradients {m.gradient_bytes / GIB:.4f}), with the "
+            f"first block's recomputation: {floor} "
+            f"bytes ({floor / GIB:.4f} GiB); raise the budget to at least that")
+    transient = block_transient(profiles)
+    persist = memory.gradients_persist
+    outside = 0 if persist else memory.gradient_bytes - sum(block_gradients)
+    later = [0 if persist else sum(block_gradients[i:]) for i in range(len(profiles))]  # made when block i runs
+    caps = [budget_bytes - memory.forward_bytes - outside - g - transient for g in later]
+    forward = budget_bytes - memory.forward_bytes - max(transient, memory.loss_bytes + outside)
+    total = min(caps[-1], forward) if caps else forward
+    choices = budget_plan(profiles, total, caps)
+    model = peak_model(choices, block_gradients, memory, transient)
+    assert model.total_bytes <= budget_bytes, (model, budget_bytes)  # the caps are the model's constraints
+    return choices, model
