@@ -118,15 +118,19 @@ class Qwen3VLTransformer(Transformer):
             h = h.masked_scatter(mask[..., None], merged.to(h.dtype))
             visual, masks, deepstacks = visual | mask, masks + [mask], deepstacks + [deepstack]
         # each DeepStack layer's features of images and videos, placed as their tokens lie in the sequence
-        features = []
-        for per_kind in zip(*deepstacks):
+        features = deepstacks[0] if len(deepstacks) == 1 else []  # one kind: already in sequence order
+        for per_kind in zip(*deepstacks) if len(deepstacks) > 1 else ():
             joint = per_kind[0].new_zeros(int(visual.sum()), per_kind[0].shape[-1])
             for mask, feature in zip(masks, per_kind):
                 joint[mask[visual]] = feature
             features.append(joint)
+        # the visual positions once, as flat row indices: a boolean index per DeepStack layer (forward and
+        # backward) each cost a host sync
+        where = visual.flatten().nonzero().squeeze(1) if features else None
         rope = tuple(t.to(h.dtype) for t in self.rope(positions))
         for i, block in enumerate(self.layers.values()):
             h = block(h, rope, context=context)
             if i < len(features):
-                h = h.index_put((visual,), h[visual] + features[i].to(h.dtype))
+                flat = h.flatten(0, 1)
+                h = flat.index_put((where,), flat[where] + features[i].to(h.dtype)).view_as(h)
         return self.norm(h) if self.norm is not None else h
