@@ -37,9 +37,9 @@ class MultimodalRotaryEmbedding(RotaryEmbedding):
         freqs = positions[..., None].float() * self.inv_freq.float()  # [3, b, s, dim/2]
         channel = torch.arange(freqs.shape[-1], device=freqs.device)
         _, h_sec, w_sec = self.config.sections
-        axis = torch.zeros_like(channel)
-        axis[(channel % 3 == 1) & (channel < 3 * h_sec)] = 1
-        axis[(channel % 3 == 2) & (channel < 3 * w_sec)] = 2
+        # torch.where, not boolean-mask writes: those find their indices on the host (a sync each)
+        axis = torch.where((channel % 3 == 1) & (channel < 3 * h_sec), 1, 0)
+        axis = torch.where((channel % 3 == 2) & (channel < 3 * w_sec), 2, axis)
         mixed = freqs.gather(0, axis.expand(1, *freqs.shape[1:]))[0]  # [b, s, dim/2]
         angles = torch.cat((mixed, mixed), dim=-1)
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor

@@ -38,7 +38,7 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         ids = None if self.document_ids is None else self.document_ids.to(device, non_blocking=True)
-        images = None if self.images is None else [(p.to(device), g.to(device)) for p, g in self.images]
+        images = None if self.images is None else _images_to(self.images, device)
         return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), ids, images)
 
     def image_inputs(self) -> dict[str, torch.Tensor]:
@@ -47,6 +47,18 @@ class Batch:
             return {}
         return {"pixel_values": torch.cat([p for p, _ in self.images]),
                 "image_grid_thw": torch.cat([g for _, g in self.images])}
+
+
+def _images_to(images: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every row's (pixel_values, image_grid_thw) on `device` in one copy of each (a copy per row and
+    tensor was 256 small copies for the shapes task's 128 rows), split back into each row's views."""
+    kinds = {(p.dtype, p.shape[1:], g.dtype, g.shape[1:]) for p, g in images}
+    if len(kinds) != 1:  # none, or rows that cat would not join as they are (other dtypes or widths)
+        return [(p.to(device), g.to(device)) for p, g in images]
+    pixels = torch.cat([p for p, _ in images]).to(device).split([len(p) for p, _ in images])
+    grids = torch.cat([g for _, g in images]).to(device).split([len(g) for _, g in images])
+    return list(zip(pixels, grids))
 
 
 class PackedLoader:

@@ -104,29 +104,34 @@ class Qwen3VLTransformer(Transformer):
                                            spatial_merge_size=merge, video_grid_thw=videos[1],
                                            video_token_id=cfg.video_token_id)
         h = self.tok_embeddings(tokens)
-        visual = torch.zeros_like(tokens, dtype=torch.bool)  # image or video positions, in sequence order
-        masks, deepstacks = [], []
-        for (pixels, grid_thw), token_id, name in ((images, cfg.image_token_id, "image"),
-                                                   (videos, cfg.video_token_id, "video")):
-            if pixels is None:
-                continue
-            mask = tokens == token_id
+        kinds = [(pixels, grid_thw, tokens == token_id, name) for (pixels, grid_thw), token_id, name in
+                 ((images, cfg.image_token_id, "image"), (videos, cfg.video_token_id, "video")) if pixels is not None]
+        visual = kinds[0][2] if len(kinds) == 1 else kinds[0][2] | kinds[1][2]  # image or video positions
+        # The visual positions as flat indices (and each kind's among them), found once and before the tower's
+        # work is queued, so that their host sync waits for nothing: a boolean index per DeepStack layer
+        # (forward and backward) each cost a sync behind the queued work.
+        where = visual.flatten().nonzero().squeeze(1) if cfg.vision.deepstack_layers else None
+        places = ([mask.flatten()[where].nonzero().squeeze(1) for _, _, mask, _ in kinds]
+                  if len(kinds) > 1 and where is not None else [])
+        deepstacks = []
+        for pixels, grid_thw, mask, name in kinds:
             if int(mask.sum()) != sum(image_token_counts(grid_thw, merge)):
                 raise ValueError(f"the tokens hold {int(mask.sum())} {name} tokens; {name}_grid_thw "
                                  f"{grid_thw.tolist()} makes {sum(image_token_counts(grid_thw, merge))}")
             merged, deepstack = self.visual(pixels, grid_thw)
             h = h.masked_scatter(mask[..., None], merged.to(h.dtype))
-            visual, masks, deepstacks = visual | mask, masks + [mask], deepstacks + [deepstack]
+            deepstacks.append(deepstack)
         # each DeepStack layer's features of images and videos, placed as their tokens lie in the sequence
-        features = []
-        for per_kind in zip(*deepstacks):
-            joint = per_kind[0].new_zeros(int(visual.sum()), per_kind[0].shape[-1])
-            for mask, feature in zip(masks, per_kind):
-                joint[mask[visual]] = feature
+        features = deepstacks[0] if len(deepstacks) == 1 else []  # one kind: already in sequence order
+        for per_kind in zip(*deepstacks) if len(deepstacks) > 1 else ():
+            joint = per_kind[0].new_zeros(len(where), per_kind[0].shape[-1])
+            for place, feature in zip(places, per_kind):
+                joint = joint.index_put((place,), feature)
             features.append(joint)
         rope = tuple(t.to(h.dtype) for t in self.rope(positions))
         for i, block in enumerate(self.layers.values()):
             h = block(h, rope, context=context)
             if i < len(features):
-                h = h.index_put((visual,), h[visual] + features[i].to(h.dtype))
+                flat = h.flatten(0, 1)
+                h = flat.index_put((where,), flat[where] + features[i].to(h.dtype)).view_as(h)
         return self.norm(h) if self.norm is not None else h

@@ -10,6 +10,8 @@ sample's, then the second's, and so on.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -42,29 +44,47 @@ def mrope_positions(tokens: torch.Tensor, image_grid_thw: torch.Tensor | None, *
         kinds[video_token_id] = _Visual("video frame", "video_grid_thw", video_frame_grids(video_grid_thw),
                                           spatial_merge_size)
     batch, seq = tokens.shape
-    positions = torch.empty(3, batch, seq, dtype=torch.long)
-    next_position = torch.empty(batch, dtype=torch.long)
+    # Built as host lists, one tensor at the end: a tensor write per token or image made this per-row loop
+    # the step's largest host cost at small images (128 rows, thousands of small writes).
+    positions: list[list[list[int]]] = [[], [], []]  # [axis][sample][token]
+    next_position = []
     for b, row in enumerate(tokens.cpu().tolist()):
         pos = 0 if start is None else int(start[b])
+        axes: list[list[int]] = [[], [], []]
         i = 0
         while i < seq:
             kind = kinds.get(row[i])
-            if kind is None:
-                positions[:, b, i] = pos
-                pos, i = pos + 1, i + 1
+            if kind is None:  # the text up to the next visual token
+                end = i + 1
+                while end < seq and row[end] not in kinds:
+                    end += 1
+                for axis in axes:
+                    axis.extend(range(pos, pos + end - i))
+                pos, i = pos + end - i, end
                 continue
             run_end = i
             while run_end < seq and row[run_end] == row[i]:
                 run_end += 1
             while i < run_end:  # whole images (frames), one after another, fill the run
                 count, (t, h, w) = kind.take(b, i, run_end)
-                frame, r, c = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-                positions[:, b, i:i + count] = pos + torch.stack([frame, r, c]).reshape(3, -1)
+                for axis, offsets in zip(axes, _grid_offsets(t, h, w)):
+                    axis.extend(pos + o for o in offsets)
                 pos, i = pos + max(h, w), i + count
-        next_position[b] = pos
+        for all_rows, axis in zip(positions, axes):
+            all_rows.append(axis)
+        next_position.append(pos)
     for kind in kinds.values():
         kind.check_all_used()
-    return positions.to(tokens.device), next_position.to(tokens.device)
+    return (torch.tensor(positions, dtype=torch.long).view(3, batch, seq).to(tokens.device),
+            torch.tensor(next_position, dtype=torch.long).to(tokens.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_offsets(t: int, h: int, w: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(frame, row, column) of each merged token of a t x h x w grid, frame-major then row-major."""
+    return (tuple(f for f in range(t) for _ in range(h * w)),
+            tuple(r for _ in range(t) for r in range(h) for _ in range(w)),
+            tuple(c for _ in range(t * h) for c in range(w)))
 
 
 class _Visual:

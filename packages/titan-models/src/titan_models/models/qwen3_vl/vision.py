@@ -8,6 +8,7 @@ order (each merge x merge block of neighbouring patches consecutive), and `grid_
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,27 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)  # each [n, heads, head_dim]
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-        # each image attends only within itself
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None],
-                                              vi.transpose(0, 1)[None])[0].transpose(0, 1)
-               for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-        return self.wo(torch.cat(out).reshape(n, -1))
+        # Each image attends only within itself. Images of one size in a row go through one batched call
+        # (the same per-image attention, bitwise): a call per image made the step launch-bound on many
+        # small images (128 images x 24 blocks, forward and backward).
+        out, start = [], 0
+        for length, count in _equal_runs(lengths):
+            end = start + length * count
+            qi, ki, vi = (t[start:end].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            out.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(end - start, -1))
+            start = end
+        return self.wo(out[0] if len(out) == 1 else torch.cat(out))
+
+
+def _equal_runs(lengths: list) -> list[tuple]:
+    """[(length, count)]: the runs of consecutive equal lengths (or grids), in order."""
+    runs: list[tuple] = []
+    for length in lengths:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -152,8 +169,8 @@ class VisionTower(nn.Module):
         weight = self.patch_embed.weight
         x = pixel_values.to(weight.dtype).view(-1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         x = self.patch_embed(x).view(-1, cfg.dim)
-        x = x + self._position_table(grids).to(x.dtype)
-        rows, cols = _block_order_coords(grids, cfg.spatial_merge_size, x.device)
+        rows, cols, heights, widths = _grid_coords(grids, cfg.spatial_merge_size, x.device)
+        x = x + self._position_table(rows, cols, heights, widths).to(x.dtype)
         freqs = torch.cat((rows[:, None].float() * self.inv_freq, cols[:, None].float() * self.inv_freq), dim=-1)
         angles = torch.cat((freqs, freqs), dim=-1)
         rope = (angles.cos(), angles.sin())
@@ -164,13 +181,11 @@ class VisionTower(nn.Module):
                 deepstack.append(self.deepstack_mergers[cfg.deepstack_layers.index(i)](x))
         return self.merger(x), deepstack
 
-    def _position_table(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _position_table(self, rows: torch.Tensor, cols: torch.Tensor, heights: torch.Tensor, widths: torch.Tensor
+                        ) -> torch.Tensor:
         """The learned side x side table resampled (bilinear, corners aligned) to each image's h x w grid,
-        in block order, repeated over the t frames: [patches, dim]."""
+        in block order, repeated over the t frames: [patches, dim] (the arguments: _grid_coords')."""
         side = round(self.config.num_position_embeddings**0.5)
-        rows, cols = _block_order_coords(grids, self.config.spatial_merge_size, self.pos_embed.weight.device)
-        heights = torch.cat([torch.full((t * h * w,), h) for t, h, w in grids]).to(rows.device)
-        widths = torch.cat([torch.full((t * h * w,), w) for t, h, w in grids]).to(rows.device)
         r_taps, r_weights = _bilinear_taps(rows, heights, side)
         c_taps, c_weights = _bilinear_taps(cols, widths, side)
         index = (r_taps[:, :, None] * side + c_taps[:, None, :]).reshape(-1, 4)
@@ -178,16 +193,24 @@ class VisionTower(nn.Module):
         return (self.pos_embed(index) * weights[:, :, None].to(self.pos_embed.weight.dtype)).sum(1)
 
 
-def _block_order_coords(grids: list[tuple[int, int, int]], merge: int, device: torch.device
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) of every patch, images one after another, frames repeated, merge x merge blocks consecutive."""
-    rows, cols = [], []
-    for t, h, w in grids:
-        r, c = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
-        block = (h // merge, merge, w // merge, merge)
-        rows.append(r.reshape(block).transpose(1, 2).flatten().repeat(t))
-        cols.append(c.reshape(block).transpose(1, 2).flatten().repeat(t))
-    return torch.cat(rows), torch.cat(cols)
+def _grid_coords(grids: list[tuple[int, int, int]], merge: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, col, image height, image width) of every patch, images one after another, frames repeated,
+    merge x merge blocks consecutive: made on the host from each distinct grid's (cached) coordinates and
+    moved in one copy, as a few operators whatever the number of images (it was several per image)."""
+    # a run of images of one grid repeats its frame's coordinates (one host op per run, not per image)
+    coords = torch.cat([_block_coords(h, w, merge).repeat(1, t * count) for (t, h, w), count in _equal_runs(grids)],
+                       dim=1)
+    return coords.to(device).unbind(0)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_coords(h: int, w: int, merge: int) -> torch.Tensor:
+    """[4, h * w] on the host: (row, col, h, w) of one h x w frame's patches in block order."""
+    r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    block = (h // merge, merge, w // merge, merge)
+    rows, cols = (t.reshape(block).transpose(1, 2).flatten() for t in (r, c))
+    return torch.stack((rows, cols, torch.full_like(rows, h), torch.full_like(rows, w)))
 
 
 def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
