@@ -6,6 +6,7 @@ the test puts this folder on sys.path, which spawn hands on).
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,9 @@ import torch.multiprocessing as mp
 
 
 def _run_from_file(rank: int, path: str, name: str, args: tuple) -> None:
+    # a rank that dies of a signal (SIGSEGV) prints every thread's Python stack into the test's output;
+    # pytest's own faulthandler covers only its process, not the spawned ranks
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)  # the machine is shared; one thread per rank also keeps runs reproducible
     spec = importlib.util.spec_from_file_location(f"titan_rl_rank_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)

@@ -89,6 +89,7 @@ class RemoteRollouts:
         self._announced = 0     # the `consumed` the generators were last told
         self.stats = StalenessStats()
         self._closed = False
+        self._finished: set[int] = set()  # generator ranks whose final `None` the leader has taken
 
     def publish(self, tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Send new weights (full tensors in the model's state-dict order, e.g. weight_sync.full_tensors:
@@ -107,7 +108,9 @@ class RemoteRollouts:
         parts = []
         for rank in self.generator_ranks:
             part = receive_object(rank, self.rollout_group)
-            assert part is not None, f"generator rank {rank} stopped before the trainer did"
+            if part is None:  # its last message (a generator that failed): close() must not wait for another
+                self._finished.add(rank)
+                raise RuntimeError(f"generator rank {rank} stopped before the trainer did (see its error)")
             parts.append(part)
         return parts
 
@@ -139,8 +142,11 @@ class RemoteRollouts:
             return
         self.sender.stop(version=version, consumed=self.consumed)
         for rank in self.generator_ranks:
+            if rank in self._finished:
+                continue
             while receive_object(rank, self.rollout_group) is not None:
                 pass
+            self._finished.add(rank)
 
 
 @dataclass(kw_only=True)
@@ -193,9 +199,22 @@ class RolloutServer:
                 self._changed.notify_all()
 
     def run(self) -> ServerStats:
-        """Serve until the trainer stops (the STOP message)."""
+        """Serve until the trainer stops (the STOP message). Returns, or raises, only once the receiver
+        thread has ended: a thread left inside a broadcast on the sync group while the caller goes on to
+        destroy the process groups (and exit) would use gloo state that is being freed."""
         thread = threading.Thread(target=self._receive_loop, name="titan-rl-weights", daemon=True)
         thread.start()
+        try:
+            self._serve()
+        finally:
+            # after a failure here, the trainer takes the None that _serve sent last, stops (STOP), and that
+            # message ends the thread; a failed thread has ended already
+            thread.join()
+        if self._failure is not None:
+            raise RuntimeError("receiving weights failed") from self._failure
+        return self.stats
+
+    def _serve(self) -> None:
         index, sends = 0, []
         try:
             while True:
@@ -215,7 +234,3 @@ class RolloutServer:
             sends.append(ObjectSend(None, self.leader, self.rollout_group))
             for send in sends:
                 send.wait()
-        thread.join()
-        if self._failure is not None:
-            raise RuntimeError("receiving weights failed") from self._failure
-        return self.stats

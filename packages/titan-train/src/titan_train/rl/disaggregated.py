@@ -102,6 +102,16 @@ def serve_generator(job, roles: Roles, make_generator) -> titan_rl.remote_rollou
     return server.run()
 
 
+def leave_together() -> None:
+    """The end of a disaggregated run, on every rank of the world (trainers and generators): a barrier, so
+    that no rank returns (and goes on to destroy its process groups and exit) before every rank is past its
+    last message. Without it they leave one by one: trainer rank 1 as soon as the last weight gather is
+    done, while the leader still broadcasts that update to the generators, stops them and drains their
+    rollouts, and each generator rank once its last send is taken; the first to exit closes its gloo
+    connections while the others still communicate or tear down theirs."""
+    dist.barrier()
+
+
 def remote_rollouts(config: RLConfig, roles: Roles, device: torch.device) -> titan_rl.RemoteRollouts:
     """The trainer ranks' end of the rollout stream and weight sync (the leader's sender is built here)."""
     sender = None

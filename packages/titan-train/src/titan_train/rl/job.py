@@ -32,7 +32,15 @@ from ..model_setup import build_on_meta, model_config
 from ..process_group import process_group, select_device
 from .build import check_tensor_parallel, make_algorithm, make_sampling, validate
 from .config import RLConfig
-from .disaggregated import Roles, generator_dtype, generator_seed, make_roles, remote_rollouts, serve_generator
+from .disaggregated import (
+    Roles,
+    generator_dtype,
+    generator_seed,
+    leave_together,
+    make_roles,
+    remote_rollouts,
+    serve_generator,
+)
 from .episodes import make_episodes
 from .policy import build_copy, build_policy, export_weights, initial_weights, share_full_state
 from .pretrain import policy_model_config, pretrain
@@ -119,6 +127,7 @@ class RLJob:
             # each generator rank its own engine, sampling its own stream (as torch's seed in serve_generator)
             seed = generator_seed(c, roles.generators.index(self.rank))
             serve_generator(self, roles, lambda model: _make_generator(c, model, self.tokenizer.pad_id, seed=seed))
+            leave_together()
             result.seconds = time.perf_counter() - began
             return result
         policy, generator, update, rollouts = self._build(full, roles, layout)
@@ -175,6 +184,8 @@ class RLJob:
         result.seconds = time.perf_counter() - began
         if self.rank == 0:
             self._report(result)
+        if roles is not None:
+            leave_together()
         return result
 
     def _announce(self) -> None:
