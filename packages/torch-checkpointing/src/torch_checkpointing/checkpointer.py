@@ -234,6 +234,11 @@ class Checkpointer:
             # deleting old steps is not part of committing this one: wait() does not wait for it,
             # the next commit (same thread) and Checkpointer.wait()/close() do
             self._committer_thread.submit(self._committer.apply_retention)
+        try:  # the CPU copies, while the writer already writes the slabs copied before
+            staged.copy_on_host()
+        except BaseException:
+            wait_futures([f for f in (local, commit) if f is not None])  # they fail too: nothing half-written stays
+            raise
         handle = SaveHandle(self, step, staged, local, commit)
         self._saved_steps.append(step)
         # Saves that finished well need no tracking; the newest stays (its buffers are reused next).
@@ -366,6 +371,7 @@ class Checkpointer:
             write_rank(
                 self.storage, directory, step=step, rank=self.rank, layout=plan.layout, plan=plan.staging,
                 staged=staged, extras=extras, values=values, block_bytes=self.config.block_bytes, io_pool=self._io,
+                io_threads=self.config.io_threads,
             )
         finally:
             staged.keepalive.clear()  # let go of the state's tensors once their bytes are written

@@ -3,12 +3,15 @@
 Pieces are cut into segments and packed into equal host "slabs" (pinned on CUDA, reused across saves:
 allocating pinned memory is slow, and equal power-of-two slabs waste nothing in torch's pinned
 allocator). CUDA copies run on a side stream, one event per slab, so the writer starts on the first
-slab while later ones are still copying, and the trainer's own stream continues.
+slab while later ones are still copying, and the trainer's own stream continues. CPU copies are made
+by the saving thread after the writer has started, one HostEvent per slab, so they overlap the writes too.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,14 +96,54 @@ class HostPool:
         self.slabs = []
 
 
+class HostEvent:
+    """A slab's CPU copies are done: what a CUDA event says for a GPU slab, for copies made on the host.
+
+    Set by copy_on_host() while the writer already writes the slabs before it; `failed` makes a waiting
+    writer raise instead of waiting for a copy that will not come."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.failed: BaseException | None = None
+
+    def set(self, failed: BaseException | None = None) -> None:
+        self.failed = failed
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self.failed is not None:
+            raise RuntimeError(f"staging the state to host memory failed: {self.failed!r}") from self.failed
+
+
 @dataclass(slots=True)
 class Staged:
-    """Where each segment's bytes are once ready, and the CUDA events that say when."""
+    """Where each segment's bytes are once ready, and the events (CUDA or HostEvent) that say when."""
 
     memory: list[memoryview]
-    events: list[list[torch.cuda.Event]]  # per segment: wait on these before reading its memory
+    events: list[list[torch.cuda.Event | HostEvent]]  # per segment: wait on these before reading its memory
     keepalive: list[object]  # sources read by in-flight copies must outlive them
     finished: dict[torch.device, torch.cuda.Event]  # per device: recorded after its last copy
+    host_copies: list[tuple[Callable[[], None], HostEvent | None]] = field(default_factory=list)
+
+    def copy_on_host(self) -> None:
+        """Run the CPU copies in file order, setting each slab's HostEvent once its copies are done (a
+        writer started before this writes the first slabs while later ones are still copying). Returns
+        when every copy is done: the state may change then. On failure the waiting writer raises too."""
+        copies, self.host_copies = self.host_copies, []
+        try:
+            for copy, done in copies:
+                copy()
+                if done is not None:
+                    done.set()
+        except BaseException as e:
+            for _, done in copies:
+                if done is not None and not done.query():
+                    done.set(failed=e)
+            raise
 
     def ready(self) -> bool:
         return all(e.query() for evs in self.events for e in evs)
@@ -129,7 +172,8 @@ def stage(
     *,
     direct_cpu: bool,
 ) -> Staged:
-    """Start copying every segment to host slabs; CPU copies finish before this returns.
+    """Start copying every segment to host slabs: CUDA copies are queued on the side streams; CPU copies
+    are left to Staged.copy_on_host(), which the caller runs once the writer is started (so it overlaps).
 
     direct_cpu: contiguous CPU sources are written straight from the state (a blocking save, where
     the state cannot change before the write ends), skipping the copy.
@@ -142,6 +186,8 @@ def stage(
     for device, stream in streams.items():
         stream.wait_stream(torch.cuda.current_stream(device))  # copy the values as of this call
     pending: dict[torch.device, list[int]] = {}  # device -> segments whose copy awaits an event
+    host_copies: list[tuple[Callable[[], None], HostEvent | None]] = []
+    on_host: list[int] = []  # segments of the current slab copied on the host
 
     def record_events() -> None:
         for device, waiting in pending.items():
@@ -150,6 +196,12 @@ def stage(
             for j in waiting:
                 events[j].append(event)
         pending.clear()
+        if on_host:  # the slab's last host copy sets it
+            done = HostEvent()
+            host_copies[-1] = (host_copies[-1][0], done)
+            for j in on_host:
+                events[j].append(done)
+            on_host.clear()
 
     for i, seg in enumerate(plan.segments):
         piece, source = pieces[seg.piece], sources[seg.piece]
@@ -158,19 +210,25 @@ def stage(
         else:
             dst = slabs[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes]
             memory.append(slab_bytes[seg.slab][seg.slab_offset:seg.slab_offset + seg.nbytes])
-            cuda = source.device.type == "cuda"
-            with torch.cuda.stream(streams[source.device]) if cuda else contextlib.nullcontext():
-                if seg.rows is None:
-                    dst.copy_(_flat_bytes(source)[seg.start:seg.start + seg.nbytes], non_blocking=cuda)
-                else:
-                    r0, r1 = seg.rows
-                    dst.view(piece.dtype).view((r1 - r0, *piece.shape[1:])).copy_(source[r0:r1], non_blocking=cuda)
-            if cuda:
+            if source.device.type == "cuda":
+                with torch.cuda.stream(streams[source.device]):
+                    _copy_segment(dst, source, piece, seg, non_blocking=True)
                 pending.setdefault(source.device, []).append(i)
+            else:
+                host_copies.append((functools.partial(_copy_segment, dst, source, piece, seg, non_blocking=False), None))
+                on_host.append(i)
         if i + 1 == len(plan.segments) or plan.segments[i + 1].slab != seg.slab:
             record_events()  # one event per slab: its segments are written as soon as it is complete
     finished = {}
     for device, stream in streams.items():
         finished[device] = torch.cuda.Event()
         finished[device].record(stream)
-    return Staged(memory, events, keepalive=[sources, slabs], finished=finished)
+    return Staged(memory, events, keepalive=[sources, slabs], finished=finished, host_copies=host_copies)
+
+
+def _copy_segment(dst: torch.Tensor, source: torch.Tensor, piece: Piece, seg: Segment, *, non_blocking: bool) -> None:
+    if seg.rows is None:
+        dst.copy_(_flat_bytes(source)[seg.start:seg.start + seg.nbytes], non_blocking=non_blocking)
+    else:
+        r0, r1 = seg.rows
+        dst.view(piece.dtype).view((r1 - r0, *piece.shape[1:])).copy_(source[r0:r1], non_blocking=non_blocking)
