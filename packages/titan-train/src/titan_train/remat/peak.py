@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .measure import BlockProfile
-from .plan import GIB, BlockChoice, budget_plan, cost
+from .plan import GIB, OPTIONS, BlockChoice, budget_plan, cost
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,31 @@ def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMem
     caps = [budget_bytes - memory.forward_bytes - outside - g - transient for g in later]
     forward = budget_bytes - memory.forward_bytes - max(transient, memory.loss_bytes + outside)
     total = min(caps[-1], forward) if caps else forward
-    choices = budget_plan(profiles, total, caps)
+    keep_all = [BlockChoice(b.path, "keep", None, *cost(b, None)) for b in profiles]
+    model = peak_model(keep_all, block_gradients, memory, transient)
+    if model.total_bytes <= budget_bytes:  # nothing to recompute: the knapsack's rounded grid could miss it
+        return keep_all, model
+    choices = _less_recompute(profiles, budget_plan(profiles, total, caps), budget_bytes, memory, block_gradients)
     model = peak_model(choices, block_gradients, memory, transient)
     assert model.total_bytes <= budget_bytes, (model, budget_bytes)  # the caps are the model's constraints
     return choices, model
+
+
+def _less_recompute(profiles: list[BlockProfile], choices: list[BlockChoice], budget_bytes: int,
+                    memory: StaticMemory, block_gradients: list[int]) -> list[BlockChoice]:
+    """The knapsack's choices, each block moved to the option recomputing least whose exact peak model still
+    fits: the knapsack rounds every block's bytes up to its grid, so near a level it may recompute a block
+    that the budget holds kept (up to one grid step a block, ~0.025% of the budget each)."""
+    transient = block_transient(profiles)
+    choices = list(choices)
+    for i, b in enumerate(profiles):
+        options = sorted((BlockChoice(b.path, name, ops, *cost(b, ops)) for name, ops in OPTIONS.items()),
+                         key=lambda c: (c.recomputed_flops, c.saved_bytes))
+        for c in options:
+            if c.recomputed_flops >= choices[i].recomputed_flops:
+                break
+            trial = choices[:i] + [c] + choices[i + 1:]
+            if peak_model(trial, block_gradients, memory, transient).total_bytes <= budget_bytes:
+                choices = trial
+                break
+    return choices
