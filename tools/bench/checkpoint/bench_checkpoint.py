@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raw_disk import raw_write_s
 from save_paths import DESCRIPTIONS, PATHS, local_of, make_path
 
 # (what, path, anchor path, ratio at most) — set for the H200 with 8 GiB of state
@@ -273,6 +274,7 @@ def worker(rank: int, world: int, args, root: Path, store_path: str | None) -> N
     del state
     results = {"bytes": nbytes, "baseline": baseline, "paths": {}}
     first_step = base_times[0]  # a loop's step 0 (cold effects), what a preparing step 0 is compared with
+    results["raw"] = raw_disk(args, root, rank, nbytes)
     if rank == 0:
         print(f"step without saves: {baseline * 1e3:.1f} ms; timing {', '.join(args.paths)}", flush=True)
     for name in args.paths:
@@ -293,6 +295,24 @@ def worker(rank: int, world: int, args, root: Path, store_path: str | None) -> N
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # torch sometimes aborts at exit after gloo
+
+
+def raw_threads(args) -> list[int]:
+    """The raw-disk row's thread counts: one stream, and as many as torch-checkpointing's writer uses."""
+    import torch_checkpointing as tc
+    return sorted({1, args.io_threads or tc.CheckpointerConfig().io_threads})
+
+
+def raw_disk(args, root: Path, rank: int, nbytes: int) -> dict[int, float]:
+    """This rank's bytes written raw (raw_disk.py) with each thread count, every rank at once: seconds."""
+    out = {}
+    for threads in raw_threads(args):
+        dist.barrier()
+        out[threads] = raw_write_s(root / f"raw-disk-{rank}", nbytes, threads)
+    dist.barrier()
+    if rank == 0:
+        print("raw disk: " + ", ".join(f"{t} thread(s) {s:.3f} s" for t, s in out.items()), flush=True)
+    return out
 
 
 def _p99(values: list[float]) -> float:
@@ -337,6 +357,8 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
         print(f"{name:14s} {r['first'] * 1e3:11.1f} {r['mean'] * 1e3:12.1f} {r['p99'] * 1e3:11.1f} {r['n']:3d}"
               f" {r['slowdown'] * 100:+11.1f}% {r['write']:10.3f} {r['load']:9.3f} {r['prepare_step'] * 1e3:8.1f}ms"
               f" {r['before_first'] * 1e3:10.1f}ms {reserve}")
+    raw = {t: max(g["raw"][t] for g in gathered) for t in gathered[0]["raw"]}
+    report_raw(raw, rows, gb)
     print("prep step: the preparing step against the no-save loop's first step; to 1st save: the steps between it and"
           " the first save against the steady step, summed (reserve()'s background pinning runs then); reserve bg:"
           " how long that allocation took (the first save waits for what is left of it)")
@@ -361,8 +383,26 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
         print(f"  {what}: {ours} / {anchor} = {ratio:.4f}  ({verdict} <= {target:.3g})")
     print("(a cost at or under 0 is within the step-time noise; every load was checked bitwise)")
     print(json.dumps({"world": world, "device": device.type, "GB": round(gb, 4), "baseline_ms": round(baseline * 1e3, 2),
+                      "raw_disk_write_s": {str(t): round(x, 5) for t, x in raw.items()},
                       "paths": {k: ({m: round(x, 5) for m, x in v.items()} if v and "error" not in v else v)
                                 for k, v in rows.items()}}))
+
+
+def report_raw(raw: dict[int, float], rows: dict, gb: float) -> None:
+    """The raw-disk row, each path's write as a fraction of the disk's best speed, and whether the write
+    target can be met at all: if the disk alone needs more than the target allows, no writer meets it."""
+    best = min(raw.values())
+    print(f"{'raw disk':14s} " + ", ".join(f"{t} thread(s): {s:.3f} s ({gb / s:.2f} GB/s)" for t, s in raw.items())
+          + " - the same bytes, buffered 4 MiB writes + fsync, one file per thread")
+    fractions = [f"{name} {best / r['write'] * 100:.0f}%" for name, r in rows.items() if r and "error" not in r]
+    print("write speed as a fraction of the raw disk's best: " + "; ".join(fractions))
+    for what, ours, anchor, target in TARGETS:
+        a = rows.get(anchor)
+        if what.startswith("write") and a and "error" not in a:
+            allowed = target * a["write"]
+            verdict = "reachable" if best <= allowed else "NOT reachable by a writer: the disk alone needs more"
+            print(f"write target: {ours} <= {target:.3g} x {anchor} ({a['write']:.3f} s) = {allowed:.3f} s;"
+                  f" the raw disk takes {best:.3f} s ({best / a['write']:.2f}x {anchor}): {verdict}")
 
 
 def main() -> None:
