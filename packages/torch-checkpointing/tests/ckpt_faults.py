@@ -37,7 +37,10 @@ TARGETS = {
     "metadata": ("write_file", "metadata.json"),
     "commit": ("write_file", "commit.json"),
     "rename": ("rename", ""),  # .tmp-step-N -> step-N
-    "retention": ("remove", "step-"),  # deleting an old step (its commit record, then the folder)
+    # retention deletes an old step's commit record, then its folder; the two are separate targets, so that
+    # both are hit whatever earlier kills left behind (leftover folders are removed through "step-" too)
+    "retention": ("remove", "/commit.json"),
+    "retention folder": ("remove", "step-"),
 }
 
 
@@ -192,7 +195,8 @@ def pick_kill(kind: str, totals: dict[str, int], rng: random.Random):
         per_save = sum(totals.values()) // STEPS
         return (("step", "", 1) if rng.random() < 0.3 else ("any", "", rng.randint(1, per_save))), None
     operation, part = TARGETS[kind]
-    most = {"data": totals["write_at"], "retention": totals["remove"]}.get(kind, STEPS)  # else one per step
+    removals = {"retention": totals["remove"] // 2, "retention folder": totals["remove"]}
+    most = {"data": totals["write_at"], **removals}.get(kind, STEPS)  # else one per step
     return (operation, part, rng.randint(1, most)), None
 
 
@@ -213,7 +217,7 @@ def drive(workdir: Path, seed: int, kills: int) -> dict:
     reference = {int(line.split()[1]): line.split()[2] for line in lines if line.startswith("step ")}
     totals = {k: int(v) for k, v in (item.split("=") for item in lines[-2].split()[1:])}
     plan = [*TARGETS, "first step", "time"]
-    folders, runs, killed, slot = [], [], 0, 0  # slot: the plan's next kind, taken once it killed
+    folders, runs, killed, slot, eligible = [], [], 0, 0, 0  # slot: the plan's next kind, taken once it killed
     while killed < kills and len(runs) < 4 * kills:
         if not folders or runs[-1]["code"] == 0:  # the last folder's run finished: start another
             folders.append(workdir / f"folder-{len(folders)}")
@@ -226,8 +230,10 @@ def drive(workdir: Path, seed: int, kills: int) -> dict:
             kind = "record"
         flipped = None
         unresolved = runs and runs[-1]["folder"] == root.name and runs[-1]["flipped"] and not runs[-1]["log"]
-        if len(committed(root)) >= 2 and not unresolved and rng.random() < 0.35:
-            flipped = flip_a_bit(root, rng)  # the resume must fall back from it
+        if len(committed(root)) >= 2 and not unresolved:
+            eligible += 1  # every third run that can fall back gets a flipped bit: a count, not a draw,
+            if eligible % 3 == 1:  # so that every seed and machine timing damages several steps
+                flipped = flip_a_bit(root, rng)  # the resume must fall back from it
         kill, delay = pick_kill(kind, totals, rng)
         runs.append(record_run(root, len(runs), kind, kill, delay, flipped))
         if runs[-1]["code"] == -signal.SIGKILL:
