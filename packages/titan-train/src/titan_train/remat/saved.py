@@ -34,7 +34,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
 
 @fused_attention.register_fake
 def _(q, k, v):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # laid out [b, s, heads, dim] as the flash kernels write it, so the heads' merge after it is a view, not a copy
+    b, h, s = q.shape[:3]
+    return q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2), q.new_empty(b, h, s, dtype=torch.float32)
 
 
 @torch.library.custom_op("titan_remat::fused_attention_backward", mutates_args=())
