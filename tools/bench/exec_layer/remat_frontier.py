@@ -102,19 +102,21 @@ def model_setup(args) -> tuple[list[str], Shape]:
                             **_planner_keep(cfg, 256, torch.float32))
     flags += ["--job.device", "cuda", "--training.seq_len", "4096", "--compile.mode", "blocks",
               "--training.mixed_precision", "bf16_params", "--optimizer.moment_dtype", "bfloat16"]
-    return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16))
+    return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16, compiled=True))
 
 
-def _planner_keep(cfg, seq_len: int, dtype) -> dict[str, int]:
-    """One block's keep bytes as the remat planner profiles them (on meta: no memory, no compute), as a fixed
-    part (the weights' copies its products make) + a part per token: profiled at one and two rows."""
+def _planner_keep(cfg, seq_len: int, dtype, compiled: bool = False) -> dict[str, int]:
+    """One block's keep bytes as the remat planner profiles them (on meta: no memory, no compute; what autograd
+    saves, compiled: as a compiled block), as a fixed part (the weight concatenations its products save) + a
+    part per token: profiled at one and two rows."""
     import titan_models
     from titan_train.remat import profile_blocks
     from titan_train.remat.plan import cost
 
     with torch.device("meta"):
         model = titan_models.transforms.num_layers(1)(cfg).build()
-    one, two = (cost(profile_blocks(model, rows=r, seq_len=seq_len, dtype=dtype)[0], None)[0] for r in (1, 2))
+    one, two = (cost(profile_blocks(model, rows=r, seq_len=seq_len, dtype=dtype, compiled=compiled)[0], None)[0]
+                for r in (1, 2))
     return {"planner_keep_bytes_per_token": (two - one) // seq_len, "planner_keep_fixed_bytes": 2 * one - two}
 
 
