@@ -47,8 +47,8 @@ class Shape:
     """training.loss_weight_grad_dtype: param (bf16) 2, float32 4."""
     planner_keep_bytes_per_token: int = 0
     planner_keep_fixed_bytes: int = 0
-    """A block's keep bytes as the remat planner's profile counts them (every op output): fixed + per token
-    (remat_frontier.model_setup measures both with titan_train.remat.profile_blocks)."""
+    """A block's keep bytes as the remat planner's profile counts them (what a compiled block saves for its
+    backward): fixed + per token (remat_frontier.model_setup measures both with titan_train.remat.profile_blocks)."""
 
     def planner_keep_bytes(self, tokens: int) -> int:
         return self.planner_keep_fixed_bytes + tokens * self.planner_keep_bytes_per_token

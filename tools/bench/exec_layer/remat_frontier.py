@@ -13,8 +13,9 @@ moments, it would be 119.7 GiB and hardly any point would fit). The script print
 
 Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, and
 activation_checkpoint.mode=remat at three memory levels: the counted peaks of full, ops and none (+1 GiB
-of allocator slack; no lower than the planner's floor, 93.5 GiB at batch 2, which sets full's level), so
-each remat point meets the existing mode that fits there; they run by memory, each level after its mode (full, remat_93.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
+of allocator slack, rounded up to 0.5; no lower than the planner's floor, 91.2 GiB at batch 2), so each remat
+point meets the existing mode that fits there; they run by memory, each level after its mode (full,
+remat_92.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
 ~60-75 s (start and imports ~10 s, 8B materialized ~10 s, compile ~30-40 s, 6 steps of ~1.0-1.4 s), 6
 points ~7 min; a point stops after --point-timeout (150 s) and none starts past --deadline (480 s), so a
 cut run still prints every line that ended. --grid runs batches 2, 3, 4 with selective layers (every 2)

@@ -14,9 +14,9 @@ With accumulation (grad_accum_steps > 1) the gradients persist across microbatch
 them and the backward adds none. No plan fits below the backward's walk at the first block: the end of the
 backward's weights, moments and gradients with that block's transient and input.
 
-One block's transient is bounded by the largest block's keep bytes (every op output a block's forward makes:
-what its forward allocates before freeing the unsaved part, what a recomputation re-materialises, and, for a
-kept block, more than its intermediates' gradients hold at once), whatever option each block takes. Each
+One block's transient is the largest block's keep bytes (what autograd saves when the block is kept,
+measure.py: what a recomputation re-materialises for the block's backward, and the working set its backward
+frees as it goes), whatever option each block takes. Each
 point of the walk caps the saved bytes of blocks 0..i, which the knapsack (plan.budget_plan) keeps to: the
 walk may peak inside when blocks saving more than their gradients come before blocks saving less.
 """
