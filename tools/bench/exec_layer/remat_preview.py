@@ -3,8 +3,9 @@ profiled as the trainer does (compiled blocks), planned at each level; nothing r
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/exec_layer/remat_preview.py [--batch 2]
 
-Prints keep-everything's predicted peak (what the planner compares a budget with before recomputing anything)
-and, per level, the plan's options and its planned peak. ~30 s for the 32 layers (one block compiled on meta).
+Prints the predicted peak of every block taking one option (keep: what the planner compares a budget with
+before recomputing anything, the counterpart of mode none; recompute: of full checkpointing) and, per level,
+the plan's options and its planned peak. ~30 s for the 32 layers (one block compiled on meta).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     from titan_train.remat import BlockChoice, peak_model, peak_plan, profile_blocks
     from titan_train.remat.apply import block_gradients
     from titan_train.remat.peak import block_transient
-    from titan_train.remat.plan import GIB, cost
+    from titan_train.remat.plan import GIB, OPTIONS, cost
 
     args = parse_args(rest)
     flags, shape = model_setup(args)
@@ -42,11 +43,12 @@ def main(argv=None) -> int:
     profiles = profile_blocks(model, rows=own.batch, seq_len=seq, dtype=torch.bfloat16,
                               compiled=config.compile.effective_mode == "blocks")
     grads, transient = block_gradients(model, memory.gradient_bytes), block_transient(profiles)
-    keep = [BlockChoice(b.path, "keep", None, *cost(b, None)) for b in profiles]
     every_op = sum(op.bytes for op in profiles[0].ops)
-    print(f"a kept block saves {profiles[0].saved_bytes / GIB:.3f} GiB (every op's output: {every_op / GIB:.3f}); "
-          f"keep-everything predicted {peak_model(keep, grads, memory, transient).total_bytes / GIB:.2f} GiB",
-          flush=True)
+    print(f"a kept block saves {profiles[0].saved_bytes / GIB:.3f} GiB (every op's output: {every_op / GIB:.3f})")
+    for name, ops in OPTIONS.items():  # every block alike: keep ~ mode none, recompute ~ full
+        uniform = [BlockChoice(b.path, name, ops, *cost(b, ops)) for b in profiles]
+        print(f"every block {name}: predicted {peak_model(uniform, grads, memory, transient).total_bytes / GIB:.2f} "
+              "GiB", flush=True)
     levels = ([float(b) for b in own.budgets.split(",")] if own.budgets else
               [pt.budget_gib for pt in plan_points(shape, tokens, args) if pt.budget_gib is not None])
     for level in levels:
