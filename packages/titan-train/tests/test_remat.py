@@ -149,10 +149,11 @@ def _budget_report(jobs, folder, budget_gib: float, **overrides) -> dict:
 def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
     """The same microbatch (4 rows) and budget: without accumulation the gradients (None through the forward)
     leave room to keep both blocks; with two microbatches they persist and a block recomputes. 0.047 GiB lies
-    between the two keep-everything peaks: one microbatch's backward at the last block, 49188864 bytes (0.04581
-    GiB: 21249024 of weights and moments + 787456 of gradients outside the blocks + the last block's 3147776 +
-    both kept blocks, 2 x 8001536, + one block's transient, 8001536), and two microbatches' forward, 52336640
-    (0.04874 GiB: 28332032 with the gradients + 3 x 8001536)."""
+    between the two keep-everything peaks: one microbatch's backward at the last block, 48795648 bytes (0.04544
+    GiB: 21249024 of weights and moments + the output head's and final norm's gradients, 394240 (the
+    embedding's comes after the blocks) + the last block's 3147776 + both kept blocks, 2 x 8001536, + one block's
+    transient, 8001536), and two microbatches' forward, 52336640 (0.04874 GiB: 28332032 with the gradients + 3 x
+    8001536)."""
     single = _budget_report(jobs, tmp_path / "one", 0.047)
     accumulated = _budget_report(jobs, tmp_path / "two", 0.047, **ACCUMULATE)
     assert not single["gradients_persist"] and accumulated["gradients_persist"]

@@ -45,6 +45,9 @@ class Shape:
     """training.loss_chunk_size"""
     loss_weight_grad_bytes: int = 2
     """training.loss_weight_grad_dtype: param (bf16) 2, float32 4."""
+    loss_logit_bytes: int = 2
+    """The remat planner's bytes a logit of the loss's chunk: 2 for the Triton kernel (bf16 logits, the gradient
+    written over them), 8 for the torch paths (the CPU check)."""
     planner_keep_bytes_per_token: int = 0
     planner_keep_fixed_bytes: int = 0
     """A block's keep bytes as the remat planner's profile counts them (what a compiled block saves for its
@@ -79,12 +82,13 @@ class Shape:
 
     def planner_reserve_bytes(self, tokens: int) -> int:
         """What the planner holds back from budget - forward state for the backward's start (peak.py peak_plan,
-        memory_estimate.remat_static_memory's loss buffers, no autocast)."""
-        outside = (self.parameters - self.layers * self.block_parameters) * self.grad_bytes
-        loss = (min(self.loss_chunk, tokens) * self.vocab * 8 + self.vocab * self.dim * self.loss_weight_grad_bytes
-                + tokens * self.dim * (2 * self.value_bytes + 8))
+        memory_estimate.remat_static_memory's loss buffers, no autocast): the gradients outside the blocks but
+        the (untied) embedding's, made last, and the loss's buffers, its chunk's logits freed before them."""
+        early = (self.parameters - self.layers * self.block_parameters - self.vocab * self.dim) * self.grad_bytes
+        chunk = min(self.loss_chunk, tokens) * self.vocab * self.loss_logit_bytes
+        loss = chunk + self.vocab * self.dim * self.loss_weight_grad_bytes + tokens * self.dim * (2 * self.value_bytes + 8)
         keep = self.planner_keep_bytes(tokens)
-        return max(keep + outside + self.block_parameters * self.grad_bytes, loss + outside)
+        return max(keep + early + self.block_parameters * self.grad_bytes, loss, loss - chunk + early)
 
 
 def _per_token_layer(shape: Shape, saved: str) -> int:

@@ -100,7 +100,7 @@ def model_setup(args) -> tuple[list[str], Shape]:
     if args.tiny:  # fp32 on CPU: 4-byte weights and gradients, fp32 moments
         flags += ["--job.device", "cpu", "--training.seq_len", "256", "--compile.mode", "none"]
         return flags, Shape(**shape, value_bytes=4, forward_state_bytes=12, grad_bytes=4, loss_weight_grad_bytes=4,
-                            **_planner_keep(cfg, 256, torch.float32))
+                            loss_logit_bytes=8, **_planner_keep(cfg, 256, torch.float32))
     flags += ["--job.device", "cuda", "--training.seq_len", "4096", "--compile.mode", "blocks",
               "--training.mixed_precision", "bf16_params", "--optimizer.moment_dtype", "bfloat16"]
     return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16, compiled=True))
