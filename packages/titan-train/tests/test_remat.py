@@ -182,15 +182,18 @@ def test_budget_below_weights_moments_and_gradients_is_refused(tmp_path, jobs):
 
 
 @pytest.mark.parametrize("budget", [3750, 3810, 3870, 3960, 4050, 4200])  # small: the knapsack's grid is 1 byte
-@pytest.mark.parametrize("persist", [False, True])
-def test_peak_plan_is_the_cheapest_whose_walk_fits(budget, persist):
+@pytest.mark.parametrize("persist, late", [(False, 0), (True, 0), (False, 300)])
+def test_peak_plan_is_the_cheapest_whose_walk_fits(budget, persist, late):
     """Against a brute force over every combination (ordered as the blocks are) whose peak model fits: the
     backward's walk caps each prefix of blocks, so where blocks saving more than their gradients (keep: 230
-    saved, 200 of gradients) precede ones saving less, the walk's inside decides, not its ends."""
+    saved, 200 of gradients) precede ones saving less, the walk's inside decides, not its ends. late: 300 of the
+    700 bytes of gradients outside the blocks made after them (an embedding's), and a loss chunk freed before
+    the head's gradient."""
     profiles = [_profile(f"layers.{i}", 1) for i in range(4)]
     grads = [200] * 4
     memory = StaticMemory(forward_bytes=2000 + (1500 if persist else 0), gradient_bytes=1500,
-                          gradients_persist=persist, loss_bytes=50)
+                          gradients_persist=persist, loss_bytes=50 + late, loss_chunk_bytes=late,
+                          late_gradient_bytes=late)
     transient = block_transient(profiles)
     best = None
     for combo in itertools.product(OPTIONS.items(), repeat=len(profiles)):

@@ -107,3 +107,14 @@ def test_keep_everything_when_the_exact_peak_fits(tmp_path, jobs):
     assert peak_model(keep_old, grads, memory, block_transient(old)).total_bytes > budget * GIB
     choices, _ = peak_plan(old, int(budget * GIB), memory, grads)
     assert sum(c.recomputed_flops for c in choices) > 0
+
+
+@pytest.mark.parametrize("flavor, late", [("debug", 2048 * 256), ("debug_tied", 0)])
+def test_the_embedding_gradient_comes_last_unless_tied(flavor, late):
+    """The embedding's gradient is made after every block's, so the peak model counts it only at the end; tied to
+    the output head (debug_tied), it is the head's, made first."""
+    from titan_train.memory_estimate import _embedding_parameters
+
+    with torch.device("meta"):
+        model = titan_models.flavor("llama3", flavor).build()
+    assert _embedding_parameters(model) == late
