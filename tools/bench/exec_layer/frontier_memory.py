@@ -11,9 +11,10 @@ block, measured there through saved-tensor hooks), extended to the checkpointing
             when little is saved (full checkpointing);
   remat     activation_checkpoint.memory_budget_gib is a TOTAL: the planner (titan_train/remat/peak.py) keeps
             the saved activations it plans (in its profile's bytes) under budget - state - its reserve at the
-            backward's start (the larger of one block's keep bytes with the gradients outside the blocks and
-            the last block's, and its count of the loss buffers with those outside gradients; the gradients
-            are None through the forward), so its peak is counted as state + that much + loss + other, no
+            backward's start (the largest of one block's keep bytes with the head's and the last block's
+            gradients, its count of the loss buffers at the last chunk, and those less the chunk with the
+            head's gradients; the embedding's gradient comes after the blocks', and the gradients are None
+            through the forward), so its peak is counted as state + that much + loss + other, no
             less than full checkpointing's and no more than none's; it refuses budgets below state + all the
             gradients + one block's keep bytes and input (its backward at the first block).
 The allocator's slack (~1 GiB measured on the 1.5B model) is not counted.
