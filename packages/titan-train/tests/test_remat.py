@@ -96,11 +96,13 @@ def test_save_blocks_keep_whole_blocks(tmp_path, jobs, plain_counts):
 ACCUMULATE = {"training.grad_accum_steps": "2", "training.batch_size": "8"}  # the same 4-row microbatch
 
 
-# 0.0396 GiB with two microbatches: the 0.0264 GiB of weights, gradients (kept across microbatches) and moments +
-# one block's transient (its keep bytes, 0.0126 GiB) + the two blocks' inputs (0.0005) only; a block saving its
-# attention would need 0.00025 GiB more. (Without accumulation no budget gives all-recompute here: the backward's
-# walk at the first block, holding every gradient, sets the floor, and the last block then has room to save.)
-@pytest.mark.parametrize("budget_gib, option, overrides", [(0.0396, "recompute", ACCUMULATE), (1.0, "keep", {})])
+# 0.0344 GiB with two microbatches: the 28332032 bytes (0.02639 GiB) of weights, gradients (kept across
+# microbatches) and moments + one block's transient (what a kept block saves, 8001536 bytes: see
+# test_remat_saved.py) + the two blocks' inputs (2 x 262144) = 36857856 bytes (0.034327 GiB) only; a block saving its
+# attention would need its output and log-sum-exp too, 266240 bytes (to 0.034575 GiB). (Without accumulation no
+# budget gives all-recompute here: the backward's walk at the first block, holding every gradient, sets the
+# floor, and the last block then has room to save.)
+@pytest.mark.parametrize("budget_gib, option, overrides", [(0.0344, "recompute", ACCUMULATE), (1.0, "keep", {})])
 def test_budget_plan_in_the_trainer(tmp_path, jobs, plain_counts, budget_gib, option, overrides):
     trainer = tiny_trainer(jobs, tmp_path, **{"activation_checkpoint.mode": "remat",
                                               "activation_checkpoint.memory_budget_gib": str(budget_gib), **overrides})
@@ -146,10 +148,14 @@ def _budget_report(jobs, folder, budget_gib: float, **overrides) -> dict:
 
 def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
     """The same microbatch (4 rows) and budget: without accumulation the gradients (None through the forward)
-    leave room to keep both blocks; with two microbatches they persist and a block recomputes. 0.063 GiB lies
-    between the two keep-everything peaks (0.0614 and 0.0643 GiB)."""
-    single = _budget_report(jobs, tmp_path / "one", 0.063)
-    accumulated = _budget_report(jobs, tmp_path / "two", 0.063, **ACCUMULATE)
+    leave room to keep both blocks; with two microbatches they persist and a block recomputes. 0.047 GiB lies
+    between the two keep-everything peaks: one microbatch's backward at the last block, 48795648 bytes (0.04544
+    GiB: 21249024 of weights and moments + the output head's and final norm's gradients, 394240 (the
+    embedding's comes after the blocks) + the last block's 3147776 + both kept blocks, 2 x 8001536, + one block's
+    transient, 8001536), and two microbatches' forward, 52336640 (0.04874 GiB: 28332032 with the gradients + 3 x
+    8001536)."""
+    single = _budget_report(jobs, tmp_path / "one", 0.047)
+    accumulated = _budget_report(jobs, tmp_path / "two", 0.047, **ACCUMULATE)
     assert not single["gradients_persist"] and accumulated["gradients_persist"]
     assert single["gradient_bytes"] == accumulated["gradient_bytes"] > 0
     assert accumulated["forward_static_bytes"] == single["forward_static_bytes"] + single["gradient_bytes"]
@@ -164,26 +170,30 @@ def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
 
 def test_budget_below_weights_moments_and_gradients_is_refused(tmp_path, jobs):
     """0.023 GiB holds the weights and moments (0.0198) but not them with the gradients (0.0264), which all
-    exist at the end of the backward; 0.039 holds those but not also the first block's recomputation in the
-    backward (its keep bytes and input: 0.0393 in all), with or without gradient accumulation."""
-    for folder, budget, overrides in (("a", "0.023", {}), ("b", "0.039", {}), ("c", "0.039", ACCUMULATE)):
+    exist at the end of the backward; 0.034 holds those but not also the first block's recomputation in the
+    backward (what it saves kept, 8001536 bytes, and its input, 262144: 36595712 bytes, 0.03408 GiB, in all),
+    with or without gradient accumulation."""
+    for folder, budget, overrides in (("a", "0.023", {}), ("b", "0.034", {}), ("c", "0.034", ACCUMULATE)):
         with pytest.raises(ValueError, match=rf"memory_budget_gib={budget}0 does not hold the weights, gradients "
                                              r"and AdamW moments the backward ends with, 28332032 bytes .* with the "
-                                             r"first block's recomputation: 42168320 bytes"):
+                                             r"first block's recomputation: 36595712 bytes"):
             tiny_trainer(jobs, tmp_path / folder, **{"activation_checkpoint.mode": "remat",
                                                      "activation_checkpoint.memory_budget_gib": budget, **overrides})
 
 
 @pytest.mark.parametrize("budget", [3750, 3810, 3870, 3960, 4050, 4200])  # small: the knapsack's grid is 1 byte
-@pytest.mark.parametrize("persist", [False, True])
-def test_peak_plan_is_the_cheapest_whose_walk_fits(budget, persist):
+@pytest.mark.parametrize("persist, late", [(False, 0), (True, 0), (False, 300)])
+def test_peak_plan_is_the_cheapest_whose_walk_fits(budget, persist, late):
     """Against a brute force over every combination (ordered as the blocks are) whose peak model fits: the
     backward's walk caps each prefix of blocks, so where blocks saving more than their gradients (keep: 230
-    saved, 200 of gradients) precede ones saving less, the walk's inside decides, not its ends."""
+    saved, 200 of gradients) precede ones saving less, the walk's inside decides, not its ends. late: 300 of the
+    700 bytes of gradients outside the blocks made after them (an embedding's), and a loss chunk freed before
+    the head's gradient."""
     profiles = [_profile(f"layers.{i}", 1) for i in range(4)]
     grads = [200] * 4
     memory = StaticMemory(forward_bytes=2000 + (1500 if persist else 0), gradient_bytes=1500,
-                          gradients_persist=persist, loss_bytes=50)
+                          gradients_persist=persist, loss_bytes=50 + late, loss_chunk_bytes=late,
+                          late_gradient_bytes=late)
     transient = block_transient(profiles)
     best = None
     for combo in itertools.product(OPTIONS.items(), repeat=len(profiles)):

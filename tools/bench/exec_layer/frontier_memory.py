@@ -11,9 +11,10 @@ block, measured there through saved-tensor hooks), extended to the checkpointing
             when little is saved (full checkpointing);
   remat     activation_checkpoint.memory_budget_gib is a TOTAL: the planner (titan_train/remat/peak.py) keeps
             the saved activations it plans (in its profile's bytes) under budget - state - its reserve at the
-            backward's start (the larger of one block's keep bytes with the gradients outside the blocks and
-            the last block's, and its count of the loss buffers with those outside gradients; the gradients
-            are None through the forward), so its peak is counted as state + that much + loss + other, no
+            backward's start (the largest of one block's keep bytes with the head's and the last block's
+            gradients, its count of the loss buffers at the last chunk, and those less the chunk with the
+            head's gradients; the embedding's gradient comes after the blocks', and the gradients are None
+            through the forward), so its peak is counted as state + that much + loss + other, no
             less than full checkpointing's and no more than none's; it refuses budgets below state + all the
             gradients + one block's keep bytes and input (its backward at the first block).
 The allocator's slack (~1 GiB measured on the 1.5B model) is not counted.
@@ -45,10 +46,13 @@ class Shape:
     """training.loss_chunk_size"""
     loss_weight_grad_bytes: int = 2
     """training.loss_weight_grad_dtype: param (bf16) 2, float32 4."""
+    loss_logit_bytes: int = 2
+    """The remat planner's bytes a logit of the loss's chunk: 2 for the Triton kernel (bf16 logits, the gradient
+    written over them), 8 for the torch paths (the CPU check)."""
     planner_keep_bytes_per_token: int = 0
     planner_keep_fixed_bytes: int = 0
-    """A block's keep bytes as the remat planner's profile counts them (every op output): fixed + per token
-    (remat_frontier.model_setup measures both with titan_train.remat.profile_blocks)."""
+    """A block's keep bytes as the remat planner's profile counts them (what a compiled block saves for its
+    backward): fixed + per token (remat_frontier.model_setup measures both with titan_train.remat.profile_blocks)."""
 
     def planner_keep_bytes(self, tokens: int) -> int:
         return self.planner_keep_fixed_bytes + tokens * self.planner_keep_bytes_per_token
@@ -79,12 +83,13 @@ class Shape:
 
     def planner_reserve_bytes(self, tokens: int) -> int:
         """What the planner holds back from budget - forward state for the backward's start (peak.py peak_plan,
-        memory_estimate.remat_static_memory's loss buffers, no autocast)."""
-        outside = (self.parameters - self.layers * self.block_parameters) * self.grad_bytes
-        loss = (min(self.loss_chunk, tokens) * self.vocab * 8 + self.vocab * self.dim * self.loss_weight_grad_bytes
-                + tokens * self.dim * (2 * self.value_bytes + 8))
+        memory_estimate.remat_static_memory's loss buffers, no autocast): the gradients outside the blocks but
+        the (untied) embedding's, made last, and the loss's buffers, its chunk's logits freed before them."""
+        early = (self.parameters - self.layers * self.block_parameters - self.vocab * self.dim) * self.grad_bytes
+        chunk = min(self.loss_chunk, tokens) * self.vocab * self.loss_logit_bytes
+        loss = chunk + self.vocab * self.dim * self.loss_weight_grad_bytes + tokens * self.dim * (2 * self.value_bytes + 8)
         keep = self.planner_keep_bytes(tokens)
-        return max(keep + outside + self.block_parameters * self.grad_bytes, loss + outside)
+        return max(keep + early + self.block_parameters * self.grad_bytes, loss, loss - chunk + early)
 
 
 def _per_token_layer(shape: Shape, saved: str) -> int:

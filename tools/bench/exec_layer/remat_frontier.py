@@ -13,8 +13,9 @@ moments, it would be 119.7 GiB and hardly any point would fit). The script print
 
 Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, and
 activation_checkpoint.mode=remat at three memory levels: the counted peaks of full, ops and none (+1 GiB
-of allocator slack; no lower than the planner's floor, 93.5 GiB at batch 2, which sets full's level), so
-each remat point meets the existing mode that fits there; they run by memory, each level after its mode (full, remat_93.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
+of allocator slack, rounded up to 0.5; no lower than the planner's floor, 91.2 GiB at batch 2), so each remat
+point meets the existing mode that fits there; they run by memory, each level after its mode (full,
+remat_92.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
 ~60-75 s (start and imports ~10 s, 8B materialized ~10 s, compile ~30-40 s, 6 steps of ~1.0-1.4 s), 6
 points ~7 min; a point stops after --point-timeout (150 s) and none starts past --deadline (480 s), so a
 cut run still prints every line that ended. --grid runs batches 2, 3, 4 with selective layers (every 2)
@@ -99,22 +100,24 @@ def model_setup(args) -> tuple[list[str], Shape]:
     if args.tiny:  # fp32 on CPU: 4-byte weights and gradients, fp32 moments
         flags += ["--job.device", "cpu", "--training.seq_len", "256", "--compile.mode", "none"]
         return flags, Shape(**shape, value_bytes=4, forward_state_bytes=12, grad_bytes=4, loss_weight_grad_bytes=4,
-                            **_planner_keep(cfg, 256, torch.float32))
+                            loss_logit_bytes=8, **_planner_keep(cfg, 256, torch.float32))
     flags += ["--job.device", "cuda", "--training.seq_len", "4096", "--compile.mode", "blocks",
               "--training.mixed_precision", "bf16_params", "--optimizer.moment_dtype", "bfloat16"]
-    return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16))
+    return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16, compiled=True))
 
 
-def _planner_keep(cfg, seq_len: int, dtype) -> dict[str, int]:
-    """One block's keep bytes as the remat planner profiles them (on meta: no memory, no compute), as a fixed
-    part (the weights' copies its products make) + a part per token: profiled at one and two rows."""
+def _planner_keep(cfg, seq_len: int, dtype, compiled: bool = False) -> dict[str, int]:
+    """One block's keep bytes as the remat planner profiles them (on meta: no memory, no compute; what autograd
+    saves, compiled: as a compiled block), as a fixed part (the weight concatenations its products save) + a
+    part per token: profiled at one and two rows."""
     import titan_models
     from titan_train.remat import profile_blocks
     from titan_train.remat.plan import cost
 
     with torch.device("meta"):
         model = titan_models.transforms.num_layers(1)(cfg).build()
-    one, two = (cost(profile_blocks(model, rows=r, seq_len=seq_len, dtype=dtype)[0], None)[0] for r in (1, 2))
+    one, two = (cost(profile_blocks(model, rows=r, seq_len=seq_len, dtype=dtype, compiled=compiled)[0], None)[0]
+                for r in (1, 2))
     return {"planner_keep_bytes_per_token": (two - one) // seq_len, "planner_keep_fixed_bytes": 2 * one - two}
 
 

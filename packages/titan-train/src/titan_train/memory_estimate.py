@@ -83,7 +83,8 @@ def remat_static_memory(config: TrainConfig, model: torch.nn.Module, *, device: 
                         tokens: int, autocast: bool) -> StaticMemory:
     """What the remat planner counts besides the saved activations of one microbatch of `tokens` (remat/peak.py):
     the state split into what the forward holds and the gradients (None through the forward unless
-    training.grad_accum_steps > 1 keeps them across microbatches), and the fused loss's buffers. Under autocast
+    training.grad_accum_steps > 1 keeps them across microbatches; the embedding's made last), and the fused
+    loss's buffers (its chunk's logits apart: freed before the backward). Under autocast
     every block's bf16 weight copies are counted too (a kept block's products save them); a sharded model's
     gathered weights are not."""
     n = sum(p.numel() for p in model.parameters())
@@ -96,12 +97,24 @@ def remat_static_memory(config: TrainConfig, model: torch.nn.Module, *, device: 
     vocab, dim = getattr(model_cfg, "vocab_size", 0), getattr(model_cfg, "dim", 0)
     act = 2 if config.training.precision(device) in ("bf16", "bf16_params") else 4
     sum_bytes = grad_bytes if t.loss_weight_grad_dtype == "param" else 4  # the output weight's gradient sum
-    # a chunk's logits, fp32 work and gradient (8 bytes an element at most); the [V, d] sum (and under autocast
-    # the weight's bf16 copy); the hidden states' cast and gradient, the final norm's fp32 input and output
-    loss = (min(t.loss_chunk_size, tokens) * vocab * 8 + vocab * dim * (sum_bytes + (2 if autocast else 0))
-            + tokens * dim * (2 * act + 8))
+    # a chunk's logits and gradient: the Triton kernel (CUDA, no vocabulary parallelism) writes the gradient
+    # over the logits, act bytes an element; the torch paths' logits, fp32 work and gradient 8 at most
+    triton = t.fused_kernels and device.type == "cuda" and config.parallelism.tp == 1
+    chunk = min(t.loss_chunk_size, tokens) * vocab * (act if triton else 8)
+    # then the [V, d] sum (and under autocast the weight's bf16 copy); the hidden states' cast and gradient,
+    # the final norm's fp32 input and output
+    loss = chunk + vocab * dim * (sum_bytes + (2 if autocast else 0)) + tokens * dim * (2 * act + 8)
     return StaticMemory(forward_bytes=forward, gradient_bytes=grad_bytes * n // shards, gradients_persist=persist,
-                        loss_bytes=loss)
+                        loss_bytes=loss, loss_chunk_bytes=chunk,
+                        late_gradient_bytes=grad_bytes * _embedding_parameters(model) // shards)
+
+
+def _embedding_parameters(model: torch.nn.Module) -> int:
+    """Parameters whose gradients the backward makes after every block's: the embedding's (and its norm's),
+    unless tied to the output head, whose gradient comes first."""
+    head = {id(p) for p in model.output.parameters()} if getattr(model, "output", None) is not None else set()
+    modules = [getattr(model, name, None) for name in ("tok_embeddings", "embedding_norm")]
+    return sum(p.numel() for m in modules if m is not None for p in m.parameters() if id(p) not in head)
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -219,9 +219,11 @@ class Parallelizer:
         memory = remat_static_memory(self.run, model, device=self.device, shards=shards, tokens=rows * seq_len,
                                      autocast=self.precision == "bf16" and not self.fsdp)
         is_main = not dist.is_initialized() or dist.get_rank() == 0
+        # compiled blocks save less than eager ones; profiled compiled only unsharded (meta DTensors aside)
+        compiled = self.run.compile.effective_mode == "blocks" and d.tp == 1 and d.cp == 1
         self.remat_plan = apply_remat(model, self.run.activation_checkpoint, rows=rows, seq_len=seq_len,
                                       activation_dtype=self.compute_dtype, memory=memory,
-                                      folder=Path(self.run.job.folder) if is_main else None)
+                                      folder=Path(self.run.job.folder) if is_main else None, compiled=compiled)
 
     def _shard(self, loss: CausalLMLoss, pipeline: Pipeline | None, expert_parallel: ExpertParallel | None) -> None:
         """FSDP/HSDP over the data-parallel (x cp) mesh: MoE layers first (the blocks' units then leave them

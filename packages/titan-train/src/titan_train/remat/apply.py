@@ -27,13 +27,15 @@ def _policy(save_ops: tuple[str, ...]):
 
 
 def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: int, seq_len: int,
-                activation_dtype: torch.dtype, memory: StaticMemory, folder: Path | None) -> dict:
+                activation_dtype: torch.dtype, memory: StaticMemory, folder: Path | None,
+                compiled: bool = False) -> dict:
     """Plan (explicit lists or the budget, against peak.py's peak model), wrap the blocks, print the plan and
-    write <folder>/remat_plan.json (folder None: not this rank's job); returns the plan's report."""
+    write <folder>/remat_plan.json (folder None: not this rank's job); returns the plan's report. compiled: the
+    blocks will be compiled whole (a kept block then saves what the compiled graph does, measure.py)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype)
+    profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype, compiled=compiled)
     gradients = block_gradients(model, memory.gradient_bytes)
     budget = None
     if config.memory_budget_gib:

@@ -1,10 +1,12 @@
 """What each block's forward allocates and computes, op by op: the planner's inputs.
 
-The forward runs once on a meta copy of the model (no memory, no compute) under a dispatch mode that
+The forward runs on a meta copy of the model (no memory, no compute), once under a dispatch mode that
 records, per block, each op's output bytes and FLOPs (torch.utils.flop_counter's formulas for matmuls and
-attention, one FLOP per output element for the rest). These are planned figures: the bytes autograd would
-keep if every op output were saved, which bounds what a block holds. MoE routing counts are data on meta:
-the planner assumes balanced experts (each gets its share of the rows).
+attention, one FLOP per output element for the rest; an op whose output aliases an input, a view, adds no
+bytes), and once with gradients on, counting the tensors autograd saves (saved.py): a kept block's bytes.
+Every op's output would overcount those 2.6x for Llama 3 8B (3.68 GiB a block against 1.41 compiled):
+most outputs are freed, not saved. MoE routing counts are data on meta: the planner assumes balanced
+experts (each gets its share of the rows).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from .saved import saved_block_bytes
 
 # The ops whose outputs are worth keeping: products and attention (recomputing them costs most).
 MATMUL_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm")
@@ -39,10 +43,16 @@ class BlockProfile:
     """layers.<i>"""
     input_bytes: int
     ops: list[OpRecord] = field(default_factory=list)
+    saved_bytes: int | None = None
+    """What autograd saves when the block is kept (saved.py); None (hand-made profiles): every op output."""
 
     @property
     def forward_flops(self) -> int:
         return sum(op.flops for op in self.ops)
+
+    @property
+    def keep_bytes(self) -> int:
+        return sum(op.bytes for op in self.ops) if self.saved_bytes is None else self.saved_bytes
 
 
 def op_name(func) -> str:
@@ -53,9 +63,22 @@ def _bytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
-def _is_view(func) -> bool:
+# Ops returning a view of an input without declaring it in their schema: matmul's reshape of its product
+# (_unsafe_view: "unsafe" because autograd treats the view as a new tensor).
+UNDECLARED_VIEWS = ("_unsafe_view",)
+
+
+def _is_view(func, args, kwargs, out) -> bool:
+    """The output aliases an input: declared (view, transpose, in-place), named above, or found sharing an
+    input's storage (meta tensors have storages too)."""
     schema = getattr(func, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+    if schema is not None and any(r.alias_info is not None for r in schema.returns):
+        return True
+    if op_name(func) in UNDECLARED_VIEWS:
+        return True
+    inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return bool(outputs) and all(t.untyped_storage()._cdata in inputs for t in outputs)
 
 
 class _Recorder(TorchDispatchMode):
@@ -71,7 +94,7 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:  # MoE counts.tolist() on meta: balanced
             return self.balanced_rows
         out = func(*args, **kwargs)
-        if self.current is not None and not self.in_attention and not _is_view(func):  # views: no bytes
+        if self.current is not None and not self.in_attention and not _is_view(func, args, kwargs, out):
             packet = getattr(func, "_overloadpacket", None)
             if packet in flop_registry:
                 shapes = tree_map(lambda t: t.shape if isinstance(t, torch.Tensor) else t, (args, kwargs, out))
@@ -108,8 +131,11 @@ class _Attention(TorchFunctionMode):
         return out
 
 
-def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dtype) -> list[BlockProfile]:
-    """Per-block op records of one forward over a [rows, seq_len] microbatch in `dtype` activations."""
+def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dtype,
+                   compiled: bool = False) -> list[BlockProfile]:
+    """Per-block op records and saved bytes of one forward over a [rows, seq_len] microbatch in `dtype`
+    activations; compiled: the blocks will run compiled (compile.mode=blocks), so their saved bytes are a
+    compiled block's (saved.py; MoE models are counted eager: their routing counts are data)."""
     meta = model if next(model.parameters()).is_meta else copy.deepcopy(model)
     meta = meta.to(device="meta", dtype=dtype) if not next(meta.parameters()).is_meta else meta.to(dtype=dtype)
     moe = getattr(meta.config, "moe", None)
@@ -133,4 +159,11 @@ def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dt
     finally:
         for handle in handles:
             handle.remove()
+    if moe is not None or not compiled:
+        with recorder:  # recording nothing (current is None): MoE's counts still balanced
+            saved = saved_block_bytes(meta, lambda: meta.hidden_states(tokens), compiled=False)
+    else:
+        saved = saved_block_bytes(meta, lambda: meta.hidden_states(tokens), compiled=True)
+    for profile, nbytes in zip(profiles, saved, strict=True):
+        profile.saved_bytes = nbytes
     return profiles

@@ -3,20 +3,21 @@
 With training.grad_accum_steps == 1 the trainer's zero_grad(set_to_none=True) leaves no gradient through
 the forward, when every saved activation is alive; the gradients appear in the backward while the blocks'
 saved activations are freed, last block first. So the step's high mark is the largest of
-  forward   forward_bytes (weights, fp32 masters, AdamW moments) + every saved activation + the larger of
-            one block's transient and the fused loss's buffers with the gradients outside the blocks (the
-            output head's appears at the backward's start, while those buffers are still held);
-  backward  at each block, walking backward: forward_bytes + the gradients made so far (outside the blocks,
-            this block's and the later blocks') + the activations still saved (this block's and the earlier
-            blocks') + one block's transient;
+  forward   forward_bytes (weights, fp32 masters, AdamW moments) + every saved activation + the largest of
+            one block's transient, the fused loss's buffers at its last chunk, and those buffers less the
+            chunk's logits with the gradients made before the blocks' (the output head's and the final
+            norm's: they appear at the backward's start, while the loss's other buffers are still held);
+  backward  at each block, walking backward: forward_bytes + the gradients made so far (the head's, this
+            block's and the later blocks'; the embedding's comes after every block) + the activations still
+            saved (this block's and the earlier blocks') + one block's transient;
   end       forward_bytes + every gradient: what the clip and the optimizer step start from.
 With accumulation (grad_accum_steps > 1) the gradients persist across microbatches: forward_bytes holds
 them and the backward adds none. No plan fits below the backward's walk at the first block: the end of the
 backward's weights, moments and gradients with that block's transient and input.
 
-One block's transient is bounded by the largest block's keep bytes (every op output a block's forward makes:
-what its forward allocates before freeing the unsaved part, what a recomputation re-materialises, and, for a
-kept block, more than its intermediates' gradients hold at once), whatever option each block takes. Each
+One block's transient is the largest block's keep bytes (what autograd saves when the block is kept,
+measure.py: what a recomputation re-materialises for the block's backward, and the working set its backward
+frees as it goes), whatever option each block takes. Each
 point of the walk caps the saved bytes of blocks 0..i, which the knapsack (plan.budget_plan) keeps to: the
 walk may peak inside when blocks saving more than their gradients come before blocks saving less.
 """
@@ -40,8 +41,24 @@ class StaticMemory:
     gradients_persist: bool
     """grad_accum_steps > 1: the gradients are already in forward_bytes."""
     loss_bytes: int = 0
-    """The fused loss's buffers at the backward's start: a chunk's logits and their gradient, the output
-    weight's gradient sum, the hidden states' gradient, the final norm's input and output."""
+    """The fused loss's buffers at its last chunk: the chunk's logits and their gradient, the output weight's
+    gradient sum, the hidden states' gradient, the final norm's input and output."""
+    loss_chunk_bytes: int = 0
+    """Of loss_bytes, the chunk's logits and gradient: freed before the backward starts, when the output
+    head's gradient appears beside the rest."""
+    late_gradient_bytes: int = 0
+    """Of the gradients outside the blocks, those made only after every block's backward: the (untied)
+    embedding's. The others (the output head's, the final norm's) are made before the blocks'."""
+
+    def early_gradients(self, outside: int) -> int:
+        """Of `outside` (the gradients outside the blocks), those alive from the backward's start."""
+        return 0 if self.gradients_persist else outside - self.late_gradient_bytes
+
+    def forward_reserve(self, transient: int, outside: int) -> int:
+        """What the forward's end holds besides the state and the saved activations: one block's transient, the
+        loss's last chunk, or the loss's buffers with the head's gradient at the backward's start."""
+        return max(transient, self.loss_bytes,
+                   self.loss_bytes - self.loss_chunk_bytes + self.early_gradients(outside))
 
     @property
     def end_of_backward_bytes(self) -> int:
@@ -68,10 +85,10 @@ def peak_model(choices: list[BlockChoice], block_gradients: list[int], memory: S
                transient: int) -> PeakModel:
     """The plan's high marks; block_gradients[i]: the gradient bytes of block i's parameters."""
     grads = [0] * len(choices) if memory.gradients_persist else block_gradients
-    outside = 0 if memory.gradients_persist else memory.gradient_bytes - sum(block_gradients)
+    outside = memory.gradient_bytes - sum(block_gradients)
     saved = [c.saved_bytes for c in choices]
-    alive, made, backward = sum(saved), outside, 0
-    forward = memory.forward_bytes + alive + max(transient, memory.loss_bytes + outside)
+    alive, made, backward = sum(saved), memory.early_gradients(outside), 0
+    forward = memory.forward_bytes + alive + memory.forward_reserve(transient, outside)
     for i in reversed(range(len(choices))):
         made += grads[i]
         backward = max(backward, memory.forward_bytes + made + alive + transient)
@@ -101,10 +118,11 @@ def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMem
             f"bytes ({floor / GIB:.4f} GiB); raise the budget to at least that")
     transient = block_transient(profiles)
     persist = memory.gradients_persist
-    outside = 0 if persist else memory.gradient_bytes - sum(block_gradients)
+    outside = memory.gradient_bytes - sum(block_gradients)
+    early = memory.early_gradients(outside)
     later = [0 if persist else sum(block_gradients[i:]) for i in range(len(profiles))]  # made when block i runs
-    caps = [budget_bytes - memory.forward_bytes - outside - g - transient for g in later]
-    forward = budget_bytes - memory.forward_bytes - max(transient, memory.loss_bytes + outside)
+    caps = [budget_bytes - memory.forward_bytes - early - g - transient for g in later]
+    forward = budget_bytes - memory.forward_bytes - memory.forward_reserve(transient, outside)
     total = min(caps[-1], forward) if caps else forward
     keep_all = [BlockChoice(b.path, "keep", None, *cost(b, None)) for b in profiles]
     model = peak_model(keep_all, block_gradients, memory, transient)

@@ -1,7 +1,8 @@
 """Which block saves what: explicit lists, or the least recomputation whose saved bytes fit a budget.
 
 Each block has options (keep everything; keep products and attention; keep attention; keep only its
-input and recompute all), each with planned saved bytes and recomputed FLOPs (measure.py). Under a memory
+input and recompute all), each with planned saved bytes and recomputed FLOPs (measure.py: keep saves what
+autograd saves in the block's forward, the others its input and the listed ops' outputs). Under a memory
 budget the choice is a multiple-choice knapsack solved exactly by dynamic programming over the blocks,
 with bytes rounded up to a grid of at most ~4000 steps (so the plan never exceeds the budget).
 """
@@ -37,7 +38,7 @@ class BlockChoice:
 def cost(profile: BlockProfile, save_ops: tuple[str, ...] | None) -> tuple[int, int]:
     """(saved bytes, recomputed FLOPs) of checkpointing `profile` keeping `save_ops` (None: no checkpoint)."""
     if save_ops is None:
-        return sum(op.bytes for op in profile.ops), 0
+        return profile.keep_bytes, 0
     kept = [op for op in profile.ops if _matches(op.name, save_ops)]
     return profile.input_bytes + sum(op.bytes for op in kept), sum(op.flops for op in profile.ops
                                                                       if not _matches(op.name, save_ops))

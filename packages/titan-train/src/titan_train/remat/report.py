@@ -13,6 +13,7 @@ def plan_report(choices: list[BlockChoice], *, memory: StaticMemory, peak: PeakM
             "recomputed_flops": sum(c.recomputed_flops for c in choices),
             "forward_static_bytes": memory.forward_bytes, "gradient_bytes": memory.gradient_bytes,
             "gradients_persist": memory.gradients_persist, "loss_bytes": memory.loss_bytes,
+            "loss_chunk_bytes": memory.loss_chunk_bytes, "late_gradient_bytes": memory.late_gradient_bytes,
             "block_transient_bytes": transient_bytes, "forward_peak_bytes": peak.forward_bytes,
             "backward_peak_bytes": peak.backward_bytes, "end_of_backward_bytes": peak.end_of_backward_bytes,
             "planned_total_bytes": peak.total_bytes, "budget_bytes": budget_bytes}

@@ -1,0 +1,63 @@
+"""The remat planner's plans for remat_frontier.py's run, on a CPU: the 8B built on meta (no memory, no compute),
+profiled as the trainer does (compiled blocks), planned at each level; nothing runs on a GPU.
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/exec_layer/remat_preview.py [--batch 2]
+
+Prints the predicted peak of every block taking one option (keep: what the planner compares a budget with
+before recomputing anything, the counterpart of mode none; recompute: of full checkpointing) and, per level,
+the plan's options and its planned peak. ~30 s for the 32 layers (one block compiled on meta).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import torch  # noqa: E402
+from remat_frontier import model_setup, parse_args, plan_points  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--budgets", default="", help="comma list of GiB (default: remat_frontier.py's levels)")
+    own, rest = p.parse_known_args(argv)
+    import titan_models
+    from titan_train.cli import parse_args as train_args
+    from titan_train.memory_estimate import remat_static_memory
+    from titan_train.remat import BlockChoice, peak_model, peak_plan, profile_blocks
+    from titan_train.remat.apply import block_gradients
+    from titan_train.remat.peak import block_transient
+    from titan_train.remat.plan import GIB, OPTIONS, cost
+
+    args = parse_args(rest)
+    flags, shape = model_setup(args)
+    config, _ = train_args([*flags, "--training.batch_size", str(own.batch)])
+    cfg = titan_models.transforms.num_layers(shape.layers)(titan_models.flavor("llama3", "8B"))
+    with torch.device("meta"):
+        model = cfg.build()
+    seq, tokens = config.training.seq_len, own.batch * config.training.seq_len
+    memory = remat_static_memory(config, model, device=torch.device("cuda"), shards=1, tokens=tokens, autocast=False)
+    profiles = profile_blocks(model, rows=own.batch, seq_len=seq, dtype=torch.bfloat16,
+                              compiled=config.compile.effective_mode == "blocks")
+    grads, transient = block_gradients(model, memory.gradient_bytes), block_transient(profiles)
+    every_op = sum(op.bytes for op in profiles[0].ops)
+    print(f"a kept block saves {profiles[0].saved_bytes / GIB:.3f} GiB (every op's output: {every_op / GIB:.3f})")
+    for name, ops in OPTIONS.items():  # every block alike: keep ~ mode none, recompute ~ full
+        uniform = [BlockChoice(b.path, name, ops, *cost(b, ops)) for b in profiles]
+        print(f"every block {name}: predicted {peak_model(uniform, grads, memory, transient).total_bytes / GIB:.2f} "
+              "GiB", flush=True)
+    levels = ([float(b) for b in own.budgets.split(",")] if own.budgets else
+              [pt.budget_gib for pt in plan_points(shape, tokens, args) if pt.budget_gib is not None])
+    for level in levels:
+        choices, model_peak = peak_plan(profiles, int(level * GIB), memory, grads)
+        options = ", ".join(f"{n} {o}" for o, n in Counter(c.option for c in choices).items())
+        print(f"budget {level:g} GiB: {options}; planned {model_peak.total_bytes / GIB:.2f} GiB (forward "
+              f"{model_peak.forward_bytes / GIB:.2f}, backward {model_peak.backward_bytes / GIB:.2f})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
