@@ -80,20 +80,24 @@ def test_breakdown_sums_per_step_and_ranks_the_top_kernels():
         breakdown(kernels, steps=0)
 
 
+def _launch(ts: float, correlation: int, cat: str = "cuda_runtime") -> dict:
+    return {"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "args": {"correlation": correlation}}
+
+
 def test_kernels_from_a_chrome_trace():
     """Kernels link to their op by External id and to Optimizer.step by their launch's correlation and time;
     host-only events are not kernels."""
     events = [
         {"ph": "X", "cat": "cpu_op", "name": "aten::_scaled_mm", "ts": 10, "dur": 5, "args": {"External id": 7}},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 11, "dur": 1, "args": {"correlation": 70}},
+        _launch(11, 70),
         {"ph": "X", "cat": "kernel", "name": "nvjet_tst_x", "ts": 20, "dur": 100,
          "args": {"External id": 7, "correlation": 70}},
         {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#MasterWeightAdamW.step", "ts": 200, "dur": 50,
          "args": {"External id": 8}},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 210, "dur": 1, "args": {"correlation": 71}},
+        _launch(210, 71, "cuda_driver"),
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_mul_0", "ts": 260, "dur": 10,
          "args": {"External id": 8, "correlation": 71}},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 300, "dur": 1, "args": {"correlation": 72}},
+        _launch(300, 72),
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_mul_0", "ts": 310, "dur": 4, "args": {"correlation": 72}},
         {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 320, "dur": 2, "args": {}},
     ]

@@ -314,7 +314,9 @@ def test_parallel_runs_on_two_ranks_follow_the_single_process_run(layout, rowwis
 
 def test_the_benchmark_script_runs_on_cpu(tmp_path):
     """tools/bench/fp8/bench.py on the tiny flavor (its GPU figures come from the H200 run): it trains each
-    variant and prints the markdown table (~30 s: a fresh process building two Trainers)."""
+    variant and prints the markdown table (~30 s: a fresh process building two Trainers), profiling one more step
+    (on CPU the trace holds no device kernels: the breakdown's categories are there, at zero)."""
+    import json
     import os
     import subprocess
     import sys
@@ -323,11 +325,13 @@ def test_the_benchmark_script_runs_on_cpu(tmp_path):
     root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path))
     out = subprocess.run([sys.executable, str(root / "tools/bench/fp8/bench.py"), "--device", "cpu", "--flavors",
-                          "tiny", "--variants", "bf16,fp8_blockwise", "--compile", "false", "--steps", "2"],
+                          "tiny", "--variants", "bf16,fp8_blockwise", "--compile", "false", "--steps", "2",
+                          "--profile-steps", "1"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| fp8_blockwise |" in out.stdout and "| bf16 |" in out.stdout
-    assert (tmp_path / "fp8_bench.json").is_file()
+    results = json.loads((tmp_path / "fp8_bench.json").read_text())["results"]["tiny"]
+    assert set(results["fp8_blockwise"]["profile"]["per_step_ms"]) >= {"fp8_gemm", "quantize_cast_amax", "optimizer"}
 
 
 # The compiled-GPU bug, measured on the H200 (torch 2.11, 2026-12-01): with compiled blocks and bf16_params the
