@@ -98,7 +98,8 @@ def test_kernels_from_a_chrome_trace():
         {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_mul_0", "ts": 260, "dur": 10,
          "args": {"External id": 8, "correlation": 71}},
         _launch(300, 72),
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_mul_0", "ts": 310, "dur": 4, "args": {"correlation": 72}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_mul_0", "ts": 310, "dur": 4,
+         "args": {"correlation": 72}},
         {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 320, "dur": 2, "args": {}},
     ]
     kernels = kernels_from_trace(events)
