@@ -212,6 +212,41 @@ def test_compiled_gemms_stay_the_kernels_eager_runs(recipe):
     assert torch.equal(y, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
+@pytest.mark.parametrize(("recipe", "reuse", "passes"), [("fp8_tensorwise", True, 5), ("fp8_tensorwise", False, 10),
+                                                       ("fp8_rowwise", True, 10)],
+                         ids=["tensorwise", "tensorwise-control", "rowwise"])
+def test_compiled_linears_on_one_input_make_the_fewest_amax_passes(recipe, reuse, passes, monkeypatch):
+    """Two Linears on one input (wq/wk/wv, w1/w3), traced and partitioned as Inductor does (min-cut, whose CSE
+    merges the shared input's quantisation): each amax is a read of a whole matrix. Tensorwise needs five (x, W1,
+    W2 in the forward; dy1, dy2 in the backward: x^T, W^T and dy^T reuse their exponents); rowwise ten (x, W1,
+    W2; dy1, dy2, dy1^T, dy2^T, W1^T, W2^T and one x^T: a column's scale is no row's). Control: without the reuse
+    tensorwise makes rowwise's ten. ~3 s each (aot tracing)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    import titan_train.quantize.quantized_matmul as qm
+    from titan_train.quantize import RECIPES, quantized_linear
+
+    if not reuse:
+        monkeypatch.setattr(qm, "_reused_exponent", lambda *args: None)
+    amaxes = []
+
+    def record(gm, example_inputs):
+        amaxes.append(sum(str(n.target) == "aten.amax.default" for n in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    w1, w2 = (torch.randn(128, 64, requires_grad=True) for _ in range(2))
+
+    def f(x):
+        r = RECIPES[recipe]
+        return quantized_linear(x, w1, r, out_dtype=torch.float32) * quantized_linear(x, w2, r, out_dtype=torch.float32)
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
+    torch.compile(f, backend=backend, fullgraph=True)(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert len(amaxes) == 2 and sum(amaxes) == passes, amaxes
+
+
 @_NEEDS_CPU_ROWWISE
 @pytest.mark.parametrize("policy_knows_the_op", [True, False], ids=["policy", "control"])
 def test_selective_checkpointing_keeps_the_fp8_gemm_output(policy_knows_the_op, monkeypatch):
