@@ -282,3 +282,23 @@ def test_the_backward_reuses_forward_exponents_and_still_matches_float64():
     finally:
         qm._reused_exponent = original
     assert not torch.equal(w.grad, good)
+
+
+@cuda
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise"])
+def test_gpu_fast_accum_forward_against_float64(recipe):
+    """quantize.fast_accum: the forward GEMM on the tensor cores' own accumulator (no fp32 promotion) against
+    the float64 product of the same fp8 values. Its accumulator keeps fewer bits than fp32 (DeepSeek-V3 section
+    3.3.2 measured ~14), so the bound is per reduction length K = 4096: K 2^-14 relative to |x| |W|^T at worst,
+    taken as 2^-6 (a wrong operand or scale is off by ~ |x| |W|^T / sqrt(K) = 2^-6 of it, on most elements, so
+    the check also asks the median error to be 16x smaller)."""
+    import dataclasses
+
+    r = dataclasses.replace(RECIPES[recipe], forward_fast_accum=True)
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(256, 4096, generator=g), torch.randn(384, 4096, generator=g) * 0.05
+    y = quantized_linear(x.cuda().bfloat16(), w.cuda().bfloat16(), r, out_dtype=torch.bfloat16)
+    want, magnitude, _ = _reference_gemm(x.bfloat16().float(), w.bfloat16().float(), r.x, r.weight)
+    err = (y.float().cpu().double() - want).abs()
+    assert (err <= 2.0 ** -8 * want.abs() + 2.0 ** -6 * magnitude).all(), recipe
+    assert (err / magnitude).median() <= 2.0 ** -10, recipe

@@ -389,3 +389,34 @@ def test_gpu_compiled_training_tracks_bf16(recipe, tmp_path, jobs):
     for step, ref in bf16.items():
         assert fp8[step] == pytest.approx(ref, rel=0.02), (step, fp8, bf16)
     assert fp8[10] < fp8[1] - 1.5
+
+
+def test_fast_accum_reaches_the_forward_gemm_only():
+    """quantize.fast_accum (CLI) sets the scaled_mm recipes' forward GEMM to torch._scaled_mm's use_fast_accum:
+    in the traced graphs the forward's titan_train.fp8_scaled_mm takes True, the backward's two take False (their
+    sums feed the weights); a recipe with its own GEMM refuses the option. ~3 s (aot tracing)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from titan_train.cli import parse_args
+    from titan_train.quantize import quantized_linear
+
+    config, _ = parse_args(["--quantize.linear", "fp8_tensorwise", "--quantize.fast_accum", "true"])
+    recipe = config.quantize.build().recipe
+    assert recipe.forward_fast_accum and recipe.name == "fp8_tensorwise"
+    with pytest.raises(ValueError, match="fast_accum"):
+        LinearConversion("fp8_blockwise", fast_accum=True)
+    flags = []
+
+    def record(gm, example_inputs):
+        flags.append([n.args[5] for n in gm.graph.nodes if str(n.target) == "titan_train.fp8_scaled_mm.default"])
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    w = torch.randn(128, 64, requires_grad=True)
+
+    def f(x):
+        return quantized_linear(x, w, recipe, out_dtype=torch.float32, backend="kernels")
+    torch.compile(f, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)(
+        torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert flags == [[True], [False, False]], flags

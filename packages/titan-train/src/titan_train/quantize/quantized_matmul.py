@@ -46,7 +46,8 @@ class _QuantizedMatmul(torch.autograd.Function):
         x_q = _quantize(x, recipe, "x", groups)
         ctx.save_for_backward(x, weight, _reused_exponent(x_q, recipe, "x", "x_t", groups),
                               _reused_exponent(weight_q, recipe, "weight", "weight_t", groups))
-        return scaled_matmul(x_q, weight_q, kernel=recipe.kernel, out_dtype=out_dtype, backend=backend)
+        return scaled_matmul(x_q, weight_q, kernel=recipe.kernel, out_dtype=out_dtype, backend=backend,
+                             fast_accum=recipe.forward_fast_accum)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
