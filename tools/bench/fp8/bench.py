@@ -157,9 +157,12 @@ def run_variant(args, flavor: str, variant: str, *, steps: int, text: dict | Non
 def profiled(trace: Path, *, steps: int) -> dict:
     from profile_breakdown import breakdown, kernels_from_trace
 
-    from titan_train.trace_summary import load_events
+    from titan_train.trace_summary import load_events, summarize
 
-    result = breakdown(kernels_from_trace(load_events(trace)), steps=steps)
+    events = load_events(trace)
+    result = breakdown(kernels_from_trace(events), steps=steps)
+    window = summarize(events)  # the device's busy (union of kernels) and idle time over the profiled window
+    result["busy_ms"], result["idle_ms"] = window["compute_ms"] / steps, window["idle_ms"] / steps
     trace.unlink()  # tens of MB per variant: the breakdown is what the bench keeps
     return result
 

@@ -119,6 +119,8 @@ def format_breakdown(title: str, result: dict, *, step_ms: float | None = None) 
     head = f"\n#### {title}: GPU kernel time per step ({result['steps']} profiled steps)"
     if step_ms is not None:
         head += f", step {step_ms:.1f} ms (kernel time summed {result['total_ms']:.1f} ms)"
+    if "idle_ms" in result:
+        head += f"; GPU busy {result['busy_ms']:.1f} ms, idle {result['idle_ms']:.1f} ms a step"
     lines = [head, "", "| category | ms / step | share |", "|---|---|---|"]
     lines += [f"| {c} | {ms:.2f} | {ms / total:.0%} |" for c, ms in result["per_step_ms"].items()]
     lines += [f"| total | {result['total_ms']:.2f} | 100% |", "", "| kernel | category | ms / step | launches |",
