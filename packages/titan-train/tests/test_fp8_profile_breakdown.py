@@ -20,6 +20,8 @@ NAMED = [  # (kernel name, launching op, in the optimizer annotation, category)
      "", False, "bf16_gemm"),
     ("triton_tem_fused_mm_4", "", False, "bf16_gemm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "aten::_scaled_mm", False, "fp8_gemm"),
+    ("nvjet_qqtst_128x256_128x6_2x1_2cta_v_bz_TNT", "", False, "fp8_gemm"),
+    ("bmm_E4m3_E4m3E4m3_Fp32_t128x64x128u2_s6_et64x64", "", False, "fp8_gemm"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_segment_k_off_kernel",
      "", False, "fp8_gemm"),
     ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int>, "

@@ -33,7 +33,8 @@ ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_
 FP8_GEMM_KERNELS = ("blockwise_gemm_kernel", "mx_gemm_kernel", "_scaled_mm", "scaled_mm", "f8f8bf16", "fp8_gemm",
                     "fp8_grouped")
 FP8_WORDS = ("e4m3", "e5m2", "f8f8", "fp8", "float8", "_qq")
-GEMM_WORDS = ("gemm", "gemv", "nvjet", "xmma", "cublas", "cutlass", "splitk", "triton_tem_fused_mm",
+# cuBLAS (12.8+) names its Hopper GEMMs nvjet_*: nvjet_tst_* for bf16, nvjet_qqtst_* for fp8 operands.
+GEMM_WORDS = ("gemm", "gemv", "nvjet", "xmma", "cublas", "cutlass", "splitk", "bmm_", "triton_tem_fused_mm",
               "triton_tem_fused_addmm", "triton_tem_fused_bmm", "sm90_", "sm80_", "ampere_", "hopper_")
 ATTENTION_WORDS = ("flash", "fmha", "attention", "attn", "sdpa")
 OPTIMIZER_WORDS = ("adam", "multi_tensor_apply", "foreach", "muon")
