@@ -146,7 +146,7 @@ def transposed_exponent(quantized: QuantizedMatrix, blocking_t: Blocking) -> tor
         return None
     if (b.dtype, b.rule) != (blocking_t.dtype, blocking_t.rule):
         return None
-    rows, padded_cols = q.data.shape
+    rows = q.data.shape[0]
     # the transpose [C, R]: C in blocks of b.cols (its rows), R padded as blocking_t pads its reduction
     t_rows = _round_up(q.cols, b.cols) // b.cols if b.cols else 1
     t_padded = _round_up(rows, math.lcm(b.rows, blocking_t.pad_cols) if b.rows else blocking_t.pad_cols)
