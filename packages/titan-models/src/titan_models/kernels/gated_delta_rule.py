@@ -126,27 +126,42 @@ class _Inputs:
         return dict(T=self.T, H=self.H, Tp=self.Tp, K=self.K, C=CHUNK, HAS_SEG=self.seg is not None,
                     PREC=self.precision)
 
-    def _buffer(self, width):
-        return torch.empty(self.B, self.H, self.Tp, width, device=self.q.device, dtype=torch.float32)
+    def _buffer(self, width, dtype=torch.float32):
+        return torch.empty(self.B, self.H, self.Tp, width, device=self.q.device, dtype=dtype)
+
+    def _scan_block(self) -> int:
+        """The scan's V block: 32 (twice the programs) unless B*H*V/64 programs already fill the GPU twice."""
+        sms = torch.cuda.get_device_properties(self.q.device).multi_processor_count if self.q.is_cuda else 1
+        return min(self.V, 64 if self.B * self.H * (self.V // 64) >= 2 * sms else 32)
 
     def forward(self, *, with_output: bool):
+        """with_output (the autograd forward): bf16 inputs run bf16 products and bf16 W, U, S, Unew buffers
+        (half the bytes) and Tm is not stored; without (backward's recompute) every buffer is float32 and
+        Tm is stored, the products as the class docstring says."""
         from titan_models.kernels import gated_delta_rule_kernels as kern
 
+        low = with_output and self.q.dtype == torch.bfloat16
+        ops = ("bf16_emulated" if interpreting() else "bf16") if low else "f32"
+        buf = torch.bfloat16 if low else torch.float32
+        prec = dict(OPS=ops)
         seg = self.q if self.seg is None else self.seg  # an unread placeholder without segments
-        tm, w, u, unew = self._buffer(CHUNK), self._buffer(self.K), self._buffer(self.V), self._buffer(self.V)
-        kern.prepare_kernel[(self.N, self.B * self.H)](self.k, self.v, self.g, self.beta, seg, tm, w, u,
-                                                       V=self.V, **self._common())
-        states = torch.empty(self.B * self.H, self.N, self.K, self.V, device=self.q.device, dtype=torch.float32)
+        tm = self.q.new_empty(0, dtype=torch.float32) if with_output else self._buffer(CHUNK)
+        w, u, unew = self._buffer(self.K, buf), self._buffer(self.V, buf), self._buffer(self.V, buf)
+        kern.prepare_kernel[(self.N, self.B * self.H)](
+            self.k, self.v, self.g, self.beta, seg, tm, w, u, V=self.V, INV_PREC="tf32" if low else "tf32x3",
+            STORE_TM=not with_output, **prec, **self._common())
+        states = torch.empty(self.B * self.H, self.N, self.K, self.V, device=self.q.device, dtype=buf)
         final = torch.empty(self.B, self.H, self.K, self.V, device=self.q.device, dtype=torch.float32)
-        kern.state_forward_kernel[(self.B * self.H, self.V // self.BV)](
+        scan_bv = self._scan_block()
+        kern.state_forward_kernel[(self.B * self.H, self.V // scan_bv)](
             self.k, self.g, self.beta, seg, w, u, self.q if self.init is None else self.init, states, unew, final,
-            N=self.N, V=self.V, BV=self.BV, HAS_INIT=self.init is not None, **self._common())
+            N=self.N, V=self.V, BV=scan_bv, HAS_INIT=self.init is not None, **prec, **self._common())
         out = None
         if with_output:
             out = torch.empty(self.B, self.T, self.H, self.V, device=self.q.device, dtype=torch.float32)
             kern.output_kernel[(self.N, self.B * self.H, self.V // self.BV)](
                 self.q, self.k, self.g, self.beta, seg, states, unew, out, N=self.N, V=self.V, BV=self.BV,
-                **self._common())
+                **prec, **self._common())
         return out, final, (tm, w, states, unew)
 
     def backward(self, d_out, d_final):
