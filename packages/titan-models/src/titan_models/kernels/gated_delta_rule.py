@@ -14,9 +14,13 @@ backward, given dO and the gradient dS' of the state leaving it:
           G = dP * Q K^T * D + dA * A,  dg = reverse cumsum of dgc inside the chunk.
 
 float32 inputs run every product as tf32x3 (three tf32 tensor-core products: near-float32 accuracy; the
-sm_90 compile check showed IEEE float32 products spilling 2-70 KiB per thread); bfloat16 q, k, v run
-them in plain tf32 (operands are widened to float32 on load). The interpreter computes in float32. The state,
-gates and intermediates are float32 in both.
+sm_90 compile check showed IEEE float32 products spilling 2-70 KiB per thread). bfloat16 q, k, v: the
+autograd forward runs bf16 products (float32 accumulation) and keeps W, U, the per-chunk states and Unew in
+bf16 buffers, the triangular inverse in tf32, as flash-linear-attention does (bf16's error, ~1e-2
+relative); backward's recompute of the forward keeps float32 buffers and tf32 products (tf32x3 for the
+inverse), so gradients do not inherit the bf16 forward's rounding. The interpreter computes in float32
+(bf16 operands are rounded, then multiplied in float32). Gates, the state carried through the scan and the
+output are float32 throughout.
 """
 from __future__ import annotations
 
