@@ -111,22 +111,31 @@ def _dot(a, b, OPS: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 of a strictly lower triangular A [C, C] (C = 64) by recursive block doubling, on tensor
-    cores in PREC (tf32x3 for float32 inputs: the inverse amplifies rounding). X holds the inverses of the
-    diagonal blocks of size s; for the blocks of size 2s, [[L11, 0], [L21, L22]]^-1 = X - X E X, E = L21 in
-    the lower-left quarter of each block: 2 products per level, 11 in all (the 15-step forward
-    substitution on the 64 x 64 layout took 19), each of the actual sub-inverses (no powers of A)."""
+def _doubled_inverse(X, A, s: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """From X, the inverses of the diagonal s x s blocks of I + A, those of its 2s x 2s blocks:
+    [[L11, 0], [L21, L22]]^-1 = X - X E X, E = L21 in the lower-left quarter of each block."""
     rows = tl.arange(0, C)[:, None]
     cols = tl.arange(0, C)[None, :]
-    X = tl.where(rows == cols, 1.0, 0.0) - tl.where((rows // 2 == cols // 2) & (rows % 2 == 1) & (cols % 2 == 0),
-                                                    A, 0.0)
-    for level in tl.static_range(1, 6):
-        s = 1 << level
-        E = tl.where((rows // (2 * s) == cols // (2 * s)) & ((rows // s) % 2 == 1) & ((cols // s) % 2 == 0),
-                     A, 0.0)
-        X = X - tl.dot(tl.dot(X, E, input_precision=PREC), X, input_precision=PREC)
-    return X
+    E = tl.where((rows // (2 * s) == cols // (2 * s)) & ((rows // s) % 2 == 1) & ((cols // s) % 2 == 0), A, 0.0)
+    return X - tl.dot(tl.dot(X, E, input_precision=PREC), X, input_precision=PREC)
+
+
+@triton.jit
+def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower triangular A [C, C] (C = 64) by recursive block doubling
+    (`_doubled_inverse`, from 1 x 1 blocks to 64 x 64), on tensor cores in PREC (tf32x3 for float32 inputs:
+    the inverse amplifies rounding). 2 products a level, 10 in all (the 2 x 2 level needs none)
+    (the 15-step forward substitution on the 64 x 64 layout took 19); every product is of actual
+    sub-inverses and blocks of A, no powers of A."""
+    rows = tl.arange(0, C)[:, None]
+    cols = tl.arange(0, C)[None, :]
+    pairs = (rows // 2 == cols // 2) & (rows % 2 == 1) & (cols % 2 == 0)
+    X = tl.where(rows == cols, 1.0, 0.0) - tl.where(pairs, A, 0.0)  # the 2 x 2 blocks' inverses
+    X = _doubled_inverse(X, A, 2, C, PREC)
+    X = _doubled_inverse(X, A, 4, C, PREC)
+    X = _doubled_inverse(X, A, 8, C, PREC)
+    X = _doubled_inverse(X, A, 16, C, PREC)
+    return _doubled_inverse(X, A, 32, C, PREC)
 
 
 @_tuned
