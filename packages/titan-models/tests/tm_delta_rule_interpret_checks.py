@@ -174,6 +174,9 @@ def check_bf16_forward():
     (out * w_out).sum().backward()
     (ref_out * w_out.double()).sum().backward()
     results["bf16_forward_grad_g"] = rel_err(ours[3].grad, ref[3].grad)  # float32, unlike q/k/v's grads
+    with torch.no_grad():  # bf16_forward=False: float32 buffers and products, as backward's recompute
+        kept, _ = triton_chunked_delta_rule(*tensors[:5], initial_state=tensors[5], bf16_forward=False)
+    results["bf16_inputs_tf32_forward_out"] = rel_err(kept, ref_out.detach())
 
 
 check_layer()

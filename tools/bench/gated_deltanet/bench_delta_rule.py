@@ -80,6 +80,9 @@ def implementations(args):
         q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0], "titan-models (torch)": ours,
         "titan-models (triton)": lambda q, k, v, g, beta: triton_chunked_delta_rule(
             *normalised(q, k), v, g, beta, segments=segments)[0]}
+    if args.dtype == torch.bfloat16:  # the bf16 forward's cost in accuracy and its gain in time, in one run
+        impls["titan-models (triton, tf32 fwd)"] = lambda q, k, v, g, beta: triton_chunked_delta_rule(
+            *normalised(q, k), v, g, beta, segments=segments, bf16_forward=False)[0]
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
@@ -153,7 +156,7 @@ def forward_kernel_report(impls, args) -> None:
     if args.device != "cuda":
         raise ValueError("--forward-kernels needs --device cuda (the profiler times CUDA kernels)")
     tensors = inputs(args, args.dtype)
-    for name in ("titan-models (triton)", "flash-linear-attention"):
+    for name in ("titan-models (triton)", "titan-models (triton, tf32 fwd)", "flash-linear-attention"):
         if name in impls:
             print_kernel_times(name, kernel_times(impls[name], tensors, warmup=max(args.warmup, 1),
                                                   repeats=args.repeats))

@@ -73,22 +73,24 @@ def use_triton(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 def triton_chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                               beta: torch.Tensor, *, segments: torch.Tensor | None = None,
-                              initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              initial_state: torch.Tensor | None = None,
+                              bf16_forward: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [b, s, h, dk] (normalised, q scaled), v [b, s, h, dv], g, beta [b, s, h], segments [b, s] or None,
     initial_state [b, h, dk, dv] or None. Returns (out [b, s, h, dv], final state [b, h, dk, dv]), float32,
-    differentiable in q, k, v, g, beta and initial_state."""
+    differentiable in q, k, v, g, beta and initial_state. bf16_forward=False: bf16 inputs' forward keeps
+    float32 buffers and tf32 products as backward's recompute does (slower, ~4x less rounding)."""
     assert g.dim() == 3, "one log decay per head"
     if interpreting():
         from titan_models.kernels.triton_interpreter import backport_scalar_index
 
         backport_scalar_index()
-    return _DeltaRule.apply(q, k, v, g, beta, segments, initial_state)
+    return _DeltaRule.apply(q, k, v, g, beta, segments, initial_state, bf16_forward)
 
 
 class _DeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, segments, initial_state):
-        inputs = _Inputs(q, k, v, g, beta, segments, initial_state)
+    def forward(ctx, q, k, v, g, beta, segments, initial_state, bf16_forward):
+        inputs = _Inputs(q, k, v, g, beta, segments, initial_state, bf16_forward)
         out, final, _ = inputs.forward(with_output=True)
         ctx.save_for_backward(*inputs.tensors())
         ctx.has_segments, ctx.has_init = segments is not None, initial_state is not None
@@ -101,15 +103,16 @@ class _DeltaRule(torch.autograd.Function):
         inputs = _Inputs(q, k, v, g, beta, seg if ctx.has_segments else None, init if ctx.has_init else None)
         dq, dk, dv, dg, dbeta, dinit = inputs.backward(d_out, d_final)
         grads = [t.to(dtype) for t, dtype in zip((dq, dk, dv, dg, dbeta), ctx.dtypes)]
-        return *grads, None, (dinit if ctx.has_init else None)
+        return *grads, None, (dinit if ctx.has_init else None), None
 
 
 class _Inputs:
     """The kernels' operands: q, k, v in one dtype (bf16 when all three are, else float32), g and beta
     float32, segments int32, all contiguous; the launches of forward and backward."""
 
-    def __init__(self, q, k, v, g, beta, segments, initial_state):
+    def __init__(self, q, k, v, g, beta, segments, initial_state, bf16_forward=True):
         dtype = torch.bfloat16 if all(t.dtype == torch.bfloat16 for t in (q, k, v)) else torch.float32
+        self.bf16_forward = bf16_forward
         self.q, self.k, self.v = (t.to(dtype).contiguous() for t in (q, k, v))
         self.g, self.beta = (t.float().contiguous() for t in (g, beta))
         self.seg = None if segments is None else segments.to(torch.int32).contiguous()
@@ -144,7 +147,7 @@ class _Inputs:
         Tm is stored, the products as the class docstring says."""
         from titan_models.kernels import gated_delta_rule_kernels as kern
 
-        low = with_output and self.q.dtype == torch.bfloat16
+        low = with_output and self.q.dtype == torch.bfloat16 and self.bf16_forward
         ops = ("bf16_emulated" if interpreting() else "bf16") if low else "f32"
         buf = torch.bfloat16 if low else torch.float32
         prec = dict(OPS=ops)
