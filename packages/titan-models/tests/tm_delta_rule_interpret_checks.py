@@ -158,6 +158,28 @@ def check_repeated_launches():
     results["repeated_launches_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(once, twice))
 
 
+def check_bf16_forward():
+    """bf16 q, k, v: the autograd forward's bf16 path (bf16 buffers, products of bf16-rounded operands, here
+    in float32 as the interpreter's bf16 tl.dot is wrong) on three chunks and two scan V blocks, against
+    float64 on the same rounded inputs (measured 9.5e-3 and 1.1e-2: bf16 W, U, S, Unew and products, as
+    fla-core 0.6 rounds them); and its backward (the float32 recompute) against float64's."""
+    tensors, gen = inputs(1, 150, 1, 32, 64, seed=5)
+    tensors = [t.bfloat16() if i < 3 else t for i, t in enumerate(tensors)]
+    ours = [t.clone().requires_grad_() for t in tensors]
+    ref = [t.double().clone().requires_grad_() for t in tensors]
+    out, state = triton_chunked_delta_rule(*ours[:5], initial_state=ours[5])
+    ref_out, ref_state = float64_delta_rule(*ref[:5], ref[5])
+    results["bf16_forward_out"], results["bf16_forward_state"] = rel_err(out, ref_out), rel_err(state, ref_state)
+    w_out = torch.randn(out.shape, generator=gen)
+    (out * w_out).sum().backward()
+    (ref_out * w_out.double()).sum().backward()
+    results["bf16_forward_grad_g"] = rel_err(ours[3].grad, ref[3].grad)  # float32, unlike q/k/v's grads
+    with torch.no_grad():  # bf16_forward=False: float32 buffers and products, as backward's recompute
+        kept, _ = triton_chunked_delta_rule(*tensors[:5], initial_state=tensors[5], bf16_forward=False)
+    results["bf16_inputs_tf32_forward_out"] = rel_err(kept, ref_out.detach())
+
+
 check_layer()
 check_repeated_launches()
+check_bf16_forward()
 print(json.dumps(results))

@@ -21,7 +21,8 @@ CPU (smoke; the Triton kernels run through TRITON_INTERPRET=1, which this script
         --dk 16 --dv 16 --repeats 1 --warmup 0
 GPU (fla-core's wheel installed beside it for its column):
     python tools/bench/gated_deltanet/bench_delta_rule.py --device cuda --dtype bfloat16 --seq 4096
-    (and --seq 32768; --documents 8; --dtype float32: the kernels' tf32x3 path; --per-channel)
+    (and --seq 32768; --documents 8; --dtype float32: the kernels' tf32x3 path; --per-channel;
+    --forward-kernels: each Triton forward's kernels timed one by one through torch.profiler, no table)
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def implementations(args):
         q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0], "titan-models (torch)": ours,
         "titan-models (triton)": lambda q, k, v, g, beta: triton_chunked_delta_rule(
             *normalised(q, k), v, g, beta, segments=segments)[0]}
+    if args.dtype == torch.bfloat16:  # the bf16 forward's cost in accuracy and its gain in time, in one run
+        impls["titan-models (triton, tf32 fwd)"] = lambda q, k, v, g, beta: triton_chunked_delta_rule(
+            *normalised(q, k), v, g, beta, segments=segments, bf16_forward=False)[0]
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
@@ -145,6 +149,19 @@ def timed_unless_refused(name: str, fn, args) -> float:
         return float("nan")
 
 
+def forward_kernel_report(impls, args) -> None:
+    """`--forward-kernels`: titan-models' Triton forward and fla's (when installed), per kernel."""
+    from forward_kernels import kernel_times, print_kernel_times
+
+    if args.device != "cuda":
+        raise ValueError("--forward-kernels needs --device cuda (the profiler times CUDA kernels)")
+    tensors = inputs(args, args.dtype)
+    for name in ("titan-models (triton)", "titan-models (triton, tf32 fwd)", "flash-linear-attention"):
+        if name in impls:
+            print_kernel_times(name, kernel_times(impls[name], tensors, warmup=max(args.warmup, 1),
+                                                  repeats=args.repeats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -158,6 +175,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--per-channel", action="store_true", help="Kimi Delta Attention: one decay per key channel")
+    parser.add_argument("--forward-kernels", action="store_true",
+                        help="instead of the table: each Triton implementation's forward, kernel by kernel (CUDA)")
     args = parser.parse_args()
     args.dtype = getattr(torch, args.dtype)
     if args.device == "cpu":
@@ -165,6 +184,8 @@ def main() -> None:
             raise ValueError("--dtype bfloat16 needs --device cuda (bf16 tl.dot is wrong in Triton's interpreter)")
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (by the kernels' first call)
     impls = implementations(args)
+    if args.forward_kernels:
+        return forward_kernel_report(impls, args)
     # titan-models' chunked form in float64 (tests/test_gated_deltanet.py holds it to a float64 recurrence)
     reference = impls["titan-models (torch)"](*(t.double() for t in inputs(args, args.dtype))).double()
     print(f"{'per-channel (KDA)' if args.per_channel else 'per-head'} delta rule, batch {args.batch}, seq {args.seq}, "

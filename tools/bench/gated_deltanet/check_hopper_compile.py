@@ -5,7 +5,8 @@ dims 128; bfloat16 and float32 inputs, with and without packed documents and an 
 captured, not run, then compiled ahead of time with the installed triton and its bundled ptxas for each
 warps/stages configuration the autotuner tries (dist_moe.kernels.hopper_check does the compiling and
 the checks: builds, shared memory fits; register spills are printed). Tensor-core use (wgmma) is
-expected in every variant (tf32 products for bf16 inputs, tf32x3 for float32 ones). Exits 1 if any
+expected in every variant (bf16 products in the forward and tf32 in the backward for bf16 inputs, tf32x3
+for float32 ones). Exits 1 if any
 variant fails to build or to fit shared memory (the autotuner skips such a variant, but a kernel whose
 every variant fails cannot run).
 
@@ -48,6 +49,9 @@ def captured_launches() -> list:
                 init = torch.zeros(b, h, d, d) if packed else None
                 inputs = wrapper._Inputs(q, k, v, g, beta, seg, init)
                 inputs.forward(with_output=True)
+                inputs._scan_block = lambda: 32  # the scan's block where B*H*V/64 leaves SMs idle
+                inputs.forward(with_output=True)
+                del inputs._scan_block
                 inputs.backward(torch.zeros(b, s, h, d), torch.zeros(b, h, d, d) if packed else None)
     finally:
         for name, tuned in saved.items():
@@ -80,6 +84,7 @@ def main() -> int:
             bad = info["shared"] > 232448
             failures += bad
             print(f"{'FAIL' if bad else 'ok  '} {tuned.fn.__name__:22s} PREC={constexprs.get('PREC')} "
+                  f"OPS={constexprs.get('OPS')} BV={constexprs.get('BV')} "
                   f"SEG={constexprs.get('HAS_SEG')} {options} smem {info['shared'] // 1024}K regs "
                   f"{info['registers']} spills {info['spill_bytes']} wgmma {info['wgmma']}", flush=True)
     print(f"{len(done)} variants, {failures} failing")

@@ -397,7 +397,9 @@ class GatedDeltaNet(nn.Module):
             if seq == 1:
                 out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
             elif use_triton(cfg.delta_rule_backend, q, v, g, cfg.chunk_size):
-                if v.dtype == torch.bfloat16:  # bf16 projections (autocast): tensor-core products in the kernels
+                # bf16 projections (autocast): tensor-core products in the kernels (the forward's in bf16, as
+                # flash-linear-attention's; backward's recompute in tf32)
+                if v.dtype == torch.bfloat16:
                     q, k = q.to(v.dtype), k.to(v.dtype)
                 out, final = triton_chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
             else:

@@ -14,9 +14,13 @@ backward, given dO and the gradient dS' of the state leaving it:
           G = dP * Q K^T * D + dA * A,  dg = reverse cumsum of dgc inside the chunk.
 
 float32 inputs run every product as tf32x3 (three tf32 tensor-core products: near-float32 accuracy; the
-sm_90 compile check showed IEEE float32 products spilling 2-70 KiB per thread); bfloat16 q, k, v run
-them in plain tf32 (operands are widened to float32 on load). The interpreter computes in float32. The state,
-gates and intermediates are float32 in both.
+sm_90 compile check showed IEEE float32 products spilling 2-70 KiB per thread). bfloat16 q, k, v: the
+autograd forward runs bf16 products (float32 accumulation) and keeps W, U, the per-chunk states and Unew in
+bf16 buffers, the triangular inverse in tf32, as flash-linear-attention does (bf16's error, ~1e-2
+relative); backward's recompute of the forward keeps float32 buffers and tf32 products (tf32x3 for the
+inverse), so gradients do not inherit the bf16 forward's rounding. The interpreter computes in float32
+(bf16 operands are rounded, then multiplied in float32). Gates, the state carried through the scan and the
+output are float32 throughout.
 """
 from __future__ import annotations
 
@@ -69,22 +73,24 @@ def use_triton(backend: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 def triton_chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                               beta: torch.Tensor, *, segments: torch.Tensor | None = None,
-                              initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              initial_state: torch.Tensor | None = None,
+                              bf16_forward: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [b, s, h, dk] (normalised, q scaled), v [b, s, h, dv], g, beta [b, s, h], segments [b, s] or None,
     initial_state [b, h, dk, dv] or None. Returns (out [b, s, h, dv], final state [b, h, dk, dv]), float32,
-    differentiable in q, k, v, g, beta and initial_state."""
+    differentiable in q, k, v, g, beta and initial_state. bf16_forward=False: bf16 inputs' forward keeps
+    float32 buffers and tf32 products as backward's recompute does (slower, ~4x less rounding)."""
     assert g.dim() == 3, "one log decay per head"
     if interpreting():
         from titan_models.kernels.triton_interpreter import backport_scalar_index
 
         backport_scalar_index()
-    return _DeltaRule.apply(q, k, v, g, beta, segments, initial_state)
+    return _DeltaRule.apply(q, k, v, g, beta, segments, initial_state, bf16_forward)
 
 
 class _DeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, segments, initial_state):
-        inputs = _Inputs(q, k, v, g, beta, segments, initial_state)
+    def forward(ctx, q, k, v, g, beta, segments, initial_state, bf16_forward):
+        inputs = _Inputs(q, k, v, g, beta, segments, initial_state, bf16_forward)
         out, final, _ = inputs.forward(with_output=True)
         ctx.save_for_backward(*inputs.tensors())
         ctx.has_segments, ctx.has_init = segments is not None, initial_state is not None
@@ -97,15 +103,16 @@ class _DeltaRule(torch.autograd.Function):
         inputs = _Inputs(q, k, v, g, beta, seg if ctx.has_segments else None, init if ctx.has_init else None)
         dq, dk, dv, dg, dbeta, dinit = inputs.backward(d_out, d_final)
         grads = [t.to(dtype) for t, dtype in zip((dq, dk, dv, dg, dbeta), ctx.dtypes)]
-        return *grads, None, (dinit if ctx.has_init else None)
+        return *grads, None, (dinit if ctx.has_init else None), None
 
 
 class _Inputs:
     """The kernels' operands: q, k, v in one dtype (bf16 when all three are, else float32), g and beta
     float32, segments int32, all contiguous; the launches of forward and backward."""
 
-    def __init__(self, q, k, v, g, beta, segments, initial_state):
+    def __init__(self, q, k, v, g, beta, segments, initial_state, bf16_forward=True):
         dtype = torch.bfloat16 if all(t.dtype == torch.bfloat16 for t in (q, k, v)) else torch.float32
+        self.bf16_forward = bf16_forward
         self.q, self.k, self.v = (t.to(dtype).contiguous() for t in (q, k, v))
         self.g, self.beta = (t.float().contiguous() for t in (g, beta))
         self.seg = None if segments is None else segments.to(torch.int32).contiguous()
@@ -126,27 +133,42 @@ class _Inputs:
         return dict(T=self.T, H=self.H, Tp=self.Tp, K=self.K, C=CHUNK, HAS_SEG=self.seg is not None,
                     PREC=self.precision)
 
-    def _buffer(self, width):
-        return torch.empty(self.B, self.H, self.Tp, width, device=self.q.device, dtype=torch.float32)
+    def _buffer(self, width, dtype=torch.float32):
+        return torch.empty(self.B, self.H, self.Tp, width, device=self.q.device, dtype=dtype)
+
+    def _scan_block(self) -> int:
+        """The scan's V block: 32 (twice the programs) unless B*H*V/64 programs already fill the GPU twice."""
+        sms = torch.cuda.get_device_properties(self.q.device).multi_processor_count if self.q.is_cuda else 1
+        return min(self.V, 64 if self.B * self.H * (self.V // 64) >= 2 * sms else 32)
 
     def forward(self, *, with_output: bool):
+        """with_output (the autograd forward): bf16 inputs run bf16 products and bf16 W, U, S, Unew buffers
+        (half the bytes) and Tm is not stored; without (backward's recompute) every buffer is float32 and
+        Tm is stored, the products as the class docstring says."""
         from titan_models.kernels import gated_delta_rule_kernels as kern
 
+        low = with_output and self.q.dtype == torch.bfloat16 and self.bf16_forward
+        ops = ("bf16_emulated" if interpreting() else "bf16") if low else "f32"
+        buf = torch.bfloat16 if low else torch.float32
+        prec = dict(OPS=ops)
         seg = self.q if self.seg is None else self.seg  # an unread placeholder without segments
-        tm, w, u, unew = self._buffer(CHUNK), self._buffer(self.K), self._buffer(self.V), self._buffer(self.V)
-        kern.prepare_kernel[(self.N, self.B * self.H)](self.k, self.v, self.g, self.beta, seg, tm, w, u,
-                                                       V=self.V, **self._common())
-        states = torch.empty(self.B * self.H, self.N, self.K, self.V, device=self.q.device, dtype=torch.float32)
+        tm = self.q.new_empty(0, dtype=torch.float32) if with_output else self._buffer(CHUNK)
+        w, u, unew = self._buffer(self.K, buf), self._buffer(self.V, buf), self._buffer(self.V, buf)
+        kern.prepare_kernel[(self.N, self.B * self.H)](
+            self.k, self.v, self.g, self.beta, seg, tm, w, u, V=self.V, INV_PREC="tf32" if low else "tf32x3",
+            STORE_TM=not with_output, **prec, **self._common())
+        states = torch.empty(self.B * self.H, self.N, self.K, self.V, device=self.q.device, dtype=buf)
         final = torch.empty(self.B, self.H, self.K, self.V, device=self.q.device, dtype=torch.float32)
-        kern.state_forward_kernel[(self.B * self.H, self.V // self.BV)](
+        scan_bv = self._scan_block()
+        kern.state_forward_kernel[(self.B * self.H, self.V // scan_bv)](
             self.k, self.g, self.beta, seg, w, u, self.q if self.init is None else self.init, states, unew, final,
-            N=self.N, V=self.V, BV=self.BV, HAS_INIT=self.init is not None, **self._common())
+            N=self.N, V=self.V, BV=scan_bv, HAS_INIT=self.init is not None, **prec, **self._common())
         out = None
         if with_output:
             out = torch.empty(self.B, self.T, self.H, self.V, device=self.q.device, dtype=torch.float32)
             kern.output_kernel[(self.N, self.B * self.H, self.V // self.BV)](
                 self.q, self.k, self.g, self.beta, seg, states, unew, out, N=self.N, V=self.V, BV=self.BV,
-                **self._common())
+                **prec, **self._common())
         return out, final, (tm, w, states, unew)
 
     def backward(self, d_out, d_final):

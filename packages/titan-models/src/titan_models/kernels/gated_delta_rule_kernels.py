@@ -33,7 +33,7 @@ def _tuned(kernel):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return kernel
     configs = [triton.Config({}, num_warps=warps, num_stages=stages) for warps in (4, 8) for stages in (1, 2)]
-    return triton.autotune(configs, key=["K", "V"])(kernel)
+    return triton.autotune(configs, key=["K", "V", "BV", "OPS"])(kernel)
 
 
 @triton.jit
@@ -98,54 +98,79 @@ def _state_offsets(bh, n, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
 
 
 @triton.jit
-def _unit_lower_inverse(A, C: tl.constexpr):
-    """(I + A)^-1 of a strictly lower triangular A [C, C] (C = 64), on tensor cores in tf32x3 (near-float32;
-    the inverse amplifies rounding, so never plain tf32). First the four 16 x 16 diagonal blocks Ld by
-    forward substitution, one row of every block per step: rows 16b + r become e_i - sum_j A_ij row_j,
-    the rows j < i of their block being final. Then, with N = Ld^-1 A_off (strictly block-lower, so
-    N^4 = 0): (I + A)^-1 = (Ld (I + N))^-1 = (I - N + N^2 - N^3) Ld^-1."""
+def _dot(a, b, OPS: tl.constexpr, PREC: tl.constexpr):
+    """a @ b accumulated in float32. OPS "f32": float32 operands in PREC (tf32x3 or tf32); "bf16": operands
+    rounded to bfloat16 (tensor cores at twice tf32's rate, half the registers); "bf16_emulated": the same
+    rounding, then a float32 product (the interpreter, whose bf16 tl.dot is wrong)."""
+    if OPS == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif OPS == "bf16_emulated":
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _doubled_inverse(X, A, s: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """From X, the inverses of the diagonal s x s blocks of I + A, those of its 2s x 2s blocks:
+    [[L11, 0], [L21, L22]]^-1 = X - X E X, E = L21 in the lower-left quarter of each block."""
     rows = tl.arange(0, C)[:, None]
     cols = tl.arange(0, C)[None, :]
-    same_block = (rows // 16) == (cols // 16)
-    eye = tl.where(rows == cols, 1.0, 0.0)
-    diag_inv = eye
-    for r in range(1, 16):
-        step_rows = tl.where(same_block & ((rows % 16) == r), A, 0.0)
-        diag_inv = diag_inv - tl.dot(step_rows, diag_inv, input_precision="tf32x3")
-    N = tl.dot(diag_inv, tl.where(same_block, 0.0, A), input_precision="tf32x3")
-    N2 = tl.dot(N, N, input_precision="tf32x3")
-    series = eye - N + N2 - tl.dot(N2, N, input_precision="tf32x3")
-    return tl.dot(series, diag_inv, input_precision="tf32x3")
+    E = tl.where((rows // (2 * s) == cols // (2 * s)) & ((rows // s) % 2 == 1) & ((cols // s) % 2 == 0), A, 0.0)
+    return X - tl.dot(tl.dot(X, E, input_precision=PREC), X, input_precision=PREC)
+
+
+@triton.jit
+def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower triangular A [C, C] (C = 64) by recursive block doubling
+    (`_doubled_inverse`, from 1 x 1 blocks to 64 x 64), on tensor cores in PREC (tf32x3 for float32 inputs:
+    the inverse amplifies rounding). 2 products a level, 10 in all (the 2 x 2 level needs none)
+    (the 15-step forward substitution on the 64 x 64 layout took 19); every product is of actual
+    sub-inverses and blocks of A, no powers of A."""
+    rows = tl.arange(0, C)[:, None]
+    cols = tl.arange(0, C)[None, :]
+    pairs = (rows // 2 == cols // 2) & (rows % 2 == 1) & (cols % 2 == 0)
+    X = tl.where(rows == cols, 1.0, 0.0) - tl.where(pairs, A, 0.0)  # the 2 x 2 blocks' inverses
+    X = _doubled_inverse(X, A, 2, C, PREC)
+    X = _doubled_inverse(X, A, 4, C, PREC)
+    X = _doubled_inverse(X, A, 8, C, PREC)
+    X = _doubled_inverse(X, A, 16, C, PREC)
+    return _doubled_inverse(X, A, 32, C, PREC)
 
 
 @_tuned
 @triton.jit
 def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr, T, H, Tp,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, HAS_SEG: tl.constexpr,
-                   PREC: tl.constexpr):
-    """Grid (chunks, B*H): Tm [C, C], W [C, K], U [C, V] of one chunk."""
+                   PREC: tl.constexpr, OPS: tl.constexpr, INV_PREC: tl.constexpr, STORE_TM: tl.constexpr):
+    """Grid (chunks, B*H): Tm [C, C] (only backward reads it: STORE_TM), W [C, K], U [C, V] of one chunk,
+    stored in their buffers' dtype."""
     n, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     strict = vis & (tl.arange(0, C)[None, :] < tl.arange(0, C)[:, None])
-    A = tl.where(strict, beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PREC) * D, 0.0)
-    tm = _unit_lower_inverse(A, C)  # C = 64: four 16-row blocks
-    tl.store(tm_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0), tm)
-    w = tl.dot(tm, (beta * r)[:, None] * k, input_precision=PREC)
-    tl.store(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0), w)
+    A = tl.where(strict, beta[:, None] * _dot(k, tl.trans(k), OPS, PREC) * D, 0.0)
+    tm = _unit_lower_inverse(A, C, INV_PREC)  # C = 64
+    if STORE_TM:
+        tl.store(tm_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0), tm)
+    w = _dot(tm, (beta * r)[:, None] * k, OPS, PREC)
+    tl.store(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0), w.to(w_ptr.dtype.element_ty))
     v = _load_rows(v_ptr, b, h, n, T, H, V, C, V, 0)
-    u = tl.dot(tm, beta[:, None] * v, input_precision=PREC)
-    tl.store(u_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, V, 0), u)
+    u = _dot(tm, beta[:, None] * v, OPS, PREC)
+    tl.store(u_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, V, 0), u.to(u_ptr.dtype.element_ty))
 
 
 @_tuned
 @triton.jit
 def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr, states_ptr, unew_ptr,
                          final_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                         C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr):
-    """Grid (B*H, V / BV): the scan over chunks; stores S entering each chunk and Unew, then the final S."""
+                         C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr,
+                         OPS: tl.constexpr):
+    """Grid (B*H, V / BV): the scan over chunks, the one sequential part, so BV is small enough to give the
+    GPU's SMs a program each; stores S entering each chunk and Unew (in their buffers' dtype), then the
+    final S. S stays float32 in registers; with OPS "bf16" its products take it rounded to bf16."""
     bh, vb = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
@@ -156,14 +181,15 @@ def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     for n in range(N):
-        tl.store(states_ptr + _state_offsets(bh, n, N, K, V, BV, v0), S)
+        tl.store(states_ptr + _state_offsets(bh, n, N, K, V, BV, v0), S.to(states_ptr.dtype.element_ty))
         gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
         w = tl.load(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0))
-        u = tl.load(u_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
-        unew = u - tl.dot(w, S, input_precision=PREC)
-        tl.store(unew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0), unew)
-        k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
-        S = S * carry + tl.dot(tl.trans(k * e[:, None]), unew, input_precision=PREC)
+        u = tl.load(u_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)).to(tl.float32)
+        unew = u - _dot(w, S, OPS, PREC)
+        tl.store(unew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0), unew.to(unew_ptr.dtype.element_ty))
+        k = tl.load(k_ptr + ((b * T + n * C + tl.arange(0, C)[:, None]) * H + h) * K + tl.arange(0, K)[None, :],
+                    mask=(n * C + tl.arange(0, C))[:, None] < T, other=0.0)
+        S = S * carry + _dot(tl.trans(k), unew * e[:, None], OPS, PREC)  # e on [C, BV], not on [C, K]
     tl.store(final_ptr + state_block, S)
 
 
@@ -171,19 +197,22 @@ def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr
 @triton.jit
 def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, o_ptr, T, H, Tp, N,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_SEG: tl.constexpr,
-                  PREC: tl.constexpr):
-    """Grid (chunks, B*H, V / BV): O = diag(r) Q S + (vis * Q K^T * D) Unew."""
+                  PREC: tl.constexpr, OPS: tl.constexpr):
+    """Grid (chunks, B*H, V / BV): O = diag(r) (Q S) + (vis * Q K^T * D) Unew (r after the product: q enters
+    it unrounded)."""
     n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     v0 = vb * BV
     gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
-    q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
-    k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * D
+    t = n * C + tl.arange(0, C)
+    rows = ((b * T + t[:, None]) * H + h) * K + tl.arange(0, K)[None, :]
+    q = tl.load(q_ptr + rows, mask=t[:, None] < T, other=0.0)
+    k = tl.load(k_ptr + rows, mask=t[:, None] < T, other=0.0)
+    scores = _dot(q, tl.trans(k), OPS, PREC) * D
     S = tl.load(states_ptr + _state_offsets(bh, n, N, K, V, BV, v0))
     unew = tl.load(unew_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0))
-    o = tl.dot(q * r[:, None], S, input_precision=PREC) + tl.dot(scores, unew, input_precision=PREC)
+    o = r[:, None] * _dot(q, S, OPS, PREC) + _dot(scores, unew, OPS, PREC)
     _store_rows(o_ptr, o, b, h, n, T, H, V, C, BV, v0)
 
 
