@@ -73,6 +73,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--write-only", action="store_true",
                    help="no training loop: per path, --saves saves one after another, each until durable (the first "
                         "allocates what a path allocates), then a load; reports write times and GB/s against the raw disk")
+    p.add_argument("--cold-load", action="store_true",
+                   help="evict the saved files from the page cache before the timed load (POSIX_FADV_DONTNEED): a "
+                        "load as after a restart; without it a path that wrote through the page cache loads from it "
+                        "(torch-checkpointing's direct I/O leaves nothing there)")
     p.add_argument("--dry-run", action="store_true", help="tiny state, 3 saves, 3-step gaps: checks that every path runs")
     args = p.parse_args()
     if args.dry_run:
@@ -218,12 +222,26 @@ def release_cached_pinned_memory(device) -> None:
         empty()
 
 
-def load_and_check(args, name: str, path, step: int, rank: int, world: int, device, updates: int) -> float:
+def evict_page_cache(folder: Path) -> None:
+    """Drop every file under `folder` from the page cache (clean pages only: the saves were fsynced)."""
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def load_and_check(args, name: str, path, step: int, rank: int, world: int, device, updates: int,
+                   folder: Path) -> float:
     """Load `step` into an empty state (seconds), checked bitwise against the state after `updates` updates."""
     target = make_state(args, rank, world, device)
     for t in target["model"].values():
         local_of(t).zero_()
     sync(device)
+    if args.cold_load:
+        evict_page_cache(folder)
     dist.barrier()
     began = time.perf_counter()
     path.load(target, step)
@@ -254,7 +272,7 @@ def bench_writes(args, name: str, root: Path, rank: int, world: int, device) -> 
         path.wait()
         writes.append(time.perf_counter() - began)
         dist.barrier()
-    load = load_and_check(args, name, path, state["step"], rank, world, device, state["step"])
+    load = load_and_check(args, name, path, state["step"], rank, world, device, state["step"], root / name)
     path.close()
     del state
     dist.barrier()
@@ -282,7 +300,7 @@ def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, d
     path.wait()
     write = time.perf_counter() - began
     dist.barrier()
-    load = load_and_check(args, name, path, state["step"] + 1000, rank, world, device, state["step"])
+    load = load_and_check(args, name, path, state["step"] + 1000, rank, world, device, state["step"], root / name)
     path.close()
     del state
     dist.barrier()
@@ -493,7 +511,7 @@ def report_writes(args, world: int, device, work, gathered: list) -> None:
         if os.path.isdir("/sys/devices/system/node") else "?"
     print(f"\nstate: {gb:.3f} GB over {world} rank(s) on {device.type} ({machine}, {nodes} NUMA node(s)), "
           f"{args.tensors} tensors; torch {torch.__version__}; --write-only: {args.saves} saves per path back to back, "
-          f"each until durable, nothing else running\n")
+          f"each until durable, nothing else running; load {'cold (files evicted from the page cache)' if args.cold_load else 'as left by the save'}\n")
     print(f"{'path':14s} {'first (s)':>10s} {'write median (s)':>17s} {'min':>7s} {'max':>7s} {'n':>3s} {'GB/s':>6s}"
           f" {'load (s)':>9s}")
     for name, r in rows.items():
