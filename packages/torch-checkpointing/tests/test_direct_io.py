@@ -85,7 +85,8 @@ def test_blocking_save_from_unaligned_state_memory_is_correct(tmp_path):
     assert save_file(tmp_path / "direct", True, state, blocking=True) == save_file(tmp_path / "buffered", False, state)
 
 
-def test_a_refused_direct_write_falls_back_to_buffered(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [errno.EINVAL, errno.EFAULT])  # EFAULT: host memory the kernel cannot pin
+def test_a_refused_direct_write_falls_back_to_buffered(tmp_path, monkeypatch, error):
     state = odd_state()
     reference = save_file(tmp_path / "buffered", False, state)
     real_pwrite, refused = os.pwrite, []
@@ -93,7 +94,7 @@ def test_a_refused_direct_write_falls_back_to_buffered(tmp_path, monkeypatch):
     def pwrite(fd, data, offset):
         if fd in direct_fds:  # the O_DIRECT descriptor: as a filesystem that refuses it
             refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(error, os.strerror(error))
         return real_pwrite(fd, data, offset)
 
     direct_fds: set[int] = set()
@@ -152,3 +153,27 @@ def test_staged_segments_sit_at_their_file_offset_modulo_a_page():
             last_end[seg.slab] = seg.slab_offset + seg.nbytes
             assert seg.slab_offset % 4096 == (file_offsets[seg.piece] + seg.start) % 4096
         assert covered == dict(enumerate(sizes))
+
+
+def test_other_direct_write_errors_fail_the_save(tmp_path, monkeypatch):
+    """A full disk is not a refusal: the save fails (and leaves no step), as a buffered one would."""
+    real_init, real_pwrite = storage._LocalSink.__init__, os.pwrite
+    direct_fds: set[int] = set()
+
+    def init(self, *args):
+        real_init(self, *args)
+        if self.direct_fd is None:
+            self.direct_fd = os.open(self.path, os.O_WRONLY)
+        direct_fds.add(self.direct_fd)
+
+    def pwrite(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(storage._LocalSink, "__init__", init)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with tc.Checkpointer(tc.LocalStorage(tmp_path, direct_io=True), slab_bytes=SLAB, block_bytes=BLOCK) as ckpt:
+        with pytest.raises(Exception, match="No space left"):
+            ckpt.save(1, odd_state()).wait()
+        assert ckpt.steps() == []

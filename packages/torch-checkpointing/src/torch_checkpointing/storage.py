@@ -102,6 +102,7 @@ _EARLY_WRITEBACK_BYTES = 1 << 20
 # every logical block size in use: 512 and 4096).
 DIRECT_ALIGNMENT = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_DIRECT_REFUSED = (errno.EINVAL, errno.EFAULT, errno.EOPNOTSUPP)
 
 
 def _address(data: memoryview) -> int | None:
@@ -154,8 +155,8 @@ class _LocalSink(FileSink):
         self._buffered(offset + head + middle, data[head + middle:])
 
     def _direct(self, offset: int, data: memoryview) -> bool:
-        """Write through the O_DIRECT descriptor; False where the filesystem refuses it (the caller
-        writes buffered, as this sink does from then on)."""
+        """Write through the O_DIRECT descriptor; False where it is refused (the caller writes
+        buffered, as this sink does from then on)."""
         try:
             while len(data):
                 written = os.pwrite(self.direct_fd, data, offset)
@@ -164,7 +165,9 @@ class _LocalSink(FileSink):
                     return True
                 data, offset = data[written:], offset + written
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            # EINVAL: the filesystem or device refuses this alignment; EFAULT: memory the kernel cannot
+            # pin for DMA (some drivers' page-locked host memory). A bad buffer fails buffered too.
+            if e.errno not in _DIRECT_REFUSED:
                 raise
             self.direct_failed = True
             return False
