@@ -21,6 +21,8 @@ into an empty state, checked bitwise against the state at save time.
     # CPU, 2 gloo ranks (what docs/benchmarks.md records for cpu-2c)
     python tools/bench/checkpoint/bench_checkpoint.py --ranks 2 --size-gib 0.25
     python tools/bench/checkpoint/bench_checkpoint.py --dry-run        # seconds: does it run
+    # write speed alone: saves back to back until durable, against the raw disk (buffered and O_DIRECT)
+    python tools/bench/checkpoint/bench_checkpoint.py --write-only --ranks 1 --size-gib 1 --saves 4 --paths tc,tc_buffered,dcp_pinned
     # one GPU, 8 GiB of state, ~250 ms steps
     python tools/bench/checkpoint/bench_checkpoint.py --device cuda --size-gib 8 --step-ms 250 --dir /local/disk
 """
@@ -68,6 +70,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--paths", default=",".join(PATHS), help=f"save paths to time, of {', '.join(PATHS)}")
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a new folder in the temp dir)")
     p.add_argument("--io-threads", type=int, default=None, help="torch-checkpointing writer/reader threads (default: its own)")
+    p.add_argument("--write-only", action="store_true",
+                   help="no training loop: per path, --saves saves one after another, each until durable (the first "
+                        "allocates what a path allocates), then a load; reports write times and GB/s against the raw disk")
+    p.add_argument("--cold-load", action="store_true",
+                   help="evict the saved files from the page cache before the timed load (POSIX_FADV_DONTNEED): a "
+                        "load as after a restart; without it a path that wrote through the page cache loads from it "
+                        "(torch-checkpointing's direct I/O leaves nothing there)")
     p.add_argument("--dry-run", action="store_true", help="tiny state, 3 saves, 3-step gaps: checks that every path runs")
     args = p.parse_args()
     if args.dry_run:
@@ -213,6 +222,65 @@ def release_cached_pinned_memory(device) -> None:
         empty()
 
 
+def evict_page_cache(folder: Path) -> None:
+    """Drop every file under `folder` from the page cache (clean pages only: the saves were fsynced)."""
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def load_and_check(args, name: str, path, step: int, rank: int, world: int, device, updates: int,
+                   folder: Path) -> float:
+    """Load `step` into an empty state (seconds), checked bitwise against the state after `updates` updates."""
+    target = make_state(args, rank, world, device)
+    for t in target["model"].values():
+        local_of(t).zero_()
+    sync(device)
+    if args.cold_load:
+        evict_page_cache(folder)
+    dist.barrier()
+    began = time.perf_counter()
+    path.load(target, step)
+    sync(device)
+    load = time.perf_counter() - began
+    want = expected_after(args, rank, world, device, updates)
+    for k, v in want["model"].items():
+        if not torch.equal(local_of(target["model"][k]), local_of(v)):
+            raise AssertionError(f"{name}: {k} loaded differs from the state at save time")
+    return load
+
+
+def bench_writes(args, name: str, root: Path, rank: int, world: int, device) -> dict:
+    """--write-only: `saves` saves back to back, each timed until durable with nothing else running
+    (the first also pays what the path allocates at its first save), then a load."""
+    release_cached_pinned_memory(device)
+    state = make_state(args, rank, world, device)
+    path = make_path(name, root / name, device, args.io_threads)
+    path.prepare(state)
+    writes = []
+    for _ in range(args.saves):
+        update(state)
+        sync(device)
+        dist.barrier()
+        began = time.perf_counter()
+        path.save(state["step"], state)
+        path.before_update()
+        path.wait()
+        writes.append(time.perf_counter() - began)
+        dist.barrier()
+    load = load_and_check(args, name, path, state["step"], rank, world, device, state["step"], root / name)
+    path.close()
+    del state
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return {"writes": writes, "load": load}
+
+
 def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, device, baseline: tuple) -> dict:
     release_cached_pinned_memory(device)
     pinned_before = pinning_ms(device)
@@ -232,22 +300,9 @@ def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, d
     path.wait()
     write = time.perf_counter() - began
     dist.barrier()
-    saved_step = state["step"] + 1000
-    target = make_state(args, rank, world, device)
-    for t in target["model"].values():
-        local_of(t).zero_()
-    sync(device)
-    dist.barrier()
-    began = time.perf_counter()
-    path.load(target, saved_step)
-    sync(device)
-    load = time.perf_counter() - began
-    want = expected_after(args, rank, world, device, state["step"])
-    for k, v in want["model"].items():
-        if not torch.equal(local_of(target["model"][k]), local_of(v)):
-            raise AssertionError(f"{name}: {k} loaded differs from the state at save time")
+    load = load_and_check(args, name, path, state["step"] + 1000, rank, world, device, state["step"], root / name)
     path.close()
-    del state, target, want
+    del state
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root / name, ignore_errors=True)
@@ -266,52 +321,74 @@ def worker(rank: int, world: int, args, root: Path, store_path: str | None) -> N
     if args.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    work = Work(device, args.step_ms or (250.0 if device.type == "cuda" else 60.0))
     state = make_state(args, rank, world, device)
     nbytes = sum(local_of(t).numel() * local_of(t).element_size() for t in state["model"].values())
-    base_times, _ = train_loop(work, state, device, steps=max(20, 2 * args.gap))
-    baseline = statistics.median(base_times[2:])
+    work, results, first_step = None, {"bytes": nbytes, "baseline": 0.0, "paths": {}}, 0.0
+    if not args.write_only:
+        work = Work(device, args.step_ms or (250.0 if device.type == "cuda" else 60.0))
+        base_times, _ = train_loop(work, state, device, steps=max(20, 2 * args.gap))
+        results["baseline"] = statistics.median(base_times[2:])
+        first_step = base_times[0]  # a loop's step 0 (cold effects), what a preparing step 0 is compared with
     del state
-    results = {"bytes": nbytes, "baseline": baseline, "paths": {}}
-    first_step = base_times[0]  # a loop's step 0 (cold effects), what a preparing step 0 is compared with
     results["raw"] = raw_disk(args, root, rank, nbytes)
     if rank == 0:
-        print(f"step without saves: {baseline * 1e3:.1f} ms; timing {', '.join(args.paths)}", flush=True)
+        print(f"step without saves: {results['baseline'] * 1e3:.1f} ms; timing {', '.join(args.paths)}", flush=True)
+    summary = summarize_writes if args.write_only else summarize
     for name in args.paths:
         began = time.perf_counter()
         try:
-            results["paths"][name] = bench_path(args, name, root, work, rank, world, device, (baseline, first_step))
+            if args.write_only:
+                results["paths"][name] = bench_writes(args, name, root, rank, world, device)
+            else:
+                results["paths"][name] = bench_path(args, name, root, work, rank, world, device,
+                                                    (results["baseline"], first_step))
         except Exception as e:  # a DCP mode that does not run here: say so, time the others
             results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         dist.barrier()
         row: list = [None] * world  # each path's figures as soon as it ends: a run cut short keeps them
         dist.all_gather_object(row, {"paths": {name: results["paths"][name]}})
         if rank == 0:
-            print(f"  {name}: done in {time.perf_counter() - began:.1f} s: {summarize(row, name)}", flush=True)
+            print(f"  {name}: done in {time.perf_counter() - began:.1f} s: {summary(row, name)}", flush=True)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
-        report(args, world, device, work, gathered)
+        (report_writes if args.write_only else report)(args, world, device, work, gathered)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # torch sometimes aborts at exit after gloo
 
 
-def raw_threads(args) -> list[int]:
-    """The raw-disk row's thread counts: one stream, and as many as torch-checkpointing's writer uses."""
+def raw_threads(args) -> int:
+    """torch-checkpointing's writer's thread count (the raw rows' parallel streams)."""
     import torch_checkpointing as tc
-    return sorted({1, args.io_threads or tc.CheckpointerConfig().io_threads})
+    return args.io_threads or tc.CheckpointerConfig().io_threads
 
 
-def raw_disk(args, root: Path, rank: int, nbytes: int) -> dict[int, float]:
-    """This rank's bytes written raw (raw_disk.py) with each thread count, every rank at once: seconds."""
-    out = {}
-    for threads in raw_threads(args):
+def raw_disk(args, root: Path, rank: int, nbytes: int) -> dict[str, float | None]:
+    """This rank's bytes written raw (raw_disk.py): buffered with 1 thread and with the writer's thread
+    count, and direct with the writer's count; every rank at once. Seconds (None: the mode failed here)."""
+    threads = raw_threads(args)
+    out: dict[str, float | None] = {}
+    for label, n, direct in (("buffered x1", 1, False), (f"buffered x{threads}", threads, False),
+                             (f"direct x{threads}", threads, True)):
         dist.barrier()
-        out[threads] = raw_write_s(root / f"raw-disk-{rank}", nbytes, threads)
+        try:
+            out[label] = raw_write_s(root / f"raw-disk-{rank}", nbytes, n, direct=direct)
+        except OSError as e:  # O_DIRECT refused by this filesystem
+            print(f"raw disk {label} failed on rank {rank}: {e}", flush=True)
+            out[label] = None
     dist.barrier()
     if rank == 0:
-        print("raw disk: " + ", ".join(f"{t} thread(s) {s:.3f} s" for t, s in out.items()), flush=True)
+        print("raw disk: " + ", ".join(f"{k} {v:.3f} s" if v else f"{k} failed" for k, v in out.items()), flush=True)
+    return out
+
+
+def gathered_raw(gathered: list) -> dict[str, float | None]:
+    """Per raw mode, the slowest rank's seconds (None where a rank could not run it)."""
+    out = {}
+    for label in gathered[0]["raw"]:
+        values = [g["raw"][label] for g in gathered]
+        out[label] = None if any(v is None for v in values) else max(values)
     return out
 
 
@@ -348,16 +425,16 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
     print("trainer cost of a save = its step and the next, minus two steps of the same loop away from saves;"
           " other steps: how much slower those were than steps without any saves (background writes)\n")
     print(f"{'path':14s} {'first (ms)':>11s} {'repeat mean':>12s} {'repeat P99':>11s} {'n':>3s} {'other steps':>12s}"
-          f" {'write (s)':>10s} {'load (s)':>9s} {'prep step':>10s} {'to 1st save':>12s} {'reserve bg':>11s}")
+          f" {'write (s)':>10s} {'GB/s':>6s} {'load (s)':>9s} {'prep step':>10s} {'to 1st save':>12s} {'reserve bg':>11s}")
     for name, r in rows.items():
         if r is None or "error" in r:
             print(f"{name:14s} did not run: {r['error'] if r else 'missing'}")
             continue
         reserve = f"{r['reserve_s']:10.3f}s" if r["reserve_s"] >= 0 else f"{'-':>11s}"
         print(f"{name:14s} {r['first'] * 1e3:11.1f} {r['mean'] * 1e3:12.1f} {r['p99'] * 1e3:11.1f} {r['n']:3d}"
-              f" {r['slowdown'] * 100:+11.1f}% {r['write']:10.3f} {r['load']:9.3f} {r['prepare_step'] * 1e3:8.1f}ms"
+              f" {r['slowdown'] * 100:+11.1f}% {r['write']:10.3f} {gb / r['write']:6.2f} {r['load']:9.3f} {r['prepare_step'] * 1e3:8.1f}ms"
               f" {r['before_first'] * 1e3:10.1f}ms {reserve}")
-    raw = {t: max(g["raw"][t] for g in gathered) for t in gathered[0]["raw"]}
+    raw = gathered_raw(gathered)
     report_raw(raw, rows, gb)
     print("prep step: the preparing step against the no-save loop's first step; to 1st save: the steps between it and"
           " the first save against the steady step, summed (reserve()'s background pinning runs then); reserve bg:"
@@ -383,19 +460,27 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
         print(f"  {what}: {ours} / {anchor} = {ratio:.4f}  ({verdict} <= {target:.3g})")
     print("(a cost at or under 0 is within the step-time noise; every load was checked bitwise)")
     print(json.dumps({"world": world, "device": device.type, "GB": round(gb, 4), "baseline_ms": round(baseline * 1e3, 2),
-                      "raw_disk_write_s": {str(t): round(x, 5) for t, x in raw.items()},
+                      "raw_disk_write_s": {t: x and round(x, 5) for t, x in raw.items()},
                       "paths": {k: ({m: round(x, 5) for m, x in v.items()} if v and "error" not in v else v)
                                 for k, v in rows.items()}}))
 
 
-def report_raw(raw: dict[int, float], rows: dict, gb: float) -> None:
-    """The raw-disk row, each path's write as a fraction of the disk's best speed, and whether the write
-    target can be met at all: if the disk alone needs more than the target allows, no writer meets it."""
-    best = min(raw.values())
-    print(f"{'raw disk':14s} " + ", ".join(f"{t} thread(s): {s:.3f} s ({gb / s:.2f} GB/s)" for t, s in raw.items())
-          + " - the same bytes, buffered 4 MiB writes + fsync, one file per thread")
-    fractions = [f"{name} {best / r['write'] * 100:.0f}%" for name, r in rows.items() if r and "error" not in r]
-    print("write speed as a fraction of the raw disk's best: " + "; ".join(fractions))
+def report_raw(raw: dict[str, float | None], rows: dict, gb: float) -> None:
+    """The raw-disk rows, each path's write speed beside them (GB/s, and as a fraction of the disk's best),
+    and whether the write target can be met at all: if the disk alone needs more than the target allows,
+    no writer meets it."""
+    timed = {k: v for k, v in raw.items() if v}
+    for label, seconds in raw.items():
+        what = f"{seconds:.3f} s, {gb / seconds:.2f} GB/s" if seconds else "failed (O_DIRECT refused?)"
+        print(f"{'raw disk ' + label:24s} {what}")
+    if not timed:
+        return
+    best_label = min(timed, key=timed.get)
+    best = timed[best_label]
+    print(f"(raw: the same bytes, 4 MiB writes + fsync, one file per thread; best: {best_label})")
+    paths = [(name, r) for name, r in rows.items() if r and "error" not in r]
+    print("write speed: " + "; ".join(f"{name} {gb / r['write']:.2f} GB/s = {best / r['write'] * 100:.0f}% of the raw best"
+                                      for name, r in paths))
     for what, ours, anchor, target in TARGETS:
         a = rows.get(anchor)
         if what.startswith("write") and a and "error" not in a:
@@ -403,6 +488,62 @@ def report_raw(raw: dict[int, float], rows: dict, gb: float) -> None:
             verdict = "reachable" if best <= allowed else "NOT reachable by a writer: the disk alone needs more"
             print(f"write target: {ours} <= {target:.3g} x {anchor} ({a['write']:.3f} s) = {allowed:.3f} s;"
                   f" the raw disk takes {best:.3f} s ({best / a['write']:.2f}x {anchor}): {verdict}")
+
+
+def summarize_writes(gathered: list, name: str) -> dict | None:
+    """--write-only: the slowest rank's write per save; "write" = the median of the saves after the first."""
+    per_rank = [g["paths"].get(name) for g in gathered]
+    if any(p is None for p in per_rank):
+        return None
+    errors = [p["error"] for p in per_rank if "error" in p]
+    if errors:
+        return {"error": errors[0]}
+    writes = [max(p["writes"][i] for p in per_rank) for i in range(len(per_rank[0]["writes"]))]
+    return {"first": writes[0], "write": statistics.median(writes[1:]), "min": min(writes[1:]),
+            "max": max(writes[1:]), "n": len(writes) - 1, "load": max(p["load"] for p in per_rank)}
+
+
+def report_writes(args, world: int, device, work, gathered: list) -> None:
+    gb = sum(g["bytes"] for g in gathered) / 1e9
+    rows = {name: summarize_writes(gathered, name) for name in args.paths}
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
+    nodes = len([n for n in os.listdir("/sys/devices/system/node") if n.startswith("node")]) \
+        if os.path.isdir("/sys/devices/system/node") else "?"
+    print(f"\nstate: {gb:.3f} GB over {world} rank(s) on {device.type} ({machine}, {nodes} NUMA node(s)), "
+          f"{args.tensors} tensors; torch {torch.__version__}; --write-only: {args.saves} saves per path back to back, "
+          f"each until durable, nothing else running; load {'cold (files evicted from the page cache)' if args.cold_load else 'as left by the save'}\n")
+    print(f"{'path':14s} {'first (s)':>10s} {'write median (s)':>17s} {'min':>7s} {'max':>7s} {'n':>3s} {'GB/s':>6s}"
+          f" {'load (s)':>9s}")
+    for name, r in rows.items():
+        if r is None or "error" in r:
+            print(f"{name:14s} did not run: {r['error'] if r else 'missing'}")
+            continue
+        print(f"{name:14s} {r['first']:10.3f} {r['write']:17.3f} {r['min']:7.3f} {r['max']:7.3f} {r['n']:3d}"
+              f" {gb / r['write']:6.2f} {r['load']:9.3f}")
+    raw = gathered_raw(gathered)
+    report_raw(raw, rows, gb)
+    print()
+    for name in args.paths:
+        print(f"  {name}: {DESCRIPTIONS[name]}")
+    print("\nratios (targets set for the H200 with 8 GiB; write = the median repeat save):")
+    ours_all = [name for name in args.paths if name.startswith("tc")]  # every torch-checkpointing path timed
+    for what, _, anchor, target in TARGETS:
+        key = {"write (save until durable)": "write", "load": "load"}.get(what)
+        b = rows.get(anchor)
+        if key is None:
+            continue
+        for ours in ours_all:
+            a = rows.get(ours)
+            if not a or not b or "error" in a or "error" in b:
+                print(f"  {what}: {ours} or {anchor} not timed")
+                continue
+            ratio = a[key] / b[key] if b[key] > 0 else float("inf")
+            print(f"  {what}: {ours} / {anchor} = {ratio:.4f}  ({'meets' if ratio <= target else 'MISSES'} <= {target:.3g})")
+    print("(every load was checked bitwise)")
+    print(json.dumps({"world": world, "device": device.type, "GB": round(gb, 4), "write_only": True,
+                      "raw_disk_write_s": {t: x and round(x, 5) for t, x in raw.items()},
+                      "paths": {k: ({m: round(x, 5) for m, x in v.items()} if v and "error" not in v else v)
+                                for k, v in rows.items()}}))
 
 
 def main() -> None:

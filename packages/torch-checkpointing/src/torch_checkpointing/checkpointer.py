@@ -291,7 +291,8 @@ class Checkpointer:
     def _make_plan(self, key: tuple, leaves, kinds) -> _Plan:
         layout = build_rank_layout(leaves, kinds, rank=self.rank, world_size=self.world_size)
         sources = self._sources(leaves, layout)
-        plan = _Plan(layout, plan_staging(layout.pieces, sources, slab_bytes=self.config.slab_bytes))
+        plan = _Plan(layout, plan_staging(layout.pieces, sources, slab_bytes=self.config.slab_bytes,
+                                                  block_bytes=self.config.block_bytes))
         if len(self._plans) >= _PLAN_CACHE_SIZE:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan

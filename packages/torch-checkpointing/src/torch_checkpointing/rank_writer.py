@@ -56,14 +56,16 @@ def write_rank(
     entries += [(e.name, e.dtype, e.shape, e.data.nbytes) for e in extras]
     header, offsets = safetensors_header(entries, {"format": FORMAT, "rank": str(rank), "step": str(step)})
     base = len(header)
+    file_bytes = base + sum(e[3] for e in entries)
     blocks = _write_data_file(
-        storage, directory, rank=rank, header=header, offsets=offsets, n_entries=len(entries), layout=layout,
+        storage, directory, rank=rank, header=header, offsets=offsets, n_entries=len(entries),
+        file_bytes=file_bytes, layout=layout,
         plan=plan, staged=staged, extras=extras, block_bytes=block_bytes, io_pool=io_pool,
         io_threads=io_threads,
     )
     record = {
         "format": FORMAT, "version": VERSION, "step": step, "rank": rank, "fingerprint": layout.fingerprint,
-        "file": data_file(rank), **record_fields(header, base + sum(e[3] for e in entries)),
+        "file": data_file(rank), **record_fields(header, file_bytes),
         "layout": layout.record, "stored": _stored_entries(entries, offsets, blocks, base), "values": values,
     }
     name = record_file(rank, layout.fingerprint)
@@ -83,6 +85,7 @@ def _write_data_file(
     header: bytes,
     offsets: list[int],
     n_entries: int,
+    file_bytes: int,
     layout: RankLayout,
     plan: StagingPlan,
     staged: Staged,
@@ -99,6 +102,7 @@ def _write_data_file(
     sink = None
     try:
         sink = storage.open_sink(path)
+        sink.preallocate(file_bytes)  # a full disk fails here, before any write
         sink.write_at(0, memoryview(header))
 
         chunks = _chunks(plan, staged, extras, offsets, base, n_pieces=len(layout.pieces), block_bytes=block_bytes)

@@ -19,6 +19,7 @@ from .file_format import tensor_bytes
 from .layout import Piece
 
 SEGMENT_ALIGNMENT = 4096
+PAGE_BYTES = 4096  # direct I/O's alignment (storage.DIRECT_ALIGNMENT)
 
 
 @dataclass(slots=True)
@@ -42,18 +43,24 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def plan_staging(pieces: list[Piece], sources: list[torch.Tensor], *, slab_bytes: int) -> StagingPlan:
+def plan_staging(pieces: list[Piece], sources: list[torch.Tensor], *, slab_bytes: int,
+                 block_bytes: int = SEGMENT_ALIGNMENT) -> StagingPlan:
     """Segments of at most one slab each, packed into slabs in file order.
 
     Flat segments are cut at multiples of slab_bytes (a multiple of the checksum block size), so
     checksum blocks stay aligned to the piece; non-contiguous sources (boxes of a strided shard)
-    are cut at row boundaries and copied with their strides.
+    are cut at row boundaries and copied with their strides. Each segment sits in its slab at the
+    offset it has in the data file modulo a page (see _file_phases), so its whole pages can go to the
+    disk by direct I/O even when an odd-sized tensor before it shifted it off the page grid.
     """
+    phases = _file_phases(pieces)
     cuts: list[tuple[int, int, int, tuple[int, int] | None]] = []
     for index, (piece, source) in enumerate(zip(pieces, sources)):
         if source.is_contiguous():
-            for start in range(0, piece.nbytes, slab_bytes):
-                cuts.append((index, start, min(slab_bytes, piece.nbytes - start), None))
+            # off the page grid: one block shorter, so the segment still fits a slab once shifted
+            step = slab_bytes - block_bytes if phases[index] and slab_bytes > block_bytes else slab_bytes
+            for start in range(0, piece.nbytes, step):
+                cuts.append((index, start, min(step, piece.nbytes - start), None))
         else:
             row_bytes = piece.nbytes // piece.shape[0]
             slab_bytes = max(slab_bytes, _next_power_of_two(row_bytes))
@@ -63,13 +70,31 @@ def plan_staging(pieces: list[Piece], sources: list[torch.Tensor], *, slab_bytes
                 cuts.append((index, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1)))
     segments, slab, offset = [], 0, 0
     for index, start, nbytes, rows in cuts:
-        if offset + nbytes > slab_bytes:
-            slab, offset = slab + 1, 0
-        segments.append(Segment(index, start, nbytes, rows, slab, offset))
-        offset += -(-nbytes // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
+        phase = (phases[index] + start) % PAGE_BYTES
+        if phase + nbytes > slab_bytes or (rows is not None and phase % pieces[index].dtype.itemsize):
+            phase = 0  # does not fit shifted, or a strided copy needs its dtype's alignment: written buffered
+        at = _round_up(offset, SEGMENT_ALIGNMENT) + phase
+        if at + nbytes > slab_bytes:
+            slab, at = slab + 1, phase
+        segments.append(Segment(index, start, nbytes, rows, slab, at))
+        offset = at + nbytes
     if slab == 0:  # a state smaller than a slab: no need to allocate (and pin, or touch) a whole one
-        slab_bytes = min(slab_bytes, _next_power_of_two(max(offset, SEGMENT_ALIGNMENT)))
+        slab_bytes = min(slab_bytes, _next_power_of_two(max(_round_up(offset, SEGMENT_ALIGNMENT), SEGMENT_ALIGNMENT)))
     return StagingPlan(segments, slab_bytes, slab + 1 if segments else 0)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _file_phases(pieces: list[Piece]) -> list[int]:
+    """Each piece's offset in the data file modulo a page: the pieces follow a page-padded header
+    back to back (rank_writer), so one odd-sized tensor shifts every piece after it."""
+    phases, position = [], 0
+    for piece in pieces:
+        phases.append(position % PAGE_BYTES)
+        position += piece.nbytes
+    return phases
 
 
 class HostPool:
@@ -86,9 +111,14 @@ class HostPool:
         if slab_bytes > self.slab_bytes or pinned != self.pinned:  # larger slabs serve smaller plans too
             self.slabs, self.slab_bytes, self.pinned = [], slab_bytes, pinned
         while len(self.slabs) < count:  # kept at the largest save's size: pinned allocation is slow
-            slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=pinned)
-            if touch and not pinned:
-                slab.zero_()
+            if pinned:  # cudaHostAlloc memory starts on a page
+                slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=True)
+            else:  # start on a page, as direct I/O needs (CPU allocations are only 64-byte aligned)
+                base = torch.empty(self.slab_bytes + PAGE_BYTES, dtype=torch.uint8)
+                start = -base.data_ptr() % PAGE_BYTES
+                slab = base[start:start + self.slab_bytes]
+                if touch:
+                    slab.zero_()
             self.slabs.append(slab)
         return self.slabs[:count]
 
