@@ -22,7 +22,7 @@ into an empty state, checked bitwise against the state at save time.
     python tools/bench/checkpoint/bench_checkpoint.py --ranks 2 --size-gib 0.25
     python tools/bench/checkpoint/bench_checkpoint.py --dry-run        # seconds: does it run
     # write speed alone: saves back to back until durable, against the raw disk (buffered and O_DIRECT)
-    python tools/bench/checkpoint/bench_checkpoint.py --write-only --ranks 1 --size-gib 1 --saves 4 --paths tc,tc_buffered,dcp_pinned
+    python tools/bench/checkpoint/bench_checkpoint.py --write-only --ranks 1 --size-gib 1 --saves 4 --paths tc,tc_direct,dcp_pinned
     # one GPU, 8 GiB of state, ~250 ms steps
     python tools/bench/checkpoint/bench_checkpoint.py --device cuda --size-gib 8 --step-ms 250 --dir /local/disk
 """

@@ -19,14 +19,14 @@ import torch.distributed.checkpoint as dcp
 
 import torch_checkpointing as tc
 
-PATHS = ("tc", "tc_unreserved", "tc_buffered", "tc_default", "dcp", "dcp_pinned", "dcp_stager", "dcp_process")
+PATHS = ("tc", "tc_unreserved", "tc_direct", "tc_default", "dcp", "dcp_pinned", "dcp_stager", "dcp_process")
 DESCRIPTIONS = {
     "tc": "torch-checkpointing as titan-train calls it: reserve() after the first step (its pinning runs in "
           "the background), save(manual_release=True), order_current_stream() right before the update",
     "tc_unreserved": "as tc without reserve(): the first save lays out, exchanges and allocates the pinned "
                      "staging memory itself (what reserve() moves out of the loop)",
-    "tc_buffered": "as tc_unreserved with LocalStorage(direct_io=False): every write through the page cache "
-                   "(the writer before direct I/O)",
+    "tc_direct": "as tc_unreserved with LocalStorage(direct_io=True): the page-aligned bytes written with "
+                 "O_DIRECT, past the page cache",
     "tc_default": "torch-checkpointing save() with its defaults (the current stream waits for the copies "
                   "at save time; the pinned pool is allocated by the first save)",
     "dcp": "DCP async_save(checkpoint_id=...), its default stager",
@@ -44,7 +44,7 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 class TorchCheckpointing:
     def __init__(self, root: Path, *, as_trainer: bool, reserve: bool, io_threads: int | None,
-                 direct_io: bool | None = None):
+                 direct_io: bool = False):
         fields = {"keep_last": 2}
         if io_threads:
             fields["io_threads"] = io_threads
@@ -189,7 +189,7 @@ def _host_like(t: torch.Tensor, pinned: bool) -> torch.Tensor:
 
 
 def make_path(name: str, root: Path, device: torch.device, io_threads: int | None):
-    if name in ("tc", "tc_unreserved", "tc_buffered", "tc_default"):
+    if name in ("tc", "tc_unreserved", "tc_direct", "tc_default"):
         return TorchCheckpointing(root, as_trainer=name != "tc_default", reserve=name == "tc", io_threads=io_threads,
-                                  direct_io=False if name == "tc_buffered" else None)
+                                  direct_io=name == "tc_direct")
     return DCPPath(root, name, device)
