@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cold-load", action="store_true",
                    help="evict the saved files from the page cache before the timed load (POSIX_FADV_DONTNEED): a "
                         "load as after a restart; without it a path that wrote through the page cache loads from it "
-                        "(torch-checkpointing's direct I/O leaves nothing there)")
+                        "(tc_direct's direct I/O leaves nothing there)")
     p.add_argument("--dry-run", action="store_true", help="tiny state, 3 saves, 3-step gaps: checks that every path runs")
     args = p.parse_args()
     if args.dry_run:
@@ -397,14 +397,20 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
 
 
-def summarize(gathered: list, name: str) -> dict | None:
-    """Slowest rank's figures for one path (per save: the max over ranks)."""
+def _rank_results(gathered: list, name: str) -> list[dict] | dict | None:
+    """Each rank's results for one path; None where a rank has none, {"error": ...} where one failed."""
     per_rank = [g["paths"].get(name) for g in gathered]
     if any(p is None for p in per_rank):
         return None
     errors = [p["error"] for p in per_rank if "error" in p]
-    if errors:
-        return {"error": errors[0]}
+    return {"error": errors[0]} if errors else per_rank
+
+
+def summarize(gathered: list, name: str) -> dict | None:
+    """Slowest rank's figures for one path (per save: the max over ranks)."""
+    per_rank = _rank_results(gathered, name)
+    if not isinstance(per_rank, list):
+        return per_rank
     repeats = [max(p["repeats"][i] for p in per_rank) for i in range(len(per_rank[0]["repeats"]))]
     reserve = [p["reserve_s"] for p in per_rank if p.get("reserve_s") is not None]
     return {"first": max(p["first"] for p in per_rank), "mean": statistics.fmean(repeats), "p99": _p99(repeats),
@@ -492,12 +498,9 @@ def report_raw(raw: dict[str, float | None], rows: dict, gb: float) -> None:
 
 def summarize_writes(gathered: list, name: str) -> dict | None:
     """--write-only: the slowest rank's write per save; "write" = the median of the saves after the first."""
-    per_rank = [g["paths"].get(name) for g in gathered]
-    if any(p is None for p in per_rank):
-        return None
-    errors = [p["error"] for p in per_rank if "error" in p]
-    if errors:
-        return {"error": errors[0]}
+    per_rank = _rank_results(gathered, name)
+    if not isinstance(per_rank, list):
+        return per_rank
     writes = [max(p["writes"][i] for p in per_rank) for i in range(len(per_rank[0]["writes"]))]
     return {"first": writes[0], "write": statistics.median(writes[1:]), "min": min(writes[1:]),
             "max": max(writes[1:]), "n": len(writes) - 1, "load": max(p["load"] for p in per_rank)}

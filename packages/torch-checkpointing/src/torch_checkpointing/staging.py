@@ -17,9 +17,9 @@ import torch
 
 from .file_format import tensor_bytes
 from .layout import Piece
+from .storage import DIRECT_ALIGNMENT as PAGE_BYTES  # where a segment's whole pages can go direct
 
 SEGMENT_ALIGNMENT = 4096
-PAGE_BYTES = 4096  # direct I/O's alignment (storage.DIRECT_ALIGNMENT)
 
 
 @dataclass(slots=True)
