@@ -219,3 +219,86 @@ def test_gpu_gemms_match_float64(recipe):
         want, magnitude, _ = _reference_gemm(a, b, ba, bb)
         err = (got.float().cpu().double() - want).abs()
         assert (err <= 2.0 ** -8 * want.abs() + 2 * a.shape[1] * 2.0 ** -22 * magnitude).all(), recipe
+
+
+@pytest.mark.parametrize(("name", "blocking", "blocking_t", "reused"), [
+    ("tensorwise", Blocking(rows=0, cols=0, pad_cols=16), Blocking(rows=0, cols=0, pad_cols=16), True),
+    ("tensorwise_e5m2", Blocking(rows=0, cols=0, dtype=E5M2, pad_cols=16),
+     Blocking(rows=0, cols=0, dtype=E5M2, pad_cols=16), True),
+    ("block_128x128", Blocking(rows=128, cols=128, pad_cols=128), Blocking(rows=128, cols=128, pad_cols=128), True),
+    ("rowwise", Blocking(rows=1, cols=0, pad_cols=16), Blocking(rows=1, cols=0, pad_cols=16), False),
+    ("tile_1x128", Blocking(rows=1, cols=128, pad_cols=128), Blocking(rows=1, cols=128, pad_cols=128), False),
+    ("tensorwise_e4m3_to_e5m2", Blocking(rows=0, cols=0, pad_cols=16), Blocking(rows=0, cols=0, dtype=E5M2), False)])
+def test_a_transpose_reuses_the_exponents_only_where_they_are_its_own(name, blocking, blocking_t, reused):
+    """The backward quantises x^T, W^T (and dy^T) with the exponents of x, W (dy) where its blocks are theirs
+    transposed: the same bits (data and scales) as quantising the transpose from scratch, checked against the
+    float64 reference; elsewhere no exponents are offered."""
+    from titan_train.quantize.scaling import transposed_exponent
+
+    x = wide_range(256, 384, seed=7)
+    x[:, 200] *= 1e4  # one column far larger: a column's scale differs from a row's
+    q = quantize(x, blocking)
+    exponent = transposed_exponent(q, blocking_t)
+    assert (exponent is not None) == reused, name
+    if not reused:
+        return
+    got, fresh = quantize(x.t(), blocking_t, exponent=exponent), quantize(x.t(), blocking_t)
+    assert torch.equal(got.data.view(torch.uint8), fresh.data.view(torch.uint8))
+    assert torch.equal(got.scale, fresh.scale) and torch.equal(got.exponent, fresh.exponent)
+    fmt = "e5m2" if blocking_t.dtype == E5M2 else "e4m3"
+    deq, _, _ = quantize_reference(x.t(), blocking_t.rows, blocking_t.cols, fmt, blocking_t.rule)
+    assert torch.equal(got.dequantize(torch.float64), deq)
+
+
+def test_a_given_exponent_of_the_wrong_grid_is_refused():
+    q = quantize(torch.randn(256, 128), Blocking(rows=128, cols=128, pad_cols=128))
+    with pytest.raises(ValueError, match="grid"):
+        quantize(torch.randn(256, 128), Blocking(rows=128, cols=128, pad_cols=128), exponent=q.exponent.t())
+
+
+def test_the_backward_reuses_forward_exponents_and_still_matches_float64():
+    """Control of the reuse in the autograd Function: a wrong saved exponent (two binades too large: the largest
+    elements saturate) must change the weight gradient, so the reused exponent is the one the backward uses."""
+    import titan_train.quantize.quantized_matmul as qm
+
+    r = RECIPES["fp8_tensorwise"]
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 128, generator=g).requires_grad_()
+    w = (torch.randn(96, 128, generator=g) * 0.05).requires_grad_()
+    dy = torch.randn(64, 96, generator=g) * 1e-3
+    quantized_linear(x, w, r, out_dtype=torch.float32).backward(dy)
+    _check_gemm(w.grad, dy.t(), x.detach().t(), r.grad_output_t, r.x_t, "weight grad")
+    good = w.grad.clone()
+    original = qm._reused_exponent
+
+    def off_by_one(*args):
+        exponent = original(*args)
+        return None if exponent is None else exponent + 2  # saturates the largest elements
+
+    w.grad = None
+    qm._reused_exponent = off_by_one
+    try:
+        quantized_linear(x, w, r, out_dtype=torch.float32).backward(dy)
+    finally:
+        qm._reused_exponent = original
+    assert not torch.equal(w.grad, good)
+
+
+@cuda
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise"])
+def test_gpu_fast_accum_forward_against_float64(recipe):
+    """quantize.fast_accum: the forward GEMM on the tensor cores' own accumulator (no fp32 promotion) against
+    the float64 product of the same fp8 values. Its accumulator keeps fewer bits than fp32 (DeepSeek-V3 section
+    3.3.2 measured ~14), so the bound is per reduction length K = 4096: K 2^-14 relative to |x| |W|^T at worst,
+    taken as 2^-6 (a wrong operand or scale is off by ~ |x| |W|^T / sqrt(K) = 2^-6 of it, on most elements, so
+    the check also asks the median error to be 16x smaller)."""
+    import dataclasses
+
+    r = dataclasses.replace(RECIPES[recipe], forward_fast_accum=True)
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(256, 4096, generator=g), torch.randn(384, 4096, generator=g) * 0.05
+    y = quantized_linear(x.cuda().bfloat16(), w.cuda().bfloat16(), r, out_dtype=torch.bfloat16)
+    want, magnitude, _ = _reference_gemm(x.bfloat16().float(), w.bfloat16().float(), r.x, r.weight)
+    err = (y.float().cpu().double() - want).abs()
+    assert (err <= 2.0 ** -8 * want.abs() + 2.0 ** -6 * magnitude).all(), recipe
+    assert (err / magnitude).median() <= 2.0 ** -10, recipe

@@ -212,6 +212,41 @@ def test_compiled_gemms_stay_the_kernels_eager_runs(recipe):
     assert torch.equal(y, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
+@pytest.mark.parametrize(("recipe", "reuse", "passes"), [("fp8_tensorwise", True, 5), ("fp8_tensorwise", False, 10),
+                                                       ("fp8_rowwise", True, 10)],
+                         ids=["tensorwise", "tensorwise-control", "rowwise"])
+def test_compiled_linears_on_one_input_make_the_fewest_amax_passes(recipe, reuse, passes, monkeypatch):
+    """Two Linears on one input (wq/wk/wv, w1/w3), traced and partitioned as Inductor does (min-cut, whose CSE
+    merges the shared input's quantisation): each amax is a read of a whole matrix. Tensorwise needs five (x, W1,
+    W2 in the forward; dy1, dy2 in the backward: x^T, W^T and dy^T reuse their exponents); rowwise ten (x, W1,
+    W2; dy1, dy2, dy1^T, dy2^T, W1^T, W2^T and one x^T: a column's scale is no row's). Control: without the reuse
+    tensorwise makes rowwise's ten. ~3 s each (aot tracing)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    import titan_train.quantize.quantized_matmul as qm
+    from titan_train.quantize import RECIPES, quantized_linear
+
+    if not reuse:
+        monkeypatch.setattr(qm, "_reused_exponent", lambda *args: None)
+    amaxes = []
+
+    def record(gm, example_inputs):
+        amaxes.append(sum(str(n.target) == "aten.amax.default" for n in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    w1, w2 = (torch.randn(128, 64, requires_grad=True) for _ in range(2))
+
+    def f(x):
+        r = RECIPES[recipe]
+        return quantized_linear(x, w1, r, out_dtype=torch.float32) * quantized_linear(x, w2, r, out_dtype=torch.float32)
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
+    torch.compile(f, backend=backend, fullgraph=True)(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert len(amaxes) == 2 and sum(amaxes) == passes, amaxes
+
+
 @_NEEDS_CPU_ROWWISE
 @pytest.mark.parametrize("policy_knows_the_op", [True, False], ids=["policy", "control"])
 def test_selective_checkpointing_keeps_the_fp8_gemm_output(policy_knows_the_op, monkeypatch):
@@ -314,7 +349,9 @@ def test_parallel_runs_on_two_ranks_follow_the_single_process_run(layout, rowwis
 
 def test_the_benchmark_script_runs_on_cpu(tmp_path):
     """tools/bench/fp8/bench.py on the tiny flavor (its GPU figures come from the H200 run): it trains each
-    variant and prints the markdown table (~30 s: a fresh process building two Trainers)."""
+    variant and prints the markdown table (~30 s: a fresh process building two Trainers), profiling one more step
+    (on CPU the trace holds no device kernels: the breakdown's categories are there, at zero)."""
+    import json
     import os
     import subprocess
     import sys
@@ -323,11 +360,13 @@ def test_the_benchmark_script_runs_on_cpu(tmp_path):
     root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path))
     out = subprocess.run([sys.executable, str(root / "tools/bench/fp8/bench.py"), "--device", "cpu", "--flavors",
-                          "tiny", "--variants", "bf16,fp8_blockwise", "--compile", "false", "--steps", "2"],
+                          "tiny", "--variants", "bf16,fp8_blockwise", "--compile", "false", "--steps", "2",
+                          "--profile-steps", "1"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| fp8_blockwise |" in out.stdout and "| bf16 |" in out.stdout
-    assert (tmp_path / "fp8_bench.json").is_file()
+    results = json.loads((tmp_path / "fp8_bench.json").read_text())["results"]["tiny"]
+    assert set(results["fp8_blockwise"]["profile"]["per_step_ms"]) >= {"fp8_gemm", "quantize_cast_amax", "optimizer"}
 
 
 # The compiled-GPU bug, measured on the H200 (torch 2.11, 2026-12-01): with compiled blocks and bf16_params the
@@ -350,3 +389,34 @@ def test_gpu_compiled_training_tracks_bf16(recipe, tmp_path, jobs):
     for step, ref in bf16.items():
         assert fp8[step] == pytest.approx(ref, rel=0.02), (step, fp8, bf16)
     assert fp8[10] < fp8[1] - 1.5
+
+
+def test_fast_accum_reaches_the_forward_gemm_only():
+    """quantize.fast_accum (CLI) sets the scaled_mm recipes' forward GEMM to torch._scaled_mm's use_fast_accum:
+    in the traced graphs the forward's titan_train.fp8_scaled_mm takes True, the backward's two take False (their
+    sums feed the weights); a recipe with its own GEMM refuses the option. ~3 s (aot tracing)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from titan_train.cli import parse_args
+    from titan_train.quantize import quantized_linear
+
+    config, _ = parse_args(["--quantize.linear", "fp8_tensorwise", "--quantize.fast_accum", "true"])
+    recipe = config.quantize.build().recipe
+    assert recipe.forward_fast_accum and recipe.name == "fp8_tensorwise"
+    with pytest.raises(ValueError, match="fast_accum"):
+        LinearConversion("fp8_blockwise", fast_accum=True)
+    flags = []
+
+    def record(gm, example_inputs):
+        flags.append([n.args[5] for n in gm.graph.nodes if str(n.target) == "titan_train.fp8_scaled_mm.default"])
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    w = torch.randn(128, 64, requires_grad=True)
+
+    def f(x):
+        return quantized_linear(x, w, recipe, out_dtype=torch.float32, backend="kernels")
+    torch.compile(f, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)(
+        torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert flags == [[True], [False, False]], flags

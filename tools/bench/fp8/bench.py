@@ -23,6 +23,10 @@ Timing: the median step time over the steps after --warmup, and over --repeats r
 on the stdlib corpus (Python's own sources), with a byte-level BPE tokenizer of --tokenizer-vocab entries trained
 on that corpus (0: titan-train's byte tokenizer), and the table adds the final loss (mean of the last 10 steps)
 relative to bf16's.
+--profile-steps N: the first run of every variant trains N more steps after the timed ones under torch.profiler
+(titan-train's --profiling.steps; left out of the timing) and prints its GPU kernel time per step by category
+(fp8 GEMM, bf16 GEMM, quantise/cast/amax, attention, optimizer, other: profile_breakdown.py) and the top 15
+kernels; the JSON holds them under results.<flavor>.<variant>.profile.
 """
 from __future__ import annotations
 
@@ -47,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--flavors", default="1.5B,8B", help="comma list of 1.5B, 8B, tiny")
-    p.add_argument("--variants", default="bf16,fp8_rowwise,fp8_blockwise,torchao_tensorwise,torchao_rowwise",
+    p.add_argument("--variants", default="bf16,fp8_tensorwise,fp8_rowwise,fp8_blockwise,torchao_tensorwise,"
+                                         "torchao_rowwise",
                    help=f"comma list of bf16, {', '.join(RECIPES)}, {', '.join(TORCHAO)}")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
@@ -60,7 +65,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loss-steps", type=int, default=0, help="also train this many steps on stdlib text")
     p.add_argument("--tokenizer-vocab", type=int, default=32000, help="BPE vocabulary of the text runs (0: bytes)")
     p.add_argument("--titan-args", default="", help="extra titan-train CLI overrides for every variant")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps after the timed ones (first run of each variant; 0: none)")
     args = p.parse_args()
+    if args.profile_steps < 0:
+        raise SystemExit(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.device == "cpu":  # the script's own check: a few short steps
         args.batch, args.seq, args.steps, args.warmup = 2, 128, min(args.steps, 3), 1
     return args
@@ -75,7 +84,8 @@ def register_flavors() -> None:
         flavors["1.5B"] = dataclasses.replace(tm.flavor("llama3", "1B"), tie_embeddings=False)
 
 
-def titan_flags(args, flavor: str, variant: str, job: Path, *, steps: int, text: dict | None) -> list[str]:
+def titan_flags(args, flavor: str, variant: str, job: Path, *, steps: int, text: dict | None,
+                profile: int = 0) -> list[str]:
     layers = str(args.layers_8b) if flavor == "8B" else "0"
     data = ["--data.source", "random"]
     if text is not None:
@@ -92,6 +102,8 @@ def titan_flags(args, flavor: str, variant: str, job: Path, *, steps: int, text:
         "--compile.mode", "blocks" if args.compile == "true" else "none", *args.titan_args.split()]
     if variant in RECIPES:
         flags += ["--quantize.linear", variant]
+    if profile:  # the last `profile` of the `steps` steps
+        flags += ["--profiling.steps", ",".join(str(s) for s in range(steps - profile + 1, steps + 1))]
     return flags
 
 
@@ -114,13 +126,16 @@ def torchao_convert(model: torch.nn.Module, variant: str) -> None:
     convert_to_float8_training(model, config=config, module_filter_fn=select)
 
 
-def run_variant(args, flavor: str, variant: str, *, steps: int, text: dict | None = None) -> dict:
+def run_variant(args, flavor: str, variant: str, *, steps: int, text: dict | None = None, profile: int = 0) -> dict:
+    """Train `steps` steps (and `profile` more under the profiler); the losses, step seconds, peak memory and,
+    when profiled, the kernel-time breakdown per step."""
     from titan_train.cli import parse_args as parse_train_args
     from titan_train.trainer import Trainer
 
     device = torch.device(args.device)
     job = Path(tempfile.mkdtemp(prefix="fp8_bench_"))
-    config, _ = parse_train_args(titan_flags(args, flavor, variant, job, steps=steps, text=text))
+    config, _ = parse_train_args(titan_flags(args, flavor, variant, job, steps=steps + profile, text=text,
+                                             profile=profile))
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -132,7 +147,24 @@ def run_variant(args, flavor: str, variant: str, *, steps: int, text: dict | Non
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     del trainer
     torch._dynamo.reset()
-    return {"losses": [r["loss"] for r in records], "seconds": [r["step_seconds"] for r in records], "peak_gib": peak}
+    out = {"losses": [r["loss"] for r in records], "seconds": [r["step_seconds"] for r in records], "peak_gib": peak}
+    if profile:
+        out["profile"] = profiled(job / "profile" / "trace_rank0.json", steps=profile)
+        out["profile"]["step_ms"] = statistics.median(out["seconds"][steps:]) * 1e3
+    return out
+
+
+def profiled(trace: Path, *, steps: int) -> dict:
+    from profile_breakdown import breakdown, kernels_from_trace
+
+    from titan_train.trace_summary import load_events, summarize
+
+    events = load_events(trace)
+    result = breakdown(kernels_from_trace(events), steps=steps)
+    window = summarize(events)  # the device's busy (union of kernels) and idle time over the profiled window
+    result["busy_ms"], result["idle_ms"] = window["compute_ms"] / steps, window["idle_ms"] / steps
+    trace.unlink()  # tens of MB per variant: the breakdown is what the bench keeps
+    return result
 
 
 def stdlib_tokenizer(vocab: int) -> dict:
@@ -165,7 +197,8 @@ def timed(args, flavor: str, variants: list[str]) -> dict[str, dict]:
         for variant in variants:
             print(f"== {flavor} {variant} (run {repeat + 1}/{args.repeats})", flush=True)
             try:
-                runs[variant].append(run_variant(args, flavor, variant, steps=args.steps))
+                profile = args.profile_steps if repeat == 0 else 0
+                runs[variant].append(run_variant(args, flavor, variant, steps=args.steps, profile=profile))
             except Exception as e:  # one failing variant must not cost the others' figures
                 print(f"== {flavor} {variant} FAILED: {type(e).__name__}: {e}", flush=True)
                 torch._dynamo.reset()
@@ -173,9 +206,11 @@ def timed(args, flavor: str, variants: list[str]) -> dict[str, dict]:
     tokens = batch_of(args, flavor) * args.seq
     for variant, outs in runs.items():
         if outs:
-            step_s = statistics.median(statistics.median(o["seconds"][args.warmup:]) for o in outs)
+            step_s = statistics.median(statistics.median(o["seconds"][args.warmup:args.steps]) for o in outs)
             results[variant] = {"tokens_per_s": tokens / step_s, "step_s": step_s,
                                 "peak_gib": max(o["peak_gib"] for o in outs), "losses": outs[0]["losses"]}
+            if "profile" in outs[0]:
+                results[variant]["profile"] = outs[0]["profile"]
     return results
 
 
@@ -213,6 +248,13 @@ def table(args, flavor: str, results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def profile_tables(flavor: str, results: dict[str, dict]) -> list[str]:
+    from profile_breakdown import format_breakdown
+
+    return [format_breakdown(f"{flavor} {variant}", r["profile"], step_ms=r["profile"]["step_ms"])
+            for variant, r in results.items() if "profile" in r]
+
+
 def main() -> int:
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -233,6 +275,7 @@ def main() -> int:
             with_text_losses(args, flavor, results, text, variants)
         summary[flavor] = results
         tables.append(table(args, flavor, results))
+        tables += profile_tables(flavor, results)
     print("\n".join(tables))
     out = os.environ.get("OUT")
     if out:

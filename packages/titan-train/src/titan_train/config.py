@@ -595,6 +595,10 @@ class QuantizeConfig:
     backend: Literal["auto", "emulated"] = "auto"
     """auto: fp8 kernels on CUDA (torch._scaled_mm, Triton), quantise-dequantise-fp32 matmul on CPU. emulated:
     the CPU path everywhere (a numerics reference)."""
+    fast_accum: bool = False
+    """fp8_tensorwise / fp8_rowwise: the forward GEMM with torch._scaled_mm's use_fast_accum (Hopper: no
+    periodic fp32 promotion of the tensor cores' accumulator; faster, less accurate: torchao's default for its
+    output GEMM). The backward's GEMMs always promote. Refused with the other recipes."""
     experts: Literal["none", "fp8_rowwise", "fp8_blockwise"] = "none"
     """The routed experts' grouped GEMMs (forward and backward) in fp8 by dist-moe's grouped_mm_fp8
     (model.moe_impl=dist_moe): rowwise, or blockwise (expert and model widths multiples of 128)."""
@@ -605,7 +609,7 @@ class QuantizeConfig:
             return None
         from .quantize import LinearConversion
 
-        return LinearConversion(self.linear, self.modules, backend=self.backend)
+        return LinearConversion(self.linear, self.modules, backend=self.backend, fast_accum=self.fast_accum)
 
 
 @dataclass(kw_only=True)

@@ -6,6 +6,7 @@ weights, checkpoints and initialisation are those of the unconverted model.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import warnings
 from collections.abc import Mapping
@@ -40,10 +41,15 @@ class LinearConversion:
     """quantize.linear's recipe over the Linears `modules` selects (empty: every nn.Linear except the head
     and routers)."""
 
-    def __init__(self, recipe: str, modules: tuple[str, ...] = (), *, backend: str = "auto"):
+    def __init__(self, recipe: str, modules: tuple[str, ...] = (), *, backend: str = "auto", fast_accum: bool = False):
         if recipe not in RECIPES:
             raise ValueError(f"quantize.linear={recipe!r}: allowed none, {', '.join(RECIPES)}")
         self.recipe, self.modules, self.backend = RECIPES[recipe], modules, backend
+        if fast_accum:
+            if self.recipe.kernel != "scaled_mm":
+                raise ValueError(f"quantize.fast_accum is torch._scaled_mm's option (fp8_tensorwise, fp8_rowwise); "
+                                 f"{recipe} runs its own GEMM")
+            self.recipe = dataclasses.replace(self.recipe, forward_fast_accum=True)
 
     def select(self, model: nn.Module, *, partial: bool = False) -> list[str]:
         """The names of the plain nn.Linear modules the patterns select (each pattern must select one, unless

@@ -26,13 +26,14 @@ from .scaling import QuantizedMatrix
 
 
 def scaled_matmul(a: QuantizedMatrix, b: QuantizedMatrix, *, kernel: str, out_dtype: torch.dtype,
-                  backend: str = "auto") -> torch.Tensor:
-    """a [M, K] . b [N, K]^T -> [M, N] in out_dtype, accumulated in fp32."""
+                  backend: str = "auto", fast_accum: bool = False) -> torch.Tensor:
+    """a [M, K] . b [N, K]^T -> [M, N] in out_dtype, accumulated in fp32 (fast_accum: scaled_mm's use_fast_accum,
+    the tensor cores' own accumulator; the emulated path stays exact)."""
     assert a.cols == b.cols and a.data.shape[1] == b.data.shape[1], (a.data.shape, b.data.shape)
     if backend == "emulated" or (backend == "auto" and not a.data.is_cuda):
         return emulated_matmul(a, b, out_dtype=out_dtype)
     if kernel == "scaled_mm":
-        return _scaled_mm_op(a.data, b.data, a.scale, b.scale, out_dtype)
+        return _scaled_mm_op(a.data, b.data, a.scale, b.scale, out_dtype, fast_accum)
     if kernel == "blockwise":
         from .blockwise_triton import blockwise_gemm
 
@@ -50,25 +51,26 @@ def emulated_matmul(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.
     return _in_dtype(a.dequantize(torch.float32) @ b.dequantize(torch.float32).t(), out_dtype)
 
 
-def _scaled_mm(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.dtype) -> torch.Tensor:
-    return _scaled_mm_op(a.data, b.data, a.scale, b.scale, out_dtype)
+def _scaled_mm(a: QuantizedMatrix, b: QuantizedMatrix, *, out_dtype: torch.dtype, fast_accum: bool = False
+               ) -> torch.Tensor:
+    return _scaled_mm_op(a.data, b.data, a.scale, b.scale, out_dtype, fast_accum)
 
 
 @torch.library.custom_op("titan_train::fp8_scaled_mm", mutates_args=())
 def _scaled_mm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a [M, K] . b [N, K]^T by torch._scaled_mm(mat1 row-major [M, K], mat2 column-major [K, N], scale_a,
     scale_b): tensorwise scales are [1, 1] each, rowwise ones scale_a [M, 1] and scale_b [1, N] (fp32,
     contiguous; bf16 output)."""
     a, b = a.contiguous(), b.contiguous()
     scale_b = scale_b.reshape(1, -1) if scale_b.numel() > 1 else scale_b
     out = torch._scaled_mm(a, b.t(), scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(),
-                           out_dtype=out_dtype if scale_a.numel() == 1 else torch.bfloat16)
+                           out_dtype=out_dtype if scale_a.numel() == 1 else torch.bfloat16, use_fast_accum=fast_accum)
     return _in_dtype(out, out_dtype)
 
 
 @_scaled_mm_op.register_fake
-def _(a, b, scale_a, scale_b, out_dtype):
+def _(a, b, scale_a, scale_b, out_dtype, fast_accum):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 

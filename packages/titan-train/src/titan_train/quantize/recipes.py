@@ -55,6 +55,10 @@ class Recipe:
     weight_multiple: int
     """in_features and out_features must be multiples of this (they are the forward's and the input
     gradient's reduction dimensions, and rows of weight blocks); the token dimension is zero-padded instead."""
+    forward_fast_accum: bool = False
+    """scaled_mm kernels: the forward GEMM with torch._scaled_mm's use_fast_accum (on Hopper the tensor cores'
+    own accumulator over the whole reduction, no periodic promotion to fp32: faster, less accurate; torchao's
+    default for its output GEMM). The backward's GEMMs, whose sums feed the weights, always promote."""
 
 
 def _amax(rows: int, cols: int, dtype=E4M3, pad: int = _SCALED_MM_ALIGN) -> Blocking:

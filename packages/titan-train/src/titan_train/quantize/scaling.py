@@ -56,6 +56,8 @@ class QuantizedMatrix:
     scale: torch.Tensor
     blocking: Blocking
     cols: int
+    exponent: torch.Tensor | None = None
+    """[R / rows, Cp / cols] int32: scale = 2^-exponent (None where the matrix came quantised from elsewhere)."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[R, C] in `dtype` (exact in fp32; exact in bf16 for e4m3 and e5m2 data)."""
@@ -90,12 +92,17 @@ def mx_exponent(amax: torch.Tensor) -> torch.Tensor:
     return -scale_exponent.clamp(-MAX_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
 
 
-def quantize(matrix: torch.Tensor, blocking: Blocking, *, amax_group=None) -> QuantizedMatrix:
+def quantize(matrix: torch.Tensor, blocking: Blocking, *, amax_group=None,
+             exponent: torch.Tensor | None = None) -> QuantizedMatrix:
     """`matrix` [R, C] (any float dtype) as fp8 blocks with one power-of-two scale each.
 
     amax_group: a process group over which `matrix` is one shard of a larger matrix whose blocks span the
     shards (tensorwise under tensor parallelism): the block amaxes are max-reduced over it, so every shard
-    gets the scales of the whole matrix (the same bits as quantising it whole, then slicing)."""
+    gets the scales of the whole matrix (the same bits as quantising it whole, then slicing).
+    exponent: the blocks' exponents p [Rp / rows, Cp / cols], already known (the block amaxes are then not
+    computed, nor reduced): a backward operand that is the transpose of a forward one with transposed blocks
+    (see `transposed_exponent`) takes the forward's, which is what its own amaxes would give, so the result
+    is the same bits for one pass over the matrix fewer."""
     assert matrix.dim() == 2, matrix.shape
     rows, cols = matrix.shape
     x = matrix.to(torch.float32)
@@ -110,16 +117,41 @@ def quantize(matrix: torch.Tensor, blocking: Blocking, *, amax_group=None) -> Qu
         x = F.pad(x, (0, padded_cols - cols, 0, padded_rows - rows))
     x = x.contiguous()  # row-major data, as torch._scaled_mm wants its first operand (x may be a transpose)
     # x [Rp, Cp] -> blocks [Rp / br, br, Cp / bc, bc]
-    blocks = x.reshape(padded_rows // block_rows, block_rows, padded_cols // block_cols, block_cols)
-    amax = blocks.abs().amax(dim=(1, 3))  # [Rp / br, Cp / bc]
-    if amax_group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
-    p = mx_exponent(amax) if blocking.rule == "mx" else amax_exponent(amax, blocking.dtype)
+    grid = (padded_rows // block_rows, padded_cols // block_cols)
+    blocks = x.reshape(grid[0], block_rows, grid[1], block_cols)
+    if exponent is None:
+        amax = blocks.abs().amax(dim=(1, 3))  # [Rp / br, Cp / bc]
+        if amax_group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        p = mx_exponent(amax) if blocking.rule == "mx" else amax_exponent(amax, blocking.dtype)
+    else:
+        if tuple(exponent.shape) != grid:
+            raise ValueError(f"quantize: exponent of shape {tuple(exponent.shape)} for a {rows} x {cols} matrix "
+                             f"in {block_rows} x {block_cols} blocks (grid {grid})")
+        p = exponent.to(torch.int32)
     fmax = fp8_max(blocking.dtype)
     scaled = torch.ldexp(blocks, p[:, None, :, None].to(torch.float32))  # exact: a power of two
     data = scaled.clamp(-fmax, fmax).to(blocking.dtype).reshape(padded_rows, padded_cols)[:rows]
-    scale = torch.ldexp(torch.ones_like(amax), (-p).to(torch.float32))
-    return QuantizedMatrix(data=data, scale=scale, blocking=blocking, cols=cols)
+    scale = torch.ldexp(torch.ones(grid, dtype=torch.float32, device=x.device), (-p).to(torch.float32))
+    return QuantizedMatrix(data=data, scale=scale, blocking=blocking, cols=cols, exponent=p)
+
+
+def transposed_exponent(quantized: QuantizedMatrix, blocking_t: Blocking) -> torch.Tensor | None:
+    """The exponents of `quantized`'s matrix transposed and quantised with `blocking_t`, when they are its own
+    transposed: each block of the transpose is a block of the matrix transposed (rows x cols blocks become
+    cols x rows ones: tensorwise 0 x 0, 128 x 128 weight blocks), in the same format, rule and block grid.
+    None otherwise (rowwise: a row's scale is no column's; the transpose must be quantised from scratch)."""
+    b, q = quantized.blocking, quantized
+    if q.exponent is None or (b.rows, b.cols) != (blocking_t.cols, blocking_t.rows):
+        return None
+    if (b.dtype, b.rule) != (blocking_t.dtype, blocking_t.rule):
+        return None
+    rows = q.data.shape[0]
+    # the transpose [C, R]: C in blocks of b.cols (its rows), R padded as blocking_t pads its reduction
+    t_rows = _round_up(q.cols, b.cols) // b.cols if b.cols else 1
+    t_padded = _round_up(rows, math.lcm(b.rows, blocking_t.pad_cols) if b.rows else blocking_t.pad_cols)
+    t_cols = t_padded // b.rows if b.rows else 1
+    return q.exponent.t() if tuple(q.exponent.shape) == (t_cols, t_rows) else None
 
 
 def _round_up(n: int, multiple: int) -> int:
