@@ -198,7 +198,13 @@ def timed(args, flavor: str, variants: list[str]) -> dict[str, dict]:
             print(f"== {flavor} {variant} (run {repeat + 1}/{args.repeats})", flush=True)
             try:
                 profile = args.profile_steps if repeat == 0 else 0
-                runs[variant].append(run_variant(args, flavor, variant, steps=args.steps, profile=profile))
+                out = run_variant(args, flavor, variant, steps=args.steps, profile=profile)
+                runs[variant].append(out)
+                step_s = statistics.median(out["seconds"][args.warmup:args.steps])
+                # printed as each run ends, so a run cut by a time limit still gives its finished variants
+                print(f"== {flavor} {variant}: {step_s * 1e3:.1f} ms/step, "
+                      f"{batch_of(args, flavor) * args.seq / step_s:,.0f} tok/s, peak {out['peak_gib']:.1f} GiB",
+                      flush=True)
             except Exception as e:  # one failing variant must not cost the others' figures
                 print(f"== {flavor} {variant} FAILED: {type(e).__name__}: {e}", flush=True)
                 torch._dynamo.reset()
