@@ -24,9 +24,9 @@ class CheckpointerConfig:
     read_threads: threads that read data in parallel on load: each takes the next chunk of a data
         file, so the disk sees this many reads in flight (a cold NVMe read 2.5 GB/s with 8 threads
         against 1.3 GB/s with 1 on the H200 host: docs/benchmarks.md).
-    read_chunk_bytes: one read of a load (widened to whole checksum blocks); a GPU load keeps
-        2 x read_threads pinned host buffers of this size, so each thread reads its next chunk
-        while the last one is copied to the device.
+    read_chunk_bytes: one read of a load (cut at checksum blocks); a GPU load keeps one to two
+        pinned host buffers of this size per read thread, so each thread reads its next chunk while
+        its last one is copied to the device.
     block_bytes: checksum granularity; a resharding load reads whole blocks.
     slab_bytes: size of each reusable host staging buffer.
     commit_timeout_s: how long rank 0 waits for the other ranks before failing a step.
