@@ -113,3 +113,14 @@ def test_a_save_during_an_unfinished_pinned_reservation(tmp_path, monkeypatch):
         ckpt.load(target)
     for k, v in expected.items():
         assert torch.equal(target[k], v), k
+
+
+def test_a_load_through_a_few_reused_pinned_buffers_gives_the_saved_bits(tmp_path):
+    state = {k: v for k, v in gpu_state().items() if isinstance(v, torch.Tensor)}
+    target = {k: torch.full_like(v, 7) for k, v in state.items()}  # filled on the current stream, then loaded
+    with tc.Checkpointer(tmp_path, block_bytes=1 << 14, read_chunk_bytes=1 << 16, read_threads=3) as ckpt:
+        ckpt.save(1, state, blocking=True)
+        ckpt.load(target)  # "x" alone is 128 chunks through the 6 pinned buffers of 3 threads
+    for k, v in state.items():
+        assert target[k].device == v.device
+        assert torch.equal(target[k].reshape(-1).view(torch.uint8), v.contiguous().reshape(-1).view(torch.uint8)), k

@@ -177,3 +177,42 @@ def test_other_direct_write_errors_fail_the_save(tmp_path, monkeypatch):
         with pytest.raises(Exception, match="No space left"):
             ckpt.save(1, odd_state()).wait()
         assert ckpt.steps() == []
+
+
+def test_direct_reads_give_the_file_bytes_and_fall_back_where_unaligned(tmp_path, monkeypatch):
+    import mmap
+
+    data = random.Random(5).randbytes(5 * 4096 + 123)
+    (tmp_path / "f").write_bytes(data)
+    direct_bytes = []
+    real = tc.LocalStorage._read_direct
+
+    def counting(self, path, offset, out):
+        done = real(self, path, offset, out)
+        direct_bytes.append(done)
+        return done
+
+    monkeypatch.setattr(tc.LocalStorage, "_read_direct", counting)
+    store = tc.LocalStorage(tmp_path, direct_io=True, fsync=False)
+    memory = mmap.mmap(-1, 8 * 4096)  # page-aligned, as a GPU load's pinned buffers are placed
+    view = memoryview(memory)
+    # (file offset, length, where in the buffer): aligned; unaligned head and tail at the same page offset;
+    # to the end of the file; memory off the file's page grid (buffered only)
+    cases = [(0, 3 * 4096, 0), (100, 3 * 4096 + 7, 100), (4 * 4096, 4096 + 123, 0), (100, 9000, 0)]
+    for offset, length, at in cases:
+        out = view[at:at + length]
+        store.read_into("f", offset, out)
+        assert bytes(out) == data[offset:offset + length], (offset, length, at)
+    with pytest.raises(EOFError, match=rf"ends at byte {len(data)}, before the end of the range \[\d+, {4 * 4096 + 2 * 4096}\) read"):
+        store.read_into("f", 4 * 4096, view[:2 * 4096])  # past the end: said where the file ends
+    if direct_supported(tmp_path):
+        # the buffer off the page grid made no direct read; the read past the end got its whole pages direct
+        assert direct_bytes == [3 * 4096, 2 * 4096, 4096, 4096]
+    else:  # refused: every read was buffered, and said so once
+        assert sum(direct_bytes) == 0
+    direct_bytes.clear()  # direct reads on their own, and off for a direct writer
+    tc.LocalStorage(tmp_path, direct_reads=True).read_into("f", 0, view[:4096])
+    tc.LocalStorage(tmp_path, direct_io=True, direct_reads=False).read_into("f", 0, view[:4096])
+    assert len(direct_bytes) == 1
+    with pytest.raises(TypeError, match="direct_reads"):
+        tc.LocalStorage(tmp_path, direct_reads="yes")

@@ -23,6 +23,8 @@ into an empty state, checked bitwise against the state at save time.
     python tools/bench/checkpoint/bench_checkpoint.py --dry-run        # seconds: does it run
     # write speed alone: saves back to back until durable, against the raw disk (buffered and O_DIRECT)
     python tools/bench/checkpoint/bench_checkpoint.py --write-only --ranks 1 --size-gib 1 --saves 4 --paths tc,tc_direct,dcp_pinned
+    # a cold load (files evicted from the page cache first) against DCP, beside the disk's own cold reads
+    python tools/bench/checkpoint/bench_checkpoint.py --device cuda --ranks 1 --size-gib 8 --write-only --cold-load --saves 3 --paths tc,tc_direct,dcp_pinned
     # one GPU, 8 GiB of state, ~250 ms steps
     python tools/bench/checkpoint/bench_checkpoint.py --device cuda --size-gib 8 --step-ms 250 --dir /local/disk
 """
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raw_disk import raw_write_s
+from raw_disk import raw_read_s, raw_write_s, write_read_file
 from save_paths import DESCRIPTIONS, PATHS, local_of, make_path
 
 # (what, path, anchor path, ratio at most) — set for the H200 with 8 GiB of state
@@ -69,14 +71,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=11, help="saves per path: the first and the repeats (>= 10 repeats for a P99)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"save paths to time, of {', '.join(PATHS)}")
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a new folder in the temp dir)")
-    p.add_argument("--io-threads", type=int, default=None, help="torch-checkpointing writer/reader threads (default: its own)")
+    p.add_argument("--io-threads", type=int, default=None, help="torch-checkpointing writer threads (default: its own)")
+    p.add_argument("--read-threads", type=int, default=None,
+                   help="torch-checkpointing reader threads on load (default: its own, min(8, cores)); also the raw read row's")
+    p.add_argument("--direct-reads", action="store_true",
+                   help="every torch-checkpointing path loads with LocalStorage(direct_reads=True) (O_DIRECT reads into a "
+                        "GPU load's pinned buffers; tc_direct does by default): compare with the raw direct read row")
+    p.add_argument("--read-chunk-mib", type=float, default=None,
+                   help="torch-checkpointing's read size on load, MiB, a power of two (default: its own, 16)")
     p.add_argument("--write-only", action="store_true",
                    help="no training loop: per path, --saves saves one after another, each until durable (the first "
                         "allocates what a path allocates), then a load; reports write times and GB/s against the raw disk")
     p.add_argument("--cold-load", action="store_true",
                    help="evict the saved files from the page cache before the timed load (POSIX_FADV_DONTNEED): a "
                         "load as after a restart; without it a path that wrote through the page cache loads from it "
-                        "(tc_direct's direct I/O leaves nothing there)")
+                        "(tc_direct's direct I/O leaves nothing there); also times the raw disk's cold reads (1 and the "
+                        "reader's thread count, buffered and O_DIRECT), the ceiling of a load")
     p.add_argument("--dry-run", action="store_true", help="tiny state, 3 saves, 3-step gaps: checks that every path runs")
     args = p.parse_args()
     if args.dry_run:
@@ -259,7 +269,7 @@ def bench_writes(args, name: str, root: Path, rank: int, world: int, device) -> 
     (the first also pays what the path allocates at its first save), then a load."""
     release_cached_pinned_memory(device)
     state = make_state(args, rank, world, device)
-    path = make_path(name, root / name, device, args.io_threads)
+    path = make_path(name, root / name, device, args)
     path.prepare(state)
     writes = []
     for _ in range(args.saves):
@@ -285,7 +295,7 @@ def bench_path(args, name: str, root: Path, work: Work, rank: int, world: int, d
     release_cached_pinned_memory(device)
     pinned_before = pinning_ms(device)
     state = make_state(args, rank, world, device)
-    path = make_path(name, root / name, device, args.io_threads)
+    path = make_path(name, root / name, device, args)
     steps = args.first_after + args.gap * args.saves
     times, saved = train_loop(work, state, device, steps=steps, path=path, save_every=args.gap, first=args.first_after)
     costs, steady = save_costs(times, saved)
@@ -331,6 +341,7 @@ def worker(rank: int, world: int, args, root: Path, store_path: str | None) -> N
         first_step = base_times[0]  # a loop's step 0 (cold effects), what a preparing step 0 is compared with
     del state
     results["raw"] = raw_disk(args, root, rank, nbytes)
+    results["raw_read"] = raw_reads(args, root, rank, nbytes) if args.cold_load else {}
     if rank == 0:
         print(f"step without saves: {results['baseline'] * 1e3:.1f} ms; timing {', '.join(args.paths)}", flush=True)
     summary = summarize_writes if args.write_only else summarize
@@ -383,11 +394,58 @@ def raw_disk(args, root: Path, rank: int, nbytes: int) -> dict[str, float | None
     return out
 
 
-def gathered_raw(gathered: list) -> dict[str, float | None]:
+def raw_reads(args, root: Path, rank: int, nbytes: int) -> dict[str, float | None]:
+    """--cold-load: this rank's bytes read raw from the disk (raw_disk.py), the ceiling of a cold load:
+    buffered with 1 thread and with the reader's thread count, direct with the reader's count; every rank at once."""
+    import torch_checkpointing as tc
+    threads = args.read_threads or tc.CheckpointerConfig().read_threads
+    path = root / f"raw-read-{rank}" / "raw.bin"
+    write_read_file(path, nbytes, threads)
+    out: dict[str, float | None] = {}
+    for label, n, direct in (("buffered x1", 1, False), (f"buffered x{threads}", threads, False),
+                             (f"direct x{threads}", threads, True)):
+        dist.barrier()
+        try:
+            out[label] = raw_read_s(path, n, direct=direct)
+        except OSError as e:  # O_DIRECT refused by this filesystem
+            print(f"raw read {label} failed on rank {rank}: {e}", flush=True)
+            out[label] = None
+    shutil.rmtree(path.parent, ignore_errors=True)
+    dist.barrier()
+    if rank == 0:
+        print("raw disk read (cold): " + ", ".join(f"{k} {v:.3f} s" if v else f"{k} failed" for k, v in out.items()),
+              flush=True)
+    return out
+
+
+def report_raw_reads(raw: dict[str, float | None], rows: dict, gb: float) -> None:
+    """--cold-load: the raw read rows, each torch-checkpointing path's load beside the best, and whether the
+    load target (<= 0.5x pinned DCP) is reachable at all: a disk that alone needs more cannot meet it."""
+    timed = {k: v for k, v in raw.items() if v}
+    for label, seconds in raw.items():
+        what = f"{seconds:.3f} s, {gb / seconds:.2f} GB/s" if seconds else "failed (O_DIRECT refused?)"
+        print(f"{'raw read ' + label:24s} {what}")
+    if not timed:
+        return
+    best_label = min(timed, key=timed.get)
+    best = timed[best_label]
+    print(f"(raw read: the same bytes, one file evicted from the page cache, 16 MiB reads; best: {best_label})")
+    loads = [(name, r) for name, r in rows.items() if name.startswith("tc") and r and "error" not in r]
+    print("load speed: " + "; ".join(f"{name} {gb / r['load']:.2f} GB/s = {best / r['load'] * 100:.0f}% of the raw best"
+                                     for name, r in loads))
+    anchor = rows.get("dcp_pinned")
+    if anchor and "error" not in anchor:
+        allowed = 0.5 * anchor["load"]
+        verdict = "reachable" if best <= allowed else "NOT reachable by a reader: the disk alone needs more"
+        print(f"load target: tc <= 0.5 x dcp_pinned ({anchor['load']:.3f} s) = {allowed:.3f} s; the raw disk reads"
+              f" in {best:.3f} s ({best / anchor['load']:.2f}x dcp_pinned): {verdict}")
+
+
+def gathered_raw(gathered: list, key: str = "raw") -> dict[str, float | None]:
     """Per raw mode, the slowest rank's seconds (None where a rank could not run it)."""
     out = {}
-    for label in gathered[0]["raw"]:
-        values = [g["raw"][label] for g in gathered]
+    for label in gathered[0][key]:
+        values = [g[key][label] for g in gathered]
         out[label] = None if any(v is None for v in values) else max(values)
     return out
 
@@ -442,6 +500,8 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
               f" {r['before_first'] * 1e3:10.1f}ms {reserve}")
     raw = gathered_raw(gathered)
     report_raw(raw, rows, gb)
+    raw_read = gathered_raw(gathered, "raw_read")
+    report_raw_reads(raw_read, rows, gb)
     print("prep step: the preparing step against the no-save loop's first step; to 1st save: the steps between it and"
           " the first save against the steady step, summed (reserve()'s background pinning runs then); reserve bg:"
           " how long that allocation took (the first save waits for what is left of it)")
@@ -467,6 +527,7 @@ def report(args, world: int, device, work: Work, gathered: list) -> None:
     print("(a cost at or under 0 is within the step-time noise; every load was checked bitwise)")
     print(json.dumps({"world": world, "device": device.type, "GB": round(gb, 4), "baseline_ms": round(baseline * 1e3, 2),
                       "raw_disk_write_s": {t: x and round(x, 5) for t, x in raw.items()},
+                      "raw_disk_read_s": {t: x and round(x, 5) for t, x in raw_read.items()},
                       "paths": {k: ({m: round(x, 5) for m, x in v.items()} if v and "error" not in v else v)
                                 for k, v in rows.items()}}))
 
@@ -525,6 +586,8 @@ def report_writes(args, world: int, device, work, gathered: list) -> None:
               f" {gb / r['write']:6.2f} {r['load']:9.3f}")
     raw = gathered_raw(gathered)
     report_raw(raw, rows, gb)
+    raw_read = gathered_raw(gathered, "raw_read")
+    report_raw_reads(raw_read, rows, gb)
     print()
     for name in args.paths:
         print(f"  {name}: {DESCRIPTIONS[name]}")
@@ -545,6 +608,7 @@ def report_writes(args, world: int, device, work, gathered: list) -> None:
     print("(every load was checked bitwise)")
     print(json.dumps({"world": world, "device": device.type, "GB": round(gb, 4), "write_only": True,
                       "raw_disk_write_s": {t: x and round(x, 5) for t, x in raw.items()},
+                      "raw_disk_read_s": {t: x and round(x, 5) for t, x in raw_read.items()},
                       "paths": {k: ({m: round(x, 5) for m, x in v.items()} if v and "error" not in v else v)
                                 for k, v in rows.items()}}))
 

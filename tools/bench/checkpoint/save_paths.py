@@ -26,7 +26,7 @@ DESCRIPTIONS = {
     "tc_unreserved": "as tc without reserve(): the first save lays out, exchanges and allocates the pinned "
                      "staging memory itself (what reserve() moves out of the loop)",
     "tc_direct": "as tc_unreserved with LocalStorage(direct_io=True): the page-aligned bytes written with "
-                 "O_DIRECT, past the page cache",
+                 "O_DIRECT, past the page cache, and read so on load where the memory allows (a GPU load's pinned buffers)",
     "tc_default": "torch-checkpointing save() with its defaults (the current stream waits for the copies "
                   "at save time; the pinned pool is allocated by the first save)",
     "dcp": "DCP async_save(checkpoint_id=...), its default stager",
@@ -44,11 +44,14 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 class TorchCheckpointing:
     def __init__(self, root: Path, *, as_trainer: bool, reserve: bool, io_threads: int | None,
-                 direct_io: bool = False):
+                 direct_io: bool = False, read_threads: int | None = None, read_chunk_bytes: int | None = None,
+                 direct_reads: bool | None = None):
         fields = {"keep_last": 2}
-        if io_threads:
-            fields["io_threads"] = io_threads
-        self.ckpt = tc.Checkpointer(tc.LocalStorage(root, direct_io=direct_io), **fields)
+        for name, value in (("io_threads", io_threads), ("read_threads", read_threads),
+                            ("read_chunk_bytes", read_chunk_bytes)):
+            if value:
+                fields[name] = value
+        self.ckpt = tc.Checkpointer(tc.LocalStorage(root, direct_io=direct_io, direct_reads=direct_reads), **fields)
         self.as_trainer, self.reserve = as_trainer, reserve
         self.reserve_s: float | None = None  # how long reserve()'s background allocation took
         self.handle: tc.SaveHandle | None = None
@@ -188,8 +191,11 @@ def _host_like(t: torch.Tensor, pinned: bool) -> torch.Tensor:
     return local
 
 
-def make_path(name: str, root: Path, device: torch.device, io_threads: int | None):
+def make_path(name: str, root: Path, device: torch.device, args):
+    """The path `name`; torch-checkpointing's ones with the thread counts and read chunk of `args`."""
     if name in ("tc", "tc_unreserved", "tc_direct", "tc_default"):
-        return TorchCheckpointing(root, as_trainer=name != "tc_default", reserve=name == "tc", io_threads=io_threads,
-                                  direct_io=name == "tc_direct")
+        chunk = int(args.read_chunk_mib * 2**20) if args.read_chunk_mib else None
+        return TorchCheckpointing(root, as_trainer=name != "tc_default", reserve=name == "tc", io_threads=args.io_threads,
+                                  direct_io=name == "tc_direct", read_threads=args.read_threads, read_chunk_bytes=chunk,
+                                  direct_reads=True if args.direct_reads else None)
     return DCPPath(root, name, device)

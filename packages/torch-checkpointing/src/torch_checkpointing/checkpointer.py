@@ -151,6 +151,7 @@ class Checkpointer:
         self.process_group = process_group
         self.rank, self.world_size = group_rank_and_size(process_group)
         self._io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="ckpt-io")
+        self._reads = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="ckpt-read")  # started by a load
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self._committer_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if self.rank == 0 else None
         self._committer = Committer(
@@ -478,8 +479,8 @@ class Checkpointer:
             damage = find_damage(self.storage, step, share=(self.rank, self.world_size))
             if damage is None:
                 tree = flatten(state)
-                reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._io,
-                                    world_size=self.world_size)
+                reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._reads,
+                                    world_size=self.world_size, chunk_bytes=self.config.read_chunk_bytes)
                 load_step(reader, tree.leaves, per_rank=self.config.per_rank, rank=self.rank)
         except ChecksumError as e:
             damage = str(e)
@@ -527,7 +528,8 @@ class Checkpointer:
         step = steps[-1] if step is None and steps else step
         if step is None or step not in steps:
             raise ValueError(f"step {step} is not committed in {self.storage}; committed steps: {steps[-20:]}")
-        reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._io, world_size=self.world_size)
+        reader = StepReader(self.storage, step, verify=self.config.verify, io_pool=self._reads, world_size=self.world_size,
+                            chunk_bytes=self.config.read_chunk_bytes)
         return export_hf(reader, storage_for(out), prefix=prefix, rename=rename, dtype=dtype,
                          max_shard_bytes=max_shard_bytes, rank=self.rank, world_size=self.world_size,
                          timeout_s=self.config.commit_timeout_s)
@@ -548,6 +550,7 @@ class Checkpointer:
             if self._committer_thread is not None:
                 self._committer_thread.shutdown(wait=True)
             self._io.shutdown(wait=True)
+            self._reads.shutdown(wait=True)
             self._pool.release()
             self._plans.clear()
 

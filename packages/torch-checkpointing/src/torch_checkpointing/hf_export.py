@@ -15,7 +15,7 @@ import torch
 
 from .commit import POLL_MAX_S
 from .file_format import DTYPES
-from .reader import StepReader
+from .reader import StepReader, run_tasks
 from .storage import Storage
 
 INDEX = "model.safetensors.index.json"
@@ -108,8 +108,7 @@ def _write_shard_file(reader: StepReader, out: Storage, tensors_of_file: list[_W
     tensors = {}
     for name, path, shape, out_dtype, _ in tensors_of_file:
         full = torch.empty(shape, dtype=DTYPES[reader.metadata["tensors"][path]["dtype"]])
-        for future in [reader.io_pool.submit(task) for task in reader.tensor_tasks(path, full)]:
-            future.result()
+        run_tasks(reader, reader.tensor_tasks(path, full))
         tensors[name] = full.to(out_dtype)
     out.write_file(filename, safetensors.torch.save(tensors, metadata={"format": "pt"}))
 

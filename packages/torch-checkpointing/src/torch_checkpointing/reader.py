@@ -1,22 +1,25 @@
 """Loading a committed step into a given state, resharding on the way.
 
 For every tensor the target rank holds (boxes from its own placements), each overlapping stored chunk
-contributes the rows that overlap, read as one byte range widened to whole checksum blocks so they can
+contributes the rows that overlap, read as byte ranges widened to whole checksum blocks so they can
 be verified. When a target box is exactly a stored chunk (same layout as at save) the bytes go
-straight into a contiguous CPU target, or through a host buffer to the GPU.
+straight into a contiguous CPU target, or through pinned host buffers to the GPU (device_copies.py).
+Every read is one task of at most `chunk_bytes` (plus the checksum block it ends in), so the read
+threads keep that many reads of each file in flight, in file order.
 """
 from __future__ import annotations
 
 import bisect
 import json
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from .device_copies import DeviceCopies
 from .file_format import DTYPES, METADATA, step_dir, tensor_bytes
 from .integrity import ChecksumError, read_sealed
 from .layout import leaf_kind
@@ -24,7 +27,7 @@ from .sharding import Box, box_view, dtensor_boxes
 from .state_tree import Leaf, decode_value
 from .storage import Storage
 
-MAX_READ_BYTES = 64 << 20  # one read task; bounds the host memory of a load to io_threads of these
+READ_CHUNK_BYTES = 16 << 20  # one read task unless told: CheckpointerConfig.read_chunk_bytes
 
 
 @dataclass(slots=True)
@@ -49,8 +52,12 @@ class Stored:
 
 
 class StepReader:
-    def __init__(self, storage: Storage, step: int, *, verify: bool, io_pool: ThreadPoolExecutor, world_size: int):
+    def __init__(self, storage: Storage, step: int, *, verify: bool, io_pool: ThreadPoolExecutor, world_size: int,
+                 chunk_bytes: int = READ_CHUNK_BYTES):
         self.storage, self.step, self.verify, self.io_pool = storage, step, verify, io_pool
+        self.chunk_bytes = chunk_bytes
+        # two pinned buffers per read thread: one being read into while the other's copy runs
+        self.copies = DeviceCopies(chunk_bytes, 2 * io_pool._max_workers)  # (the pool's size, not kept elsewhere)
         self.world_size_now = world_size
         self.directory = step_dir(step)
         self.metadata = read_sealed(storage, f"{self.directory}/{METADATA}")
@@ -88,10 +95,14 @@ class StepReader:
             out = torch.empty(hi - lo, dtype=torch.uint8)
         assert out.numel() == hi - lo, "direct reads must be block-aligned"
         data = tensor_bytes(out)
+        where = f"bytes [{stored.start + lo}, {stored.start + hi}) of {self.storage.describe(stored.file)}"
         try:
             self.storage.read_into(stored.file, stored.start + lo, data)
         except (EOFError, FileNotFoundError) as e:  # find_damage checks this first; a file may change since
-            raise ChecksumError(f"{self.storage.describe(stored.file)} is damaged: {e}") from None
+            raise ChecksumError(f"{where} (tensor {stored.name!r}, state {path!r}) could not be read, "
+                                f"the file is damaged: {e}") from None
+        except OSError as e:  # the disk's error (EIO, ...), said with what was being read
+            raise OSError(e.errno, f"reading {where} (tensor {stored.name!r}, state {path!r}) failed: {e}") from e
         if self.verify and stored.nbytes:
             for b in range(first, last):
                 b_lo = stored.block_starts[b]
@@ -152,7 +163,7 @@ class StepReader:
         row_bytes = es
         for s in c_shape[1:]:
             row_bytes *= s
-        rows_per = max(1, MAX_READ_BYTES // max(row_bytes, 1))
+        rows_per = max(1, self.chunk_bytes // max(row_bytes, 1))
         tasks = []
         r_start, r_stop = in_chunk[0].start, in_chunk[0].stop
         for r0 in range(r_start, r_stop, rows_per):
@@ -165,28 +176,36 @@ class StepReader:
             data, base = self.read_verified(stored, path, r0 * row_bytes, r1 * row_bytes)
             rows = data[r0 * row_bytes - base:r1 * row_bytes - base]
             src = rows.view(stored.dtype).view((r1 - r0, *stored.shape[1:]))
-            _copy(dst, src[(slice(None), *inner)])
+            self.copies.copy(dst, src[(slice(None), *inner)])
         return run
 
     def _exact_tasks(self, path: str, stored: Stored, dst: torch.Tensor) -> list[Callable[[], None]]:
-        """Same layout as saved: copy the stored bytes as they are, in block-aligned pieces."""
+        """Same layout as saved: the stored bytes as they are, in chunks cut at checksum blocks; straight
+        into a CPU target, through a pinned buffer to a GPU one."""
         flat = dst.reshape(-1).view(torch.uint8)
-        cuts = [0]
-        for start in stored.block_starts[1:] if self.verify else range(MAX_READ_BYTES, stored.nbytes, MAX_READ_BYTES):
-            if start - cuts[-1] >= MAX_READ_BYTES:
-                cuts.append(start)
-        cuts.append(stored.nbytes)
         tasks = []
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
-
-            def run(lo: int = lo, hi: int = hi) -> None:
-                if flat.device.type == "cpu":
+        for lo, hi in self.chunks(stored):
+            if flat.device.type == "cpu":
+                def run(lo: int = lo, hi: int = hi) -> None:
                     self.read_verified(stored, path, lo, hi, out=flat[lo:hi])
-                else:
-                    pinned = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=True)
-                    _copy(flat[lo:hi], self.read_verified(stored, path, lo, hi, out=pinned)[0])
+            else:
+                def run(lo: int = lo, hi: int = hi) -> None:
+                    self.copies.to_device(flat[lo:hi], lambda host: self.read_verified(stored, path, lo, hi, out=host),
+                                          stored.start + lo)
             tasks.append(run)
         return tasks
+
+    def chunks(self, stored: Stored) -> list[tuple[int, int]]:
+        """[lo, hi) byte ranges of about chunk_bytes covering the tensor; cut at checksum blocks when
+        verifying (a chunk is then at most chunk_bytes + one block, and at least one block)."""
+        step = self.chunk_bytes
+        starts = stored.block_starts[1:] if self.verify else range(step, stored.nbytes, step)
+        cuts = [0]
+        for start in starts:
+            if start - cuts[-1] >= step:
+                cuts.append(start)
+        cuts.append(stored.nbytes)
+        return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
 
     # ---- per-rank entries ------------------------------------------------------------------
 
@@ -211,22 +230,6 @@ class StepReader:
         name = entry.get("tensor", entry.get("bytes"))
         stored = self.record(rank)["stored"][name]
         return (stored["dtype"], stored["shape"], [c for _, c in stored["blocks"]])
-
-
-_load_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src); to a GPU on the load stream, waiting so the host buffer may be reused."""
-    if dst.device.type != "cuda":
-        dst.copy_(src)
-        return
-    stream = _load_streams[dst.device]
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event(blocking=True)
-        event.record(stream)
-    event.synchronize()
 
 
 def load_step(reader: StepReader, leaves: list[Leaf], *, per_rank: tuple[str, ...], rank: int) -> None:
@@ -254,14 +257,8 @@ def load_step(reader: StepReader, leaves: list[Leaf], *, per_rank: tuple[str, ..
             f"step {reader.step} has no entry for {len(missing)} state key(s): {missing[:10]}; "
             f"it holds {len(available)} entries, e.g. {available[:10]}"
         )
-    for device in {_local(leaf.value).device for leaf in leaves if isinstance(leaf.value, torch.Tensor)}:
-        if device.type == "cuda":
-            if device not in _load_streams:
-                _load_streams[device] = torch.cuda.Stream(device)
-            stream = _load_streams[device]
-            stream.wait_stream(torch.cuda.current_stream(device))  # targets may still be being initialized
-    for future in [reader.io_pool.submit(task) for task in tasks]:
-        future.result()
+    reader.copies.prepare({_local(leaf.value).device for leaf in leaves if isinstance(leaf.value, torch.Tensor)})
+    run_tasks(reader, tasks)
     for leaf in assignments:
         source_rank, entry = reader.rank_entry(leaf.path, rank)
         if "value" in entry:
@@ -276,6 +273,22 @@ def load_step(reader: StepReader, leaves: list[Leaf], *, per_rank: tuple[str, ..
             else:  # a per-rank tensor whose size changed (or a value became a tensor): replace it
                 device = target.device if isinstance(target, torch.Tensor) else "cpu"
                 leaf.parent[leaf.key] = loaded.to(device)
+
+
+def run_tasks(reader: StepReader, tasks: list[Callable[[], None]]) -> None:
+    """Run read tasks on the read threads, in order; on the first failure the tasks not started are
+    dropped and the running ones waited for (none writes into a target after this returns), then it raises."""
+    futures = [reader.io_pool.submit(task) for task in tasks]
+    try:
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            # the first failure in file order (a cut file: the read that reaches its end)
+            next(f for f in futures if not f.cancelled() and f.exception() is not None).result()
+    finally:
+        reader.copies.finish()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
