@@ -29,6 +29,7 @@ CASES = {
     "packed_documents": ["q", "k", "v", "g", "beta"],
     "one_chunk_output_only": ["q", "k", "v", "g", "beta", "initial_state"],
     "correlated_keys": ["q", "k", "v", "g", "beta", "initial_state"],
+    "qk_l2norm": ["q", "k", "v", "g", "beta", "initial_state"],  # raw q, k normalised inside the op
 }
 # nearly parallel keys and a decay of ~0.01 per token: dg sums many cancelling terms (measured 1.5e-5; the
 # torch form's dg is 3.5e-5 off there)
@@ -49,10 +50,11 @@ def interpreted() -> dict:
 
 
 # bf16 buffers and bf16-rounded operands in every product: ~1e-2 (the GPU test's bound is 2e-2), and above
-# 1e-4, so the bf16 path did run; the gradient comes from backward's float32 recompute, and
-# bf16_forward=False keeps float32's accuracy on the rounded inputs
+# 1e-4, so the bf16 path did run; the gradient comes from backward's float32 recompute, but the output is
+# bf16 (as fla's), so autograd hands backward a bf16-rounded dO (measured 1.9e-3 on dg; below 1e-4 with the
+# float32 output before); bf16_forward=False keeps float32's accuracy on the rounded inputs
 BF16_BOUNDS = {"bf16_forward_out": (1e-4, 2e-2), "bf16_forward_state": (1e-4, 2e-2),
-               "bf16_forward_grad_g": (0.0, 1e-4), "bf16_inputs_tf32_forward_out": (0.0, TOL)}
+               "bf16_forward_grad_g": (0.0, 5e-3), "bf16_inputs_tf32_forward_out": (0.0, TOL)}
 
 
 def test_every_interpreted_check_ran(interpreted):

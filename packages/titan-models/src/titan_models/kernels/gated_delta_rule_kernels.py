@@ -10,7 +10,7 @@ Legend, per (batch row, head) and chunk; S is the state entering the chunk [K, V
     W = Tm diag(beta r) K,  U = Tm diag(beta) V,  Unew = U - W S       (the delta-rule corrections)
     O = diag(r) Q S + (vis * Q K^T * D) Unew;   S_next = carry S + (diag(e) K)^T Unew
 
-Forward: `prepare` (per chunk: Tm, W, U), `state_forward` (scan over chunks per V block: stores each
+Forward: `gates` (gc of every chunk, read by all the others), `prepare` (per chunk: Tm, W, U), `state_forward` (scan over chunks per V block: stores each
 chunk's S and Unew, returns the final state), `output` (per chunk and V block). Backward (gradients
 derived in gated_delta_rule.py's docstring): `output_backward` (P^T dO per chunk), `state_backward`
 (reverse scan: dS leaving each chunk, dUnew, d initial state), `chunk_pairs_backward` (per chunk: dv,
@@ -37,15 +37,29 @@ def _tuned(kernel):
 
 
 @triton.jit
-def _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C: tl.constexpr, HAS_SEG: tl.constexpr):
-    """gc [C], beta [C], vis [C, C], r [C], e [C], carry (scalar), D [C, C] of chunk n (legend above).
-    Tokens past T have g = beta = 0 and the last valid token's segment, so they change nothing."""
+def gates_kernel(g_ptr, gc_ptr, T, H, Tp, N, C: tl.constexpr, CB: tl.constexpr):
+    """Grid (cdiv(N, CB), B*H): gc [B*H, Tp] float32, the cumulative log decay inside each chunk (zeros
+    past T), CB chunks a program. Computed once per forward (and once per backward's recompute) instead of
+    in every kernel, the scan's sequential loop included; its fixed launch config (not autotuned) keeps gc
+    bitwise the same whatever configs the autotuner keeps for the other kernels."""
+    nb, bh = tl.program_id(0), tl.program_id(1)
+    bh = bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    t = (nb * CB + tl.arange(0, CB))[:, None] * C + tl.arange(0, C)[None, :]
+    g = tl.load(g_ptr + (b * T + t) * H + h, mask=t < T, other=0.0).to(tl.float32)
+    tl.store(gc_ptr + bh * Tp + t, tl.cumsum(g, axis=1), mask=t < N * C)
+
+
+@triton.jit
+def _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C: tl.constexpr, HAS_SEG: tl.constexpr):
+    """gc [C], beta [C], vis [C, C], r [C], e [C], carry (scalar), D [C, C] of chunk n (legend above), gc
+    read from `gates_kernel`'s buffer. Tokens past T have g = beta = 0 and the last valid token's
+    segment, so they change nothing."""
     t = n * C + tl.arange(0, C)
     valid = t < T
-    g = tl.load(g_ptr + (b * T + t) * H + h, mask=valid, other=0.0).to(tl.float32)
+    gc = tl.load(gc_ptr + (b * H + h) * Tp + t)
+    gc_last = tl.load(gc_ptr + (b * H + h) * Tp + n * C + C - 1)
     beta = tl.load(beta_ptr + (b * T + t) * H + h, mask=valid, other=0.0).to(tl.float32)
-    gc = tl.cumsum(g, axis=0)
-    gc_last = tl.sum(g, axis=0)
     rows = tl.arange(0, C)[:, None]
     cols = tl.arange(0, C)[None, :]
     if HAS_SEG:
@@ -140,7 +154,7 @@ def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
 
 @_tuned
 @triton.jit
-def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr, T, H, Tp,
+def prepare_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr, T, H, Tp,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, HAS_SEG: tl.constexpr,
                    PREC: tl.constexpr, OPS: tl.constexpr, INV_PREC: tl.constexpr, STORE_TM: tl.constexpr):
     """Grid (chunks, B*H): Tm [C, C] (only backward reads it: STORE_TM), W [C, K], U [C, V] of one chunk,
@@ -148,7 +162,7 @@ def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr,
     n, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     strict = vis & (tl.arange(0, C)[None, :] < tl.arange(0, C)[:, None])
     A = tl.where(strict, beta[:, None] * _dot(k, tl.trans(k), OPS, PREC) * D, 0.0)
@@ -164,7 +178,7 @@ def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr,
 
 @_tuned
 @triton.jit
-def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr, states_ptr, unew_ptr,
+def state_forward_kernel(k_ptr, gc_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr, states_ptr, unew_ptr,
                          final_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                          C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr,
                          OPS: tl.constexpr):
@@ -182,7 +196,7 @@ def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr
         S = tl.zeros([K, BV], dtype=tl.float32)
     for n in range(N):
         tl.store(states_ptr + _state_offsets(bh, n, N, K, V, BV, v0), S.to(states_ptr.dtype.element_ty))
-        gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+        gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
         w = tl.load(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0))
         u = tl.load(u_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)).to(tl.float32)
         unew = u - _dot(w, S, OPS, PREC)
@@ -195,7 +209,7 @@ def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr
 
 @_tuned
 @triton.jit
-def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, o_ptr, T, H, Tp, N,
+def output_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, o_ptr, T, H, Tp, N,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_SEG: tl.constexpr,
                   PREC: tl.constexpr, OPS: tl.constexpr):
     """Grid (chunks, B*H, V / BV): O = diag(r) (Q S) + (vis * Q K^T * D) Unew (r after the product: q enters
@@ -204,7 +218,7 @@ def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, 
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     v0 = vb * BV
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     t = n * C + tl.arange(0, C)
     rows = ((b * T + t[:, None]) * H + h) * K + tl.arange(0, K)[None, :]
     q = tl.load(q_ptr + rows, mask=t[:, None] < T, other=0.0)
@@ -218,7 +232,7 @@ def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, 
 
 @_tuned
 @triton.jit
-def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dlocal_ptr, T, H, Tp,
+def output_backward_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, do_ptr, dlocal_ptr, T, H, Tp,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_SEG: tl.constexpr, PREC: tl.constexpr):
     """Grid (chunks, B*H, V / BV): the share of dUnew that needs no state, P^T dO (P = vis * Q K^T * D), in
@@ -227,7 +241,7 @@ def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dloca
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     v0 = vb * BV
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     scores = tl.dot(q, tl.trans(k), input_precision=PREC) * D
@@ -238,7 +252,7 @@ def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dloca
 
 @_tuned
 @triton.jit
-def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr, dfinal_ptr, dlocal_ptr,
+def state_backward_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr, dfinal_ptr, dlocal_ptr,
                           dstates_ptr, dunew_ptr, dinit_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_DFINAL: tl.constexpr, PREC: tl.constexpr):
     """Grid (B*H, V / BV): the reverse scan. dS' (gradient of the state leaving chunk n) is stored per chunk;
@@ -256,7 +270,7 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
     for step in range(N):
         n = N - 1 - step
         tl.store(dstates_ptr + _state_offsets(bh, n, N, K, V, BV, v0), dS)
-        gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+        gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
         k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
         chunk = _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)
         # P^T dO from output_backward, in its own buffer: the autotuner runs this kernel several times
@@ -272,7 +286,7 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
 
 @_tuned
 @triton.jit
-def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, unew_ptr, dunew_ptr,
+def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, beta_ptr, seg_ptr, tm_ptr, unew_ptr, dunew_ptr,
                                 do_ptr, dy_ptr, dpairs_ptr, dsystem_ptr, dbeta_ptr, dgc_ptr, T, H, Tp,
                                 K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                                 HAS_SEG: tl.constexpr, PREC: tl.constexpr):
@@ -283,7 +297,7 @@ def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, t
     n, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     tm = tl.load(tm_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
     dscores = tl.zeros([C, C], dtype=tl.float32)  # dO Unew^T
     dsystem = tl.zeros([C, C], dtype=tl.float32)  # d(I + A) = -dY Unew^T
@@ -316,7 +330,7 @@ def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, t
 
 @_tuned
 @triton.jit
-def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, dstates_ptr, unew_ptr, do_ptr,
+def chunk_qk_backward_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, states_ptr, dstates_ptr, unew_ptr, do_ptr,
                              dy_ptr, dpairs_ptr, dsystem_ptr, dq_ptr, dk_ptr, dgc_ptr, dlast_ptr, dbeta_ptr,
                              T, H, Tp, N,
                              K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -328,7 +342,7 @@ def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr,
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     k0 = kb * BK
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     dq_state = tl.zeros([C, BK], dtype=tl.float32)  # dO S^T
     dk_end = tl.zeros([C, BK], dtype=tl.float32)  # Unew dS'^T
     dy_state = tl.zeros([C, BK], dtype=tl.float32)  # dY S^T
