@@ -137,6 +137,26 @@ def test_gpu_kernels_match_float64(dtype, tol):
 
 
 @cuda
+def test_gpu_qk_l2norm_bf16_matches_float64():
+    """bf16 raw q, k normalised inside the op (the layer's and the bench's call) against float64
+    l2_normalize then the recurrence; out is bf16 (the bf16 forward's), gradients reach the raw q and k."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tensors = _gpu_inputs(1, 300, 4, 128, 128, torch.bfloat16, seed=1)
+    tensors[:2] = [(3 * torch.randn(1, 300, 4, 128, device="cuda", generator=gen)).bfloat16() for _ in range(2)]
+    ours = [t.clone().requires_grad_() for t in tensors]
+    out, state = triton_chunked_delta_rule(*ours[:5], initial_state=ours[5], qk_l2norm=True)
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    ref = [t.double().clone().requires_grad_() for t in tensors]
+    ref_out, ref_state = float64_delta_rule(l2_normalize(ref[0]) * 128**-0.5, l2_normalize(ref[1]), *ref[2:5], ref[5])
+    assert rel_err(out, ref_out) < 2e-2 and rel_err(state, ref_state) < 2e-2
+    w_out, w_state = torch.randn_like(out), torch.randn_like(state)
+    ((out * w_out).sum() + (state * w_state).sum()).backward()
+    ((ref_out * w_out.double()).sum() + (ref_state * w_state.double()).sum()).backward()
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], ours, ref):
+        assert rel_err(a.grad, b.grad) < 2e-2, name
+
+
+@cuda
 def test_gpu_layer_picks_triton_and_matches_torch_form(monkeypatch):
     import titan_models.components.gated_deltanet as gdn
 

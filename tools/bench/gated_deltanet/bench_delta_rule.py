@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--per-channel", action="store_true", help="Kimi Delta Attention: one decay per key channel")
     parser.add_argument("--titan-torch", action="store_true", help="also time titan-models' torch form")
+    parser.add_argument("--scan-bv", type=int, default=None,
+                        help="titan-models' scan V block (16, 32 or 64; default: its heuristic, 32 here)")
     parser.add_argument("--forward-kernels", action="store_true",
                         help="instead of the table: each Triton implementation's forward, kernel by kernel (CUDA)")
     parser.add_argument("--train-kernels", action="store_true",
@@ -244,6 +246,11 @@ def main() -> None:
         if args.dtype != torch.float32:
             raise ValueError("--dtype bfloat16 needs --device cuda (bf16 tl.dot is wrong in Triton's interpreter)")
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (by the kernels' first call)
+    if args.scan_bv is not None:  # an experiment, not a setting: the kernels' heuristic is what the layer runs
+        from titan_models.kernels import gated_delta_rule
+
+        gated_delta_rule._Inputs._scan_block = lambda self: min(self.V, args.scan_bv)
+        print(f"titan-models' scan V block forced to {args.scan_bv}")
     impls, reference_fn = implementations(args)
     if args.forward_kernels or args.train_kernels:
         return kernel_report(impls, args, backward=args.train_kernels)

@@ -147,6 +147,8 @@ class _Inputs:
         self.B, self.T, self.H, self.K = q.shape
         self.V = v.shape[-1]
         self.N = -(-self.T // CHUNK)
+        if self.N > 65535:  # the output kernels' grid axis 1 (CUDA's limit), as fla's
+            raise ValueError(f"sequence {self.T} exceeds the kernels' {65535 * CHUNK} tokens per row")
         self.Tp = self.N * CHUNK
         self.BK, self.BV = min(64, self.K), min(64, self.V)
 
@@ -195,7 +197,7 @@ class _Inputs:
         out = None
         if with_output:
             out = torch.empty(self.B, self.T, self.H, self.V, device=self.q.device, dtype=buf)
-            kern.output_kernel[(self.N, self.B * self.H, self.V // self.BV)](
+            kern.output_kernel[(self.V // self.BV, self.N, self.B * self.H)](
                 self.q, self.k, self.gc, self.beta, seg, states, unew, out, N=self.N, V=self.V, BV=self.BV,
                 **prec, **self._common())
         return out, final, (tm, w, states, unew)
@@ -209,7 +211,7 @@ class _Inputs:
                  else d_out.float().contiguous())
         dstates, dlocal, dunew = torch.empty_like(states), self._buffer(self.V), self._buffer(self.V)
         dinit = torch.empty(self.B, self.H, self.K, self.V, device=self.q.device, dtype=torch.float32)
-        kern.output_backward_kernel[(self.N, self.B * self.H, self.V // self.BV)](
+        kern.output_backward_kernel[(self.V // self.BV, self.N, self.B * self.H)](
             self.q, self.k, self.gc, self.beta, seg, d_out, dlocal, V=self.V, BV=self.BV, **self._common())
         kern.state_backward_kernel[(self.B * self.H, self.V // self.BV)](
             self.q, self.k, self.gc, self.beta, seg, w, d_out,

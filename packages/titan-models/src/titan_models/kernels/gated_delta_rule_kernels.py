@@ -135,19 +135,35 @@ def _doubled_inverse(X, A, s: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr)
 
 
 @triton.jit
+def _doubled_inverse_blocks(X, A, s: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
+    """`_doubled_inverse` on a batch of G x G diagonal blocks: X, A [blocks, G, G] (batched products)."""
+    rows = tl.arange(0, G)[None, :, None]
+    cols = tl.arange(0, G)[None, None, :]
+    E = tl.where((rows // (2 * s) == cols // (2 * s)) & ((rows // s) % 2 == 1) & ((cols // s) % 2 == 0), A, 0.0)
+    return X - tl.dot(tl.dot(X, E, input_precision=PREC), X, input_precision=PREC)
+
+
+@triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 of a strictly lower triangular A [C, C] (C = 64) by recursive block doubling
     (`_doubled_inverse`, from 1 x 1 blocks to 64 x 64), on tensor cores in PREC (tf32x3 for float32 inputs:
-    the inverse amplifies rounding). 2 products a level, 10 in all (the 2 x 2 level needs none)
-    (the 15-step forward substitution on the 64 x 64 layout took 19); every product is of actual
-    sub-inverses and blocks of A, no powers of A."""
-    rows = tl.arange(0, C)[:, None]
-    cols = tl.arange(0, C)[None, :]
+    the inverse amplifies rounding). 2 products a level: up to 16 x 16 blocks on the four diagonal blocks
+    alone ([4, 16, 16] batched products: 6 of 16^3 each, where 64^3 products of mostly zeros took 6 of
+    the 10), then 4 of 64 x 64 (the 15-step forward substitution took 19); every product is of actual
+    sub-inverses and blocks of A, no powers of A. Extracting the blocks and placing them back adds zeros
+    only, so the result is the same sums."""
+    G: tl.constexpr = 16
+    NB: tl.constexpr = C // G
+    same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]  # [NB, 1, NB, 1]
+    Ad = tl.sum(tl.where(same, tl.reshape(A, [NB, G, NB, G]), 0.0), axis=2)  # the diagonal blocks [NB, G, G]
+    rows = tl.arange(0, G)[None, :, None]
+    cols = tl.arange(0, G)[None, None, :]
     pairs = (rows // 2 == cols // 2) & (rows % 2 == 1) & (cols % 2 == 0)
-    X = tl.where(rows == cols, 1.0, 0.0) - tl.where(pairs, A, 0.0)  # the 2 x 2 blocks' inverses
-    X = _doubled_inverse(X, A, 2, C, PREC)
-    X = _doubled_inverse(X, A, 4, C, PREC)
-    X = _doubled_inverse(X, A, 8, C, PREC)
+    X = tl.where(rows == cols, 1.0, 0.0) - tl.where(pairs, Ad, 0.0)  # the 2 x 2 blocks' inverses
+    X = _doubled_inverse_blocks(X, Ad, 2, G, PREC)
+    X = _doubled_inverse_blocks(X, Ad, 4, G, PREC)
+    X = _doubled_inverse_blocks(X, Ad, 8, G, PREC)
+    X = tl.reshape(tl.where(same, tl.expand_dims(X, 2), 0.0), [C, C])  # block-diagonal [C, C]
     X = _doubled_inverse(X, A, 16, C, PREC)
     return _doubled_inverse(X, A, 32, C, PREC)
 
@@ -212,9 +228,10 @@ def state_forward_kernel(k_ptr, gc_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_pt
 def output_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, o_ptr, T, H, Tp, N,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_SEG: tl.constexpr,
                   PREC: tl.constexpr, OPS: tl.constexpr):
-    """Grid (chunks, B*H, V / BV): O = diag(r) (Q S) + (vis * Q K^T * D) Unew (r after the product: q enters
-    it unrounded)."""
-    n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid (V / BV, chunks, B*H): O = diag(r) (Q S) + (vis * Q K^T * D) Unew (r after the product: q enters
+    it unrounded). The V blocks of a chunk are neighbouring programs (as fla's), so their second read of q
+    and k hits L2."""
+    vb, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     v0 = vb * BV
@@ -235,9 +252,10 @@ def output_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr,
 def output_backward_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, do_ptr, dlocal_ptr, T, H, Tp,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_SEG: tl.constexpr, PREC: tl.constexpr):
-    """Grid (chunks, B*H, V / BV): the share of dUnew that needs no state, P^T dO (P = vis * Q K^T * D), in
-    parallel over chunks so the reverse scan does not compute it."""
-    n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid (V / BV, chunks, B*H; a chunk's V blocks neighbours, as output_kernel's): the share of dUnew that
+    needs no state, P^T dO (P = vis * Q K^T * D), in parallel over chunks so the reverse scan does not
+    compute it."""
+    vb, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     v0 = vb * BV
