@@ -157,6 +157,35 @@ def test_gpu_qk_l2norm_bf16_matches_float64():
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_forward_bits_do_not_depend_on_tuned_config(monkeypatch, dtype):
+    """The autotuner may keep different warps/stages in different processes (a trainer and a generator):
+    the forward's out and final state must be bitwise the same under every config it can keep."""
+    from titan_models.kernels import gated_delta_rule_kernels as kern
+
+    tensors = _gpu_inputs(1, 300, 4, 128, 128, dtype, seed=2)
+    names = ("prepare_kernel", "state_forward_kernel", "output_kernel")
+    tuned = {name: getattr(kern, name) for name in names}
+
+    class Fixed:  # launches the JIT function under one of the autotuner's configs
+        def __init__(self, kernel, config):
+            self.kernel, self.config = kernel, config
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.kernel.fn[grid](*a, **kw, num_warps=self.config.num_warps,
+                                                        num_stages=self.config.num_stages)
+
+    results = []
+    for config in tuned["prepare_kernel"].configs:  # the same configs for every kernel
+        for name in names:
+            monkeypatch.setattr(kern, name, Fixed(tuned[name], config))
+        with torch.no_grad():
+            results.append(triton_chunked_delta_rule(*tensors[:5], initial_state=tensors[5]))
+    for out, state in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(state, results[0][1])
+
+
+@cuda
 def test_gpu_layer_picks_triton_and_matches_torch_form(monkeypatch):
     import titan_models.components.gated_deltanet as gdn
 

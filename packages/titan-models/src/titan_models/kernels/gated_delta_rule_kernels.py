@@ -27,9 +27,12 @@ import triton.language as tl
 
 
 def _tuned(kernel):
-    """On a GPU, warps and pipeline stages are timed on the first call per (K, V) and the fastest kept
-    (no kernel reads a buffer it writes, so the trial runs leave nothing behind); one config when
-    interpreting."""
+    """On a GPU, warps and pipeline stages are timed on the first call per (K, V, BV, OPS, tensor dtypes)
+    and the fastest kept for the process (no kernel reads a buffer it writes, so the trial runs leave
+    nothing behind); one config when interpreting. Another process may keep another config; the forward's
+    only reductions outside tensor-core products (the gates' cumsum) are in `gates_kernel`, launched with
+    one fixed config, so its bits should not depend on the choice (products accumulate over K in one order
+    whatever the warps: expected of mma/wgmma, not shown on a GPU)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return kernel
     configs = [triton.Config({}, num_warps=warps, num_stages=stages) for warps in (4, 8) for stages in (1, 2)]
