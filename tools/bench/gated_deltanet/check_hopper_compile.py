@@ -7,8 +7,9 @@ warps/stages configuration the autotuner tries (dist_moe.kernels.hopper_check do
 the checks: builds, shared memory fits; register spills are printed). Tensor-core use (wgmma) is
 expected in every variant (bf16 products in the forward and tf32 in the backward for bf16 inputs, tf32x3
 for float32 ones). Exits 1 if any
-variant fails to build or to fit shared memory (the autotuner skips such a variant, but a kernel whose
-every variant fails cannot run).
+variant fails to build, or if no config of a launch fits shared memory; a config that does not fit is
+printed as "skip" (the autotuner times it as infinitely slow and keeps another: triton's Autotuner._bench
+catches OutOfResources).
 
     uv run --frozen --no-sync python tools/bench/gated_deltanet/check_hopper_compile.py [KERNEL ...]
 """
@@ -84,7 +85,7 @@ def main(only: list[str]) -> int:
     import triton
     from triton.compiler import ASTSource
 
-    failures, done = 0, set()
+    failures, done, fitting = 0, set(), {}
     for tuned, args, kwargs in captured_launches():
         fn = tuned.fn if hasattr(tuned, "configs") else tuned  # an Autotuner wraps the JITFunction
         if only and fn.__name__ not in only:
@@ -92,8 +93,9 @@ def main(only: list[str]) -> int:
         for config in launch_configs(tuned, kwargs):
             options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
             signature, constexprs, attrs, _ = specialise(fn, args, kwargs)
-            key = (fn.__name__, tuple(sorted(signature.items())), str(sorted(constexprs.items())),
-                   tuple(options.items()))
+            launch = (fn.__name__, tuple(sorted(signature.items())), str(sorted(constexprs.items())))
+            key = (*launch, tuple(options.items()))
+            fitting.setdefault(launch, False)
             if key in done:
                 continue
             done.add(key)
@@ -106,12 +108,17 @@ def main(only: list[str]) -> int:
                 continue
             info = inspect_compiled(compiled)
             bad = info["shared"] > 232448
-            failures += bad
-            print(f"{'FAIL' if bad else 'ok  '} {fn.__name__:27s} PREC={constexprs.get('PREC')} "
+            fitting[launch] |= not bad
+            print(f"{'skip' if bad else 'ok  '} {fn.__name__:27s} PREC={constexprs.get('PREC')} "
                   f"OPS={constexprs.get('OPS')} BV={constexprs.get('BV')} "
                   f"SEG={constexprs.get('HAS_SEG')} {options} smem {info['shared'] // 1024}K regs "
                   f"{info['registers']} spills {info['spill_bytes']} wgmma {info['wgmma']}", flush=True)
-    print(f"{len(done)} variants, {failures} failing")
+    for (name, _, constexprs), fits in fitting.items():
+        if not fits:
+            failures += 1
+            print(f"FAIL {name} {constexprs[:300]}: no config fits shared memory")
+    print(f"{len(done)} variants, {failures} failing, {sum(not fits for fits in fitting.values())} launches "
+          f"without a fitting config")
     return failures
 
 
