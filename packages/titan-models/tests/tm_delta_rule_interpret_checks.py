@@ -168,6 +168,7 @@ def check_bf16_forward():
     ours = [t.clone().requires_grad_() for t in tensors]
     ref = [t.double().clone().requires_grad_() for t in tensors]
     out, state = triton_chunked_delta_rule(*ours[:5], initial_state=ours[5])
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32, (out.dtype, state.dtype)  # as fla's
     ref_out, ref_state = float64_delta_rule(*ref[:5], ref[5])
     results["bf16_forward_out"], results["bf16_forward_state"] = rel_err(out, ref_out), rel_err(state, ref_state)
     w_out = torch.randn(out.shape, generator=gen)
@@ -176,10 +177,34 @@ def check_bf16_forward():
     results["bf16_forward_grad_g"] = rel_err(ours[3].grad, ref[3].grad)  # float32, unlike q/k/v's grads
     with torch.no_grad():  # bf16_forward=False: float32 buffers and products, as backward's recompute
         kept, _ = triton_chunked_delta_rule(*tensors[:5], initial_state=tensors[5], bf16_forward=False)
+    assert kept.dtype == torch.float32, kept.dtype
     results["bf16_inputs_tf32_forward_out"] = rel_err(kept, ref_out.detach())
+
+
+def check_qk_l2norm():
+    """qk_l2norm=True: raw q, k (norms far from 1, one row of zeros: eps keeps it finite) normalised by the
+    op's own Triton launch, against float64 l2_normalize (q scaled by dk^-1/2) then the recurrence; the
+    gradients of the raw q and k go through the normalisation's backward kernel."""
+    tensors, gen = inputs(2, 100, 2, 32, 16, seed=6)
+    raw_q, raw_k = (3.0 * torch.randn(tensors[0].shape, generator=gen) for _ in range(2))
+    raw_k[0, 5, 1] = 0.0
+    tensors = [raw_q, raw_k, *tensors[2:]]
+    ours = [t.clone().requires_grad_() for t in tensors]
+    ref = [t.double().clone().requires_grad_() for t in tensors]
+    segments = torch.cat([torch.zeros(70), torch.ones(30)]).long()[None].expand(2, -1)
+    out, state = triton_chunked_delta_rule(*ours[:5], segments=segments, initial_state=ours[5], qk_l2norm=True)
+    ref_q, ref_k = l2_normalize(ref[0]) * 32**-0.5, l2_normalize(ref[1])
+    ref_out, ref_state = reference([ref_q, ref_k, *ref[2:]], (70, 30), with_initial=True)
+    results["qk_l2norm_out"], results["qk_l2norm_state"] = rel_err(out, ref_out), rel_err(state, ref_state)
+    w_out, w_state = torch.randn(out.shape, generator=gen), torch.randn(state.shape, generator=gen)
+    ((out * w_out).sum() + (state * w_state).sum()).backward()
+    ((ref_out * w_out.double()).sum() + (ref_state * w_state.double()).sum()).backward()
+    for i, name in enumerate(["q", "k", "v", "g", "beta", "initial_state"]):
+        results[f"qk_l2norm_grad_{name}"] = rel_err(ours[i].grad, ref[i].grad)
 
 
 check_layer()
 check_repeated_launches()
 check_bf16_forward()
+check_qk_l2norm()
 print(json.dumps(results))

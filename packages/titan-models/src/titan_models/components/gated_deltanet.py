@@ -381,8 +381,8 @@ class GatedDeltaNet(nn.Module):
                                                                       (q, k, v), histories)]
         (q, q_hist), (k, k_hist), (v, v_hist) = convs
         history = torch.cat([q_hist, k_hist, v_hist], dim=-1)  # [b, K-1, q | k | v channels]
-        q = l2_normalize(q.reshape(batch, seq, -1, cfg.key_head_dim)) * cfg.key_head_dim**-0.5
-        k = l2_normalize(k.reshape(batch, seq, -1, cfg.key_head_dim))
+        q = q.reshape(batch, seq, -1, cfg.key_head_dim)
+        k = k.reshape(batch, seq, -1, cfg.key_head_dim)
         v = v.reshape(batch, seq, -1, cfg.value_head_dim)
         if self.heads_per_key > 1:  # value heads h*r .. h*r + r-1 read key head h
             q, k = (t.repeat_interleave(self.heads_per_key, dim=2) for t in (q, k))
@@ -394,17 +394,22 @@ class GatedDeltaNet(nn.Module):
         # The delta rule stays in float32 under autocast too (its triangular solve and state products
         # lose too much in bf16); the projections around it follow autocast.
         with torch.autocast(x.device.type, enabled=False):
-            if seq == 1:
-                out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
-            elif use_triton(cfg.delta_rule_backend, q, v, g, cfg.chunk_size):
+            if seq > 1 and use_triton(cfg.delta_rule_backend, q, v, g, cfg.chunk_size):
                 # bf16 projections (autocast): tensor-core products in the kernels (the forward's in bf16, as
-                # flash-linear-attention's; backward's recompute in tf32)
+                # flash-linear-attention's; backward's recompute in tf32); q and k are normalised (float32,
+                # stored in the kernels' dtype) by one Triton launch inside the op
                 if v.dtype == torch.bfloat16:
                     q, k = q.to(v.dtype), k.to(v.dtype)
-                out, final = triton_chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
+                out, final = triton_chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial,
+                                                       qk_l2norm=True)
             else:
-                out, final = chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial,
-                                                chunk_size=cfg.chunk_size)
+                q = l2_normalize(q) * cfg.key_head_dim**-0.5
+                k = l2_normalize(k)
+                if seq == 1:
+                    out, final = recurrent_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial)
+                else:
+                    out, final = chunked_delta_rule(q, k, v, g, beta, segments=segments, initial_state=initial,
+                                                    chunk_size=cfg.chunk_size)
         out = self.norm(out.to(x.dtype), z.reshape(batch, seq, -1, cfg.value_head_dim))
         return self.wo(out.reshape(batch, seq, -1)), GatedDeltaNetState(conv=history, recurrent=final)
 

@@ -10,7 +10,7 @@ Legend, per (batch row, head) and chunk; S is the state entering the chunk [K, V
     W = Tm diag(beta r) K,  U = Tm diag(beta) V,  Unew = U - W S       (the delta-rule corrections)
     O = diag(r) Q S + (vis * Q K^T * D) Unew;   S_next = carry S + (diag(e) K)^T Unew
 
-Forward: `prepare` (per chunk: Tm, W, U), `state_forward` (scan over chunks per V block: stores each
+Forward: `gates` (gc of every chunk, read by all the others), `prepare` (per chunk: Tm, W, U), `state_forward` (scan over chunks per V block: stores each
 chunk's S and Unew, returns the final state), `output` (per chunk and V block). Backward (gradients
 derived in gated_delta_rule.py's docstring): `output_backward` (P^T dO per chunk), `state_backward`
 (reverse scan: dS leaving each chunk, dUnew, d initial state), `chunk_pairs_backward` (per chunk: dv,
@@ -27,9 +27,12 @@ import triton.language as tl
 
 
 def _tuned(kernel):
-    """On a GPU, warps and pipeline stages are timed on the first call per (K, V) and the fastest kept
-    (no kernel reads a buffer it writes, so the trial runs leave nothing behind); one config when
-    interpreting."""
+    """On a GPU, warps and pipeline stages are timed on the first call per (K, V, BV, OPS, tensor dtypes)
+    and the fastest kept for the process (no kernel reads a buffer it writes, so the trial runs leave
+    nothing behind); one config when interpreting. Another process may keep another config; the forward's
+    only reductions outside tensor-core products (the gates' cumsum) are in `gates_kernel`, launched with
+    one fixed config, so its bits should not depend on the choice (products accumulate over K in one order
+    whatever the warps: expected of mma/wgmma, not shown on a GPU)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return kernel
     configs = [triton.Config({}, num_warps=warps, num_stages=stages) for warps in (4, 8) for stages in (1, 2)]
@@ -37,15 +40,29 @@ def _tuned(kernel):
 
 
 @triton.jit
-def _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C: tl.constexpr, HAS_SEG: tl.constexpr):
-    """gc [C], beta [C], vis [C, C], r [C], e [C], carry (scalar), D [C, C] of chunk n (legend above).
-    Tokens past T have g = beta = 0 and the last valid token's segment, so they change nothing."""
+def gates_kernel(g_ptr, gc_ptr, T, H, Tp, N, C: tl.constexpr, CB: tl.constexpr):
+    """Grid (cdiv(N, CB), B*H): gc [B*H, Tp] float32, the cumulative log decay inside each chunk (zeros
+    past T), CB chunks a program. Computed once per forward (and once per backward's recompute) instead of
+    in every kernel, the scan's sequential loop included; its fixed launch config (not autotuned) keeps gc
+    bitwise the same whatever configs the autotuner keeps for the other kernels."""
+    nb, bh = tl.program_id(0), tl.program_id(1)
+    bh = bh.to(tl.int64)
+    b, h = bh // H, bh % H
+    t = (nb * CB + tl.arange(0, CB))[:, None] * C + tl.arange(0, C)[None, :]
+    g = tl.load(g_ptr + (b * T + t) * H + h, mask=t < T, other=0.0).to(tl.float32)
+    tl.store(gc_ptr + bh * Tp + t, tl.cumsum(g, axis=1), mask=t < N * C)
+
+
+@triton.jit
+def _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C: tl.constexpr, HAS_SEG: tl.constexpr):
+    """gc [C], beta [C], vis [C, C], r [C], e [C], carry (scalar), D [C, C] of chunk n (legend above), gc
+    read from `gates_kernel`'s buffer. Tokens past T have g = beta = 0 and the last valid token's
+    segment, so they change nothing."""
     t = n * C + tl.arange(0, C)
     valid = t < T
-    g = tl.load(g_ptr + (b * T + t) * H + h, mask=valid, other=0.0).to(tl.float32)
+    gc = tl.load(gc_ptr + (b * H + h) * Tp + t)
+    gc_last = tl.load(gc_ptr + (b * H + h) * Tp + n * C + C - 1)
     beta = tl.load(beta_ptr + (b * T + t) * H + h, mask=valid, other=0.0).to(tl.float32)
-    gc = tl.cumsum(g, axis=0)
-    gc_last = tl.sum(g, axis=0)
     rows = tl.arange(0, C)[:, None]
     cols = tl.arange(0, C)[None, :]
     if HAS_SEG:
@@ -121,26 +138,42 @@ def _doubled_inverse(X, A, s: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr)
 
 
 @triton.jit
+def _doubled_inverse_blocks(X, A, s: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
+    """`_doubled_inverse` on a batch of G x G diagonal blocks: X, A [blocks, G, G] (batched products)."""
+    rows = tl.arange(0, G)[None, :, None]
+    cols = tl.arange(0, G)[None, None, :]
+    E = tl.where((rows // (2 * s) == cols // (2 * s)) & ((rows // s) % 2 == 1) & ((cols // s) % 2 == 0), A, 0.0)
+    return X - tl.dot(tl.dot(X, E, input_precision=PREC), X, input_precision=PREC)
+
+
+@triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 of a strictly lower triangular A [C, C] (C = 64) by recursive block doubling
     (`_doubled_inverse`, from 1 x 1 blocks to 64 x 64), on tensor cores in PREC (tf32x3 for float32 inputs:
-    the inverse amplifies rounding). 2 products a level, 10 in all (the 2 x 2 level needs none)
-    (the 15-step forward substitution on the 64 x 64 layout took 19); every product is of actual
-    sub-inverses and blocks of A, no powers of A."""
-    rows = tl.arange(0, C)[:, None]
-    cols = tl.arange(0, C)[None, :]
+    the inverse amplifies rounding). 2 products a level: up to 16 x 16 blocks on the four diagonal blocks
+    alone ([4, 16, 16] batched products: 6 of 16^3 each, where 64^3 products of mostly zeros took 6 of
+    the 10), then 4 of 64 x 64 (the 15-step forward substitution took 19); every product is of actual
+    sub-inverses and blocks of A, no powers of A. Extracting the blocks and placing them back adds zeros
+    only, so the result is the same sums."""
+    G: tl.constexpr = 16
+    NB: tl.constexpr = C // G
+    same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]  # [NB, 1, NB, 1]
+    Ad = tl.sum(tl.where(same, tl.reshape(A, [NB, G, NB, G]), 0.0), axis=2)  # the diagonal blocks [NB, G, G]
+    rows = tl.arange(0, G)[None, :, None]
+    cols = tl.arange(0, G)[None, None, :]
     pairs = (rows // 2 == cols // 2) & (rows % 2 == 1) & (cols % 2 == 0)
-    X = tl.where(rows == cols, 1.0, 0.0) - tl.where(pairs, A, 0.0)  # the 2 x 2 blocks' inverses
-    X = _doubled_inverse(X, A, 2, C, PREC)
-    X = _doubled_inverse(X, A, 4, C, PREC)
-    X = _doubled_inverse(X, A, 8, C, PREC)
+    X = tl.where(rows == cols, 1.0, 0.0) - tl.where(pairs, Ad, 0.0)  # the 2 x 2 blocks' inverses
+    X = _doubled_inverse_blocks(X, Ad, 2, G, PREC)
+    X = _doubled_inverse_blocks(X, Ad, 4, G, PREC)
+    X = _doubled_inverse_blocks(X, Ad, 8, G, PREC)
+    X = tl.reshape(tl.where(same, tl.expand_dims(X, 2), 0.0), [C, C])  # block-diagonal [C, C]
     X = _doubled_inverse(X, A, 16, C, PREC)
     return _doubled_inverse(X, A, 32, C, PREC)
 
 
 @_tuned
 @triton.jit
-def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr, T, H, Tp,
+def prepare_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr, T, H, Tp,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, HAS_SEG: tl.constexpr,
                    PREC: tl.constexpr, OPS: tl.constexpr, INV_PREC: tl.constexpr, STORE_TM: tl.constexpr):
     """Grid (chunks, B*H): Tm [C, C] (only backward reads it: STORE_TM), W [C, K], U [C, V] of one chunk,
@@ -148,7 +181,7 @@ def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr,
     n, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     strict = vis & (tl.arange(0, C)[None, :] < tl.arange(0, C)[:, None])
     A = tl.where(strict, beta[:, None] * _dot(k, tl.trans(k), OPS, PREC) * D, 0.0)
@@ -164,7 +197,7 @@ def prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, w_ptr, u_ptr,
 
 @_tuned
 @triton.jit
-def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr, states_ptr, unew_ptr,
+def state_forward_kernel(k_ptr, gc_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr, states_ptr, unew_ptr,
                          final_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                          C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr,
                          OPS: tl.constexpr):
@@ -182,7 +215,7 @@ def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr
         S = tl.zeros([K, BV], dtype=tl.float32)
     for n in range(N):
         tl.store(states_ptr + _state_offsets(bh, n, N, K, V, BV, v0), S.to(states_ptr.dtype.element_ty))
-        gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+        gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
         w = tl.load(w_ptr + _buffer_offsets(b, h, n, H, Tp, K, C, K, 0))
         u = tl.load(u_ptr + _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)).to(tl.float32)
         unew = u - _dot(w, S, OPS, PREC)
@@ -195,16 +228,17 @@ def state_forward_kernel(k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, u_ptr, init_ptr
 
 @_tuned
 @triton.jit
-def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, o_ptr, T, H, Tp, N,
+def output_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, o_ptr, T, H, Tp, N,
                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_SEG: tl.constexpr,
                   PREC: tl.constexpr, OPS: tl.constexpr):
-    """Grid (chunks, B*H, V / BV): O = diag(r) (Q S) + (vis * Q K^T * D) Unew (r after the product: q enters
-    it unrounded)."""
-    n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid (V / BV, chunks, B*H): O = diag(r) (Q S) + (vis * Q K^T * D) Unew (r after the product: q enters
+    it unrounded). The V blocks of a chunk are neighbouring programs (as fla's), so their second read of q
+    and k hits L2."""
+    vb, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     v0 = vb * BV
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     t = n * C + tl.arange(0, C)
     rows = ((b * T + t[:, None]) * H + h) * K + tl.arange(0, K)[None, :]
     q = tl.load(q_ptr + rows, mask=t[:, None] < T, other=0.0)
@@ -218,16 +252,17 @@ def output_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, unew_ptr, 
 
 @_tuned
 @triton.jit
-def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dlocal_ptr, T, H, Tp,
+def output_backward_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, do_ptr, dlocal_ptr, T, H, Tp,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_SEG: tl.constexpr, PREC: tl.constexpr):
-    """Grid (chunks, B*H, V / BV): the share of dUnew that needs no state, P^T dO (P = vis * Q K^T * D), in
-    parallel over chunks so the reverse scan does not compute it."""
-    n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid (V / BV, chunks, B*H; a chunk's V blocks neighbours, as output_kernel's): the share of dUnew that
+    needs no state, P^T dO (P = vis * Q K^T * D), in parallel over chunks so the reverse scan does not
+    compute it."""
+    vb, n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     v0 = vb * BV
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     q = _load_rows(q_ptr, b, h, n, T, H, K, C, K, 0)
     k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
     scores = tl.dot(q, tl.trans(k), input_precision=PREC) * D
@@ -238,7 +273,7 @@ def output_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr, dloca
 
 @_tuned
 @triton.jit
-def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr, dfinal_ptr, dlocal_ptr,
+def state_backward_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr, dfinal_ptr, dlocal_ptr,
                           dstates_ptr, dunew_ptr, dinit_ptr, T, H, Tp, N, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           C: tl.constexpr, HAS_SEG: tl.constexpr, HAS_DFINAL: tl.constexpr, PREC: tl.constexpr):
     """Grid (B*H, V / BV): the reverse scan. dS' (gradient of the state leaving chunk n) is stored per chunk;
@@ -256,7 +291,7 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
     for step in range(N):
         n = N - 1 - step
         tl.store(dstates_ptr + _state_offsets(bh, n, N, K, V, BV, v0), dS)
-        gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+        gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
         k = _load_rows(k_ptr, b, h, n, T, H, K, C, K, 0)
         chunk = _buffer_offsets(b, h, n, H, Tp, V, C, BV, v0)
         # P^T dO from output_backward, in its own buffer: the autotuner runs this kernel several times
@@ -272,7 +307,7 @@ def state_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, w_ptr, do_ptr,
 
 @_tuned
 @triton.jit
-def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, tm_ptr, unew_ptr, dunew_ptr,
+def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, beta_ptr, seg_ptr, tm_ptr, unew_ptr, dunew_ptr,
                                 do_ptr, dy_ptr, dpairs_ptr, dsystem_ptr, dbeta_ptr, dgc_ptr, T, H, Tp,
                                 K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                                 HAS_SEG: tl.constexpr, PREC: tl.constexpr):
@@ -283,7 +318,7 @@ def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, t
     n, bh = tl.program_id(0), tl.program_id(1)
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     tm = tl.load(tm_ptr + _buffer_offsets(b, h, n, H, Tp, C, C, C, 0))
     dscores = tl.zeros([C, C], dtype=tl.float32)  # dO Unew^T
     dsystem = tl.zeros([C, C], dtype=tl.float32)  # d(I + A) = -dY Unew^T
@@ -316,7 +351,7 @@ def chunk_pairs_backward_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, t
 
 @_tuned
 @triton.jit
-def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, dstates_ptr, unew_ptr, do_ptr,
+def chunk_qk_backward_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, seg_ptr, states_ptr, dstates_ptr, unew_ptr, do_ptr,
                              dy_ptr, dpairs_ptr, dsystem_ptr, dq_ptr, dk_ptr, dgc_ptr, dlast_ptr, dbeta_ptr,
                              T, H, Tp, N,
                              K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -328,7 +363,7 @@ def chunk_qk_backward_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr,
     bh = bh.to(tl.int64)  # offsets of long sequences pass 2^31
     b, h = bh // H, bh % H
     k0 = kb * BK
-    gc, beta, vis, r, e, carry, D = _chunk_gates(g_ptr, beta_ptr, seg_ptr, b, h, n, T, H, C, HAS_SEG)
+    gc, beta, vis, r, e, carry, D = _chunk_gates(gc_ptr, beta_ptr, seg_ptr, b, h, n, T, H, Tp, C, HAS_SEG)
     dq_state = tl.zeros([C, BK], dtype=tl.float32)  # dO S^T
     dk_end = tl.zeros([C, BK], dtype=tl.float32)  # Unew dS'^T
     dy_state = tl.zeros([C, BK], dtype=tl.float32)  # dY S^T
