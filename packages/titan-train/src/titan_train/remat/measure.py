@@ -20,13 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+from .ops import ATTENTION_OPS, MATMUL_OPS, op_name  # noqa: F401 (re-exported)
 from .saved import saved_block_bytes
 
-# The ops whose outputs are worth keeping: products and attention (recomputing them costs most).
-MATMUL_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm")
-ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                 "flex_attention")
 
 
 @dataclass
@@ -53,10 +49,6 @@ class BlockProfile:
     @property
     def keep_bytes(self) -> int:
         return sum(op.bytes for op in self.ops) if self.saved_bytes is None else self.saved_bytes
-
-
-def op_name(func) -> str:
-    return func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else str(func)
 
 
 def _bytes(tree) -> int:
