@@ -10,7 +10,7 @@ import torch.nn as nn
 from ..config import ActivationCheckpointConfig
 from .measure import profile_blocks
 from .peak import StaticMemory, block_transient, peak_model, peak_plan
-from .plan import GIB, explicit_plan
+from .plan import GIB, explicit_plan, normalize_op
 from .report import plan_report, summary_line
 from .wrap import wrap_block
 
@@ -21,7 +21,9 @@ def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: i
     """Plan (explicit lists or the budget, against peak.py's peak model), wrap the blocks, print the plan and
     write <folder>/remat_plan.json (folder None: not this rank's job); returns the plan's report. compiled: the
     blocks will be compiled whole (a kept block then saves what the compiled graph does, measure.py)."""
-    profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype, compiled=compiled)
+    explicit = () if config.memory_budget_gib else (tuple(normalize_op(o) for o in config.save_ops),)
+    profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype, compiled=compiled,
+                              extra_options=explicit)
     gradients = block_gradients(model, memory.gradient_bytes)
     budget = None
     if config.memory_budget_gib:
@@ -35,7 +37,7 @@ def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: i
         if choice.save_ops is None:
             continue
         model.layers[name] = wrap_block(model.layers[name], choice.save_ops)
-    report = plan_report(choices, memory=memory, peak=peak, transient_bytes=block_transient(profiles),
+    report = plan_report(choices, profiles, memory=memory, peak=peak, transient_bytes=block_transient(profiles),
                          budget_bytes=budget)
     if folder is not None:
         print(summary_line(report), flush=True)

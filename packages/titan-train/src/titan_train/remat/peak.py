@@ -15,18 +15,21 @@ With accumulation (grad_accum_steps > 1) the gradients persist across microbatch
 them and the backward adds none. No plan fits below the backward's walk at the first block: the end of the
 backward's weights, moments and gradients with that block's transient and input.
 
-One block's transient is the largest block's keep bytes (what autograd saves when the block is kept,
-measure.py: what a recomputation re-materialises for the block's backward, and the working set its backward
-frees as it goes), whatever option each block takes. Each
-point of the walk caps the saved bytes of blocks 0..i, which the knapsack (plan.budget_plan) keeps to: the
-walk may peak inside when blocks saving more than their gradients come before blocks saving less.
+Each block's transients are its own, for the option it takes (held.py, measured under that option): in
+the forward, its high mark on top of the blocks before it (checked at every block, not only at the end); in
+the backward, its high mark less what it saved (what a checkpoint recomputes for it and the gradients in
+flight), at its point of the walk. So a recomputed block next to kept ones is charged its recomputation, not
+one kept block's bytes. Hand-made profiles (no measurement) take one constant transient for every block: the
+largest block's keep bytes. Each point of the walk caps the saved bytes of blocks 0..i with that block's
+transient, which the knapsack (plan.budget_plan) keeps to: the walk may peak inside when blocks saving more
+than their gradients come before blocks saving less.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .measure import BlockProfile
-from .plan import GIB, OPTIONS, BlockChoice, budget_plan, cost
+from .plan import GIB, OPTIONS, BlockChoice, budget_plan, choose, cost
 
 
 @dataclass(frozen=True)
@@ -77,31 +80,44 @@ class PeakModel:
 
 
 def block_transient(profiles: list[BlockProfile]) -> int:
-    """The backward headroom: the largest block's keep bytes (see the module docstring)."""
+    """The constant backward headroom of unmeasured profiles: the largest block's keep bytes; 0 when every
+    profile is measured (each choice then carries its own, held.py)."""
+    if all(b.held for b in profiles):
+        return 0
     return max((cost(b, None)[0] for b in profiles), default=0)
 
 
 def peak_model(choices: list[BlockChoice], block_gradients: list[int], memory: StaticMemory,
-               transient: int) -> PeakModel:
-    """The plan's high marks; block_gradients[i]: the gradient bytes of block i's parameters."""
+               transient: int = 0) -> PeakModel:
+    """The plan's high marks; block_gradients[i]: the gradient bytes of block i's parameters. Each choice's
+    own transients where measured, else the constant `transient`."""
     grads = [0] * len(choices) if memory.gradients_persist else block_gradients
     outside = memory.gradient_bytes - sum(block_gradients)
     saved = [c.saved_bytes for c in choices]
     alive, made, backward = sum(saved), memory.early_gradients(outside), 0
     forward = memory.forward_bytes + alive + memory.forward_reserve(transient, outside)
+    before = 0
+    for c, nbytes in zip(choices, saved, strict=True):  # each block's forward on top of the blocks before it
+        if c.forward_peak_bytes is not None:
+            forward = max(forward, memory.forward_bytes + before + c.forward_peak_bytes)
+        before += nbytes
     for i in reversed(range(len(choices))):
         made += grads[i]
-        backward = max(backward, memory.forward_bytes + made + alive + transient)
+        own = choices[i].backward_transient_bytes
+        backward = max(backward, memory.forward_bytes + made + alive + (transient if own is None else own))
         alive -= saved[i]
     return PeakModel(forward, backward, memory.end_of_backward_bytes)
 
 
 def backward_floor(profiles: list[BlockProfile], memory: StaticMemory) -> int:
     """The least budget of any plan: the backward's walk at the first block, which holds every gradient but the
-    embedding's (and the later blocks' are there at the end anyway) with that block's transient and input."""
+    embedding's (and the later blocks' are there at the end anyway) with that block's saved bytes and backward
+    transient, under its cheapest option."""
     if not profiles:
         return memory.end_of_backward_bytes
-    return memory.end_of_backward_bytes + block_transient(profiles) + cost(profiles[0], ())[0]
+    transient = block_transient(profiles)
+    first = [choose(profiles[0], name, ops, transient) for name, ops in OPTIONS.items()]
+    return memory.end_of_backward_bytes + min(c.saved_bytes + c.backward_transient_bytes for c in first)
 
 
 def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMemory,
@@ -121,14 +137,15 @@ def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMem
     outside = memory.gradient_bytes - sum(block_gradients)
     early = memory.early_gradients(outside)
     later = [0 if persist else sum(block_gradients[i:]) for i in range(len(profiles))]  # made when block i runs
-    caps = [budget_bytes - memory.forward_bytes - early - g - transient for g in later]
+    caps = [budget_bytes - memory.forward_bytes - early - g for g in later]
     forward = budget_bytes - memory.forward_bytes - memory.forward_reserve(transient, outside)
     total = min(caps[-1], forward) if caps else forward
-    keep_all = [BlockChoice(b.path, "keep", None, *cost(b, None)) for b in profiles]
+    keep_all = [choose(b, "keep", None, transient) for b in profiles]
     model = peak_model(keep_all, block_gradients, memory, transient)
     if model.total_bytes <= budget_bytes:  # nothing to recompute: the knapsack's rounded grid could miss it
         return keep_all, model
-    choices = _less_recompute(profiles, budget_plan(profiles, total, caps), budget_bytes, memory, block_gradients)
+    choices = budget_plan(profiles, total, caps, budget_bytes - memory.forward_bytes, transient)
+    choices = _less_recompute(profiles, choices, budget_bytes, memory, block_gradients)
     model = peak_model(choices, block_gradients, memory, transient)
     assert model.total_bytes <= budget_bytes, (model, budget_bytes)  # the caps are the model's constraints
     return choices, model
@@ -142,7 +159,7 @@ def _less_recompute(profiles: list[BlockProfile], choices: list[BlockChoice], bu
     transient = block_transient(profiles)
     choices = list(choices)
     for i, b in enumerate(profiles):
-        options = sorted((BlockChoice(b.path, name, ops, *cost(b, ops)) for name, ops in OPTIONS.items()),
+        options = sorted((choose(b, name, ops, transient) for name, ops in OPTIONS.items()),
                          key=lambda c: (c.recomputed_flops, c.saved_bytes))
         for c in options:
             if c.recomputed_flops >= choices[i].recomputed_flops:
