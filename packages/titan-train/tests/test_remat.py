@@ -152,11 +152,12 @@ def _budget_report(jobs, folder, budget_gib: float, **overrides) -> dict:
 def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
     """The same microbatch (4 rows) and budget: without accumulation the gradients (None through the forward)
     leave room to keep both blocks; with two microbatches they persist and a block recomputes. 0.042 GiB lies
-    between the two keep-everything peaks: one microbatch's backward at the last block, 42629120 bytes (0.03970
+    between the two keep-everything peaks: one microbatch's backward at the last block, 40267776 bytes (0.03750
     GiB: 21249024 of weights and moments + the output head's and final norm's gradients, 394240 (the
-    embedding's comes after the blocks) + the last block's 3147776 + both kept blocks, 2 x 8001536, + the last
-    block's backward transient as kept, 1835008, held.py), and two microbatches' forward end, 46563328 (0.04337
-    GiB: 28332032 with the gradients + 2 x 8001536 + the loss's buffers, 2228224)."""
+    embedding's comes after the blocks) + the quarter of the last block's 3147776 made by its backward's high
+    mark + both kept blocks, 2 x 8001536, + the last block's backward transient as kept, 1835008, held.py), and
+    two microbatches' forward end, 46563328 (0.04337 GiB: 28332032 with the gradients + 2 x 8001536 + the
+    loss's buffers, 2228224)."""
     single = _budget_report(jobs, tmp_path / "one", 0.042)
     accumulated = _budget_report(jobs, tmp_path / "two", 0.042, **ACCUMULATE)
     assert not single["gradients_persist"] and accumulated["gradients_persist"]

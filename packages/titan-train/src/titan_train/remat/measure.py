@@ -127,11 +127,12 @@ class _Attention(TorchFunctionMode):
 
 
 def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dtype, compiled: bool = False,
-                   extra_options: tuple[tuple[str, ...], ...] = ()) -> list[BlockProfile]:
+                   extra_options: tuple[tuple[str, ...], ...] = (),
+                   only: tuple[tuple[str, ...] | None, ...] | None = None) -> list[BlockProfile]:
     """Per-block op records and, per option (plan.OPTIONS and `extra_options`, explicit save lists), what the
     block holds (held.py) over a [rows, seq_len] microbatch in `dtype` activations; compiled: the blocks will
     run compiled (compile.mode=blocks), so what they save is a compiled block's (MoE models are counted eager:
-    their routing counts are data)."""
+    their routing counts are data). only: measure just these options' save_ops (a bench's quick look)."""
     from .plan import OPTIONS
 
     meta = model if next(model.parameters()).is_meta else copy.deepcopy(model)
@@ -159,7 +160,7 @@ def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dt
     finally:
         for handle in handles:
             handle.remove()
-    options = {ops: ops for ops in (*OPTIONS.values(), *extra_options)}
+    options = {ops: ops for ops in (only if only is not None else (*OPTIONS.values(), *extra_options))}
     measured: dict[tuple, dict] = {}
     for profile, block, call in zip(profiles, meta.layers.values(), calls, strict=True):
         signature = block_signature(block, call)

@@ -13,19 +13,22 @@ saved activations are freed, last block first. So the step's high mark is the la
   end       forward_bytes + every gradient: what the clip and the optimizer step start from.
 With accumulation (grad_accum_steps > 1) the gradients persist across microbatches: forward_bytes holds
 them and the backward adds none. No plan fits below the backward's walk at the first block: the end of the
-backward's weights, moments and gradients with that block's transient and input.
+backward's weights, moments and gradients with that block's saved bytes and backward transient under its
+cheapest option.
 
-Each block's transients are its own, for the option it takes (held.py, measured under that option): in
-the forward, its high mark on top of the blocks before it (checked at every block, not only at the end); in
-the backward, its high mark less what it saved (what a checkpoint recomputes for it and the gradients in
-flight), at its point of the walk. So a recomputed block next to kept ones is charged its recomputation, not
-one kept block's bytes. Hand-made profiles (no measurement) take one constant transient for every block: the
-largest block's keep bytes. Each point of the walk caps the saved bytes of blocks 0..i with that block's
-transient, which the knapsack (plan.budget_plan) keeps to: the walk may peak inside when blocks saving more
-than their gradients come before blocks saving less.
+Each block's transients are its own, for the option it takes (held.py, measured under that option): in the
+forward, its high mark on top of the blocks before it (checked at every block, not only at the end); in the
+backward, its high mark less what it saved (what a checkpoint recomputes for it and the gradients in flight),
+at its point of the walk, with the share of its weights' gradients made by then (held.py). So a recomputed
+block next to kept ones is charged its recomputation, not one kept block's bytes. Hand-made profiles (no
+measurement) take one constant transient for every block: the largest block's keep bytes. Each point of the
+walk caps the saved bytes of blocks 0..i with that block's transient, which the knapsack (plan.budget_plan)
+keeps to: the walk may peak inside when blocks saving more than their gradients come before blocks saving
+less.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .measure import BlockProfile
@@ -102,9 +105,11 @@ def peak_model(choices: list[BlockChoice], block_gradients: list[int], memory: S
             forward = max(forward, memory.forward_bytes + before + c.forward_peak_bytes)
         before += nbytes
     for i in reversed(range(len(choices))):
-        made += grads[i]
         own = choices[i].backward_transient_bytes
-        backward = max(backward, memory.forward_bytes + made + alive + (transient if own is None else own))
+        share = 1.0 if own is None else choices[i].grad_share  # unmeasured: all its gradients at its high mark
+        at_peak = made + math.ceil(share * grads[i])
+        backward = max(backward, memory.forward_bytes + at_peak + alive + (transient if own is None else own))
+        made += grads[i]
         alive -= saved[i]
     return PeakModel(forward, backward, memory.end_of_backward_bytes)
 
@@ -136,15 +141,16 @@ def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMem
     persist = memory.gradients_persist
     outside = memory.gradient_bytes - sum(block_gradients)
     early = memory.early_gradients(outside)
-    later = [0 if persist else sum(block_gradients[i:]) for i in range(len(profiles))]  # made when block i runs
+    own = [0] * len(profiles) if persist else list(block_gradients)
+    later = [sum(own[i + 1:]) for i in range(len(profiles))]  # made before block i's backward
     caps = [budget_bytes - memory.forward_bytes - early - g for g in later]
     forward = budget_bytes - memory.forward_bytes - memory.forward_reserve(transient, outside)
-    total = min(caps[-1], forward) if caps else forward
+    total = min(caps[-1] - own[-1], forward) if caps else forward
     keep_all = [choose(b, "keep", None, transient) for b in profiles]
     model = peak_model(keep_all, block_gradients, memory, transient)
     if model.total_bytes <= budget_bytes:  # nothing to recompute: the knapsack's rounded grid could miss it
         return keep_all, model
-    choices = budget_plan(profiles, total, caps, budget_bytes - memory.forward_bytes, transient)
+    choices = budget_plan(profiles, total, caps, budget_bytes - memory.forward_bytes, transient, own)
     choices = _less_recompute(profiles, choices, budget_bytes, memory, block_gradients)
     model = peak_model(choices, block_gradients, memory, transient)
     assert model.total_bytes <= budget_bytes, (model, budget_bytes)  # the caps are the model's constraints

@@ -40,6 +40,8 @@ class BlockChoice:
     backward_transient_bytes: int | None = None
     """Its backward's high mark less saved_bytes: what it recomputes and the gradients in flight; None: not
     measured (peak.py then reserves one constant transient for every block)."""
+    grad_share: float = 1.0
+    """Of the block's weight gradients, the share made by its backward's high mark (held.py)."""
 
 
 def cost(profile: BlockProfile, save_ops: tuple[str, ...] | None) -> tuple[int, int]:
@@ -63,7 +65,7 @@ def choose(profile: BlockProfile, option: str, save_ops: tuple[str, ...] | None,
         return BlockChoice(profile.path, option, save_ops, *cost(profile, save_ops), None, transient)
     saved, flops = cost(profile, save_ops)
     return BlockChoice(profile.path, option, save_ops, saved, flops, held.forward_peak_bytes,
-                       max(held.backward_peak_bytes - saved, 0))
+                       max(held.backward_peak_bytes - saved, 0), held.grad_share)
 
 
 def _matches(name: str, save_ops: tuple[str, ...]) -> bool:
@@ -93,11 +95,13 @@ def explicit_plan(profiles: list[BlockProfile], save_ops: tuple[str, ...],
 
 
 def budget_plan(profiles: list[BlockProfile], budget_bytes: int, prefix_caps: list[int] | None = None,
-                forward_cap: int | None = None, transient: int | None = None) -> list[BlockChoice]:
+                forward_cap: int | None = None, transient: int | None = None,
+                own_gradients: list[int] | None = None) -> list[BlockChoice]:
     """The choices with the least recomputed FLOPs whose saved bytes sum to at most `budget_bytes`; with
     prefix_caps (the backward's walk, peak.py), those of blocks 0..i with block i's backward transient to at
     most prefix_caps[i]; with forward_cap, those of blocks 0..i-1 with block i's forward high mark to at most
-    it. transient: the backward transient of unmeasured (hand-made) profiles."""
+    it. transient: the backward transient of unmeasured (hand-made) profiles; own_gradients[i]: block i's
+    weight gradients, made during its backward (its choice's grad_share of them at its high mark)."""
     options = [[choose(b, name, ops, transient) for name, ops in OPTIONS.items()] for b in profiles]
     least = sum(min(c.saved_bytes for c in opts) for opts in options)
     if least > budget_bytes:
@@ -109,12 +113,13 @@ def budget_plan(profiles: list[BlockProfile], budget_bytes: int, prefix_caps: li
     # the walk's caps hold the block's transient besides the saved units: not clipped to the total's slots
     caps = [None] * len(profiles) if prefix_caps is None else [c // unit for c in prefix_caps]
     best: dict[int, tuple[int, list[BlockChoice]]] = {0: (0, [])}  # used units -> (flops, choices)
-    for opts, cap in zip(options, caps, strict=True):
+    own = own_gradients or [0] * len(profiles)
+    for opts, cap, grads in zip(options, caps, own, strict=True):
         nxt: dict[int, tuple[int, list[BlockChoice]]] = {}
         for used, (flops, chosen) in best.items():
             for c in opts:
                 u = used + math.ceil(c.saved_bytes / unit)
-                if u > slots or not _fits(c, used, u, cap, unit, forward_cap):
+                if u > slots or not _fits(c, used, u, cap, unit, forward_cap, grads):
                     continue
                 if u not in nxt or flops + c.recomputed_flops < nxt[u][0]:
                     nxt[u] = (flops + c.recomputed_flops, chosen + [c])
@@ -125,9 +130,11 @@ def budget_plan(profiles: list[BlockProfile], budget_bytes: int, prefix_caps: li
     return min(best.values(), key=lambda v: v[0])[1]
 
 
-def _fits(c: BlockChoice, used: int, u: int, cap: int | None, unit: int, forward_cap: int | None) -> bool:
+def _fits(c: BlockChoice, used: int, u: int, cap: int | None, unit: int, forward_cap: int | None,
+          grads: int) -> bool:
     """Block c's walk and forward constraints with `used` units saved before it and `u` through it."""
-    if cap is not None and u + math.ceil((c.backward_transient_bytes or 0) / unit) > cap:
+    backward = (c.backward_transient_bytes or 0) + math.ceil(c.grad_share * grads)
+    if cap is not None and u + math.ceil(backward / unit) > cap:
         return False
     if forward_cap is not None and c.forward_peak_bytes is not None:
         return used + math.ceil(c.forward_peak_bytes / unit) <= forward_cap // unit
