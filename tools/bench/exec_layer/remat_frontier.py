@@ -219,11 +219,14 @@ def remat_check(point: Point, r: dict, results: dict[str, dict]) -> str:
     against = (f"{r['tokens_per_s'] / fitting[best]:.3f}x {best} (best existing <= {level:g} GiB)" if best
                else f"no existing mode measured <= {level:g} GiB")
     plan = r.get("plan") or {}
-    options = sorted({b["option"] for b in plan.get("blocks", [])})
+    counts: dict[str, int] = {}
+    for b in plan.get("blocks", []):
+        counts[b["option"]] = counts.get(b["option"], 0) + 1
     planned = plan.get("planned_total_bytes")
-    planned = f", planned {_gib(planned / GIB).strip()}" if planned else ""
+    planned = (f", planned {_gib(planned / GIB).strip()} (measured {r['memory_gib'] - planned / GIB:+.2f} GiB from it)"
+               if planned else "")
     return (f"peak {'<=' if r['memory_gib'] <= level else '>'} budget{planned}; {against}; "
-            f"plan {'/'.join(options) or '?'}")
+            f"plan {', '.join(f'{n} {o}' for o, n in sorted(counts.items())) or '?'}")
 
 
 def print_largest_batches(rows: list[tuple[int, dict[str, dict]]]) -> None:

@@ -94,24 +94,40 @@ def peak_model(choices: list[BlockChoice], block_gradients: list[int], memory: S
                transient: int = 0) -> PeakModel:
     """The plan's high marks; block_gradients[i]: the gradient bytes of block i's parameters. Each choice's
     own transients where measured, else the constant `transient`."""
-    grads = [0] * len(choices) if memory.gradients_persist else block_gradients
     outside = memory.gradient_bytes - sum(block_gradients)
-    saved = [c.saved_bytes for c in choices]
-    alive, made, backward = sum(saved), memory.early_gradients(outside), 0
-    forward = memory.forward_bytes + alive + memory.forward_reserve(transient, outside)
-    before = 0
-    for c, nbytes in zip(choices, saved, strict=True):  # each block's forward on top of the blocks before it
-        if c.forward_peak_bytes is not None:
-            forward = max(forward, memory.forward_bytes + before + c.forward_peak_bytes)
-        before += nbytes
+    alive = sum(c.saved_bytes for c in choices)
+    forward = max([memory.forward_bytes + alive + memory.forward_reserve(transient, outside),
+                   *(f for f in forward_walk(choices, memory) if f is not None)])
+    backward = max(backward_walk(choices, block_gradients, memory, transient), default=0)
+    return PeakModel(forward, backward, memory.end_of_backward_bytes)
+
+
+def forward_walk(choices: list[BlockChoice], memory: StaticMemory) -> list[int | None]:
+    """Per block, the high mark of its forward: the state, the blocks before it saved, its own high mark
+    (None: not measured)."""
+    marks, before = [], 0
+    for c in choices:
+        marks.append(None if c.forward_peak_bytes is None else memory.forward_bytes + before + c.forward_peak_bytes)
+        before += c.saved_bytes
+    return marks
+
+
+def backward_walk(choices: list[BlockChoice], block_gradients: list[int], memory: StaticMemory,
+                  transient: int = 0) -> list[int]:
+    """Per block, the high mark of its backward: the state, the gradients made by then (the head's, the later
+    blocks', its own share), what it and the blocks before it saved, and its transient."""
+    grads = [0] * len(choices) if memory.gradients_persist else block_gradients
+    made = memory.early_gradients(memory.gradient_bytes - sum(block_gradients))
+    alive = sum(c.saved_bytes for c in choices)
+    marks = [0] * len(choices)
     for i in reversed(range(len(choices))):
         own = choices[i].backward_transient_bytes
         share = 1.0 if own is None else choices[i].grad_share  # unmeasured: all its gradients at its high mark
         at_peak = made + math.ceil(share * grads[i])
-        backward = max(backward, memory.forward_bytes + at_peak + alive + (transient if own is None else own))
+        marks[i] = memory.forward_bytes + at_peak + alive + (transient if own is None else own)
         made += grads[i]
-        alive -= saved[i]
-    return PeakModel(forward, backward, memory.end_of_backward_bytes)
+        alive -= choices[i].saved_bytes
+    return marks
 
 
 def backward_floor(profiles: list[BlockProfile], memory: StaticMemory) -> int:
