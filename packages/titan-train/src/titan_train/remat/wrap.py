@@ -13,7 +13,7 @@ from functools import partial
 
 import torch.nn as nn
 
-from .ops import op_name
+from .ops import ATTENTION_OPS, op_name
 
 
 def _save_policy(save_ops: tuple[str, ...], ctx, op, *args, **kwargs):
@@ -21,6 +21,9 @@ def _save_policy(save_ops: tuple[str, ...], ctx, op, *args, **kwargs):
 
     name = op_name(op)
     if name in save_ops or ("flex_attention" in name and "flex_attention" in save_ops):
+        return CheckpointPolicy.MUST_SAVE
+    # the planner's meta stand-in for a fused attention kernel (saved.py) is saved where any attention op is
+    if name == "fused_attention" and any(a in save_ops for a in ATTENTION_OPS):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
