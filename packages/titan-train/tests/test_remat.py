@@ -96,22 +96,25 @@ def test_save_blocks_keep_whole_blocks(tmp_path, jobs, plain_counts):
 ACCUMULATE = {"training.grad_accum_steps": "2", "training.batch_size": "8"}  # the same 4-row microbatch
 
 
-# 0.0344 GiB with two microbatches: the 28332032 bytes (0.02639 GiB) of weights, gradients (kept across
-# microbatches) and moments + one block's transient (what a kept block saves, 8001536 bytes: see
-# test_remat_saved.py) + the two blocks' inputs (2 x 262144) = 36857856 bytes (0.034327 GiB) only; a block saving its
-# attention would need its output and log-sum-exp too, 266240 bytes (to 0.034575 GiB). (Without accumulation no
-# budget gives all-recompute here: the backward's walk at the first block, holding every gradient, sets the
+# 0.0358 GiB with two microbatches: the 28332032 bytes (0.02639 GiB) of weights, gradients (kept across
+# microbatches) and moments + the first block's input (262144) + the last block's backward high mark: 9836544 bytes
+# under every option here (held.py: its saved bytes and what its backward recomputes and holds in flight) =
+# 38430720 bytes (0.035791 GiB); the first block must recompute (its backward peaks at that too, any more saved
+# before the last block's does not fit), the last saves its attention (the least recomputation with that peak:
+# keeping it whole would hold 8001536 more at the forward's end with the loss's buffers). (Without accumulation
+# no budget gives all-recompute here: the backward's walk at the first block, holding every gradient, sets the
 # floor, and the last block then has room to save.)
-@pytest.mark.parametrize("budget_gib, option, overrides", [(0.0344, "recompute", ACCUMULATE), (1.0, "keep", {})])
-def test_budget_plan_in_the_trainer(tmp_path, jobs, plain_counts, budget_gib, option, overrides):
+@pytest.mark.parametrize("budget_gib, options, overrides", [(0.0358, ["recompute", "save_attention"], ACCUMULATE),
+                                                            (1.0, ["keep", "keep"], {})])
+def test_budget_plan_in_the_trainer(tmp_path, jobs, plain_counts, budget_gib, options, overrides):
     trainer = tiny_trainer(jobs, tmp_path, **{"activation_checkpoint.mode": "remat",
                                               "activation_checkpoint.memory_budget_gib": str(budget_gib), **overrides})
     report = json.loads((tmp_path / "remat_plan.json").read_text())
     assert report["planned_total_bytes"] <= budget_gib * GIB
-    assert {b["option"] for b in report["blocks"]} == {option}
+    assert [b["option"] for b in report["blocks"]] == options
     counts = backward_ops(trainer)
-    # every block's forward products again (but the last, see above), or nothing
-    extra = 2 * (plain_counts["forward_mm_per_block"] - 1) if option == "recompute" else 0
+    # each checkpointed block's forward products again (but the last, see above), or nothing
+    extra = sum(o != "keep" for o in options) * (plain_counts["forward_mm_per_block"] - 1)
     assert counts["mm"] == plain_counts["mm"] + extra
 
 
@@ -148,14 +151,15 @@ def _budget_report(jobs, folder, budget_gib: float, **overrides) -> dict:
 
 def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
     """The same microbatch (4 rows) and budget: without accumulation the gradients (None through the forward)
-    leave room to keep both blocks; with two microbatches they persist and a block recomputes. 0.047 GiB lies
-    between the two keep-everything peaks: one microbatch's backward at the last block, 48795648 bytes (0.04544
+    leave room to keep both blocks; with two microbatches they persist and a block recomputes. 0.042 GiB lies
+    between the two keep-everything peaks: one microbatch's backward at the last block, 40267776 bytes (0.03750
     GiB: 21249024 of weights and moments + the output head's and final norm's gradients, 394240 (the
-    embedding's comes after the blocks) + the last block's 3147776 + both kept blocks, 2 x 8001536, + one block's
-    transient, 8001536), and two microbatches' forward, 52336640 (0.04874 GiB: 28332032 with the gradients + 3 x
-    8001536)."""
-    single = _budget_report(jobs, tmp_path / "one", 0.047)
-    accumulated = _budget_report(jobs, tmp_path / "two", 0.047, **ACCUMULATE)
+    embedding's comes after the blocks) + the quarter of the last block's 3147776 made by its backward's high
+    mark + both kept blocks, 2 x 8001536, + the last block's backward transient as kept, 1835008, held.py), and
+    two microbatches' forward end, 46563328 (0.04337 GiB: 28332032 with the gradients + 2 x 8001536 + the
+    loss's buffers, 2228224)."""
+    single = _budget_report(jobs, tmp_path / "one", 0.042)
+    accumulated = _budget_report(jobs, tmp_path / "two", 0.042, **ACCUMULATE)
     assert not single["gradients_persist"] and accumulated["gradients_persist"]
     assert single["gradient_bytes"] == accumulated["gradient_bytes"] > 0
     assert accumulated["forward_static_bytes"] == single["forward_static_bytes"] + single["gradient_bytes"]
@@ -170,13 +174,13 @@ def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
 
 def test_budget_below_weights_moments_and_gradients_is_refused(tmp_path, jobs):
     """0.023 GiB holds the weights and moments (0.0198) but not them with the gradients (0.0264), which all
-    exist at the end of the backward; 0.034 holds those but not also the first block's recomputation in the
-    backward (what it saves kept, 8001536 bytes, and its input, 262144: 36595712 bytes, 0.03408 GiB, in all),
-    with or without gradient accumulation."""
+    exist at the end of the backward; 0.034 holds those but not also the first block's backward under its
+    cheapest option (its high mark, held.py: 9836544 bytes, as kept or recomputed: 38168576 bytes, 0.03555 GiB,
+    in all), with or without gradient accumulation."""
     for folder, budget, overrides in (("a", "0.023", {}), ("b", "0.034", {}), ("c", "0.034", ACCUMULATE)):
         with pytest.raises(ValueError, match=rf"memory_budget_gib={budget}0 does not hold the weights, gradients "
                                              r"and AdamW moments the backward ends with, 28332032 bytes .* with the "
-                                             r"first block's recomputation: 36595712 bytes"):
+                                             r"first block's recomputation: 38168576 bytes"):
             tiny_trainer(jobs, tmp_path / folder, **{"activation_checkpoint.mode": "remat",
                                                      "activation_checkpoint.memory_budget_gib": budget, **overrides})
 

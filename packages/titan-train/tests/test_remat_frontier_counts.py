@@ -64,7 +64,7 @@ def test_the_planner_model_is_the_planners():
     from titan_train.memory_estimate import remat_static_memory
     from titan_train.remat import profile_blocks
     from titan_train.remat.apply import block_gradients
-    from titan_train.remat.peak import backward_floor, block_transient
+    from titan_train.remat.peak import backward_floor
 
     args = remat_frontier.parse_args([])
     flags, shape = remat_frontier.model_setup(args)
@@ -78,8 +78,10 @@ def test_the_planner_model_is_the_planners():
     assert memory.forward_bytes == shape.parameters * shape.forward_state_bytes  # 10 B/param: no gradients
     assert memory.gradient_bytes == shape.parameters * shape.grad_bytes
     profiles = profile_blocks(model, rows=2, seq_len=4096, dtype=torch.bfloat16, compiled=True)
-    transient, grads = block_transient(profiles), block_gradients(model, memory.gradient_bytes)
-    assert transient == shape.planner_keep_bytes(tokens)
+    grads = block_gradients(model, memory.gradient_bytes)
+    assert profiles[-1].saved_bytes == shape.planner_keep_bytes(tokens)
+    transient = profiles[-1].held[None].backward_peak_bytes - profiles[-1].saved_bytes  # the last block's, kept
+    assert transient == shape.planner_keep_transient_bytes(tokens) > 0
     # the embedding's gradient comes after the blocks'; the loss's 2048 x 128256 bf16 logits (the Triton kernel
     # writes their gradient over them) are freed before the head's gradient is made
     assert memory.late_gradient_bytes == 128256 * 4096 * 2 and memory.loss_chunk_bytes == 2048 * 128256 * 2

@@ -11,7 +11,7 @@ block, measured there through saved-tensor hooks), extended to the checkpointing
             when little is saved (full checkpointing);
   remat     activation_checkpoint.memory_budget_gib is a TOTAL: the planner (titan_train/remat/peak.py) keeps
             the saved activations it plans (in its profile's bytes) under budget - state - its reserve at the
-            backward's start (the largest of one block's keep bytes with the head's and the last block's
+            backward's start (the largest of the last block's backward transient, kept, with the head's and its
             gradients, its count of the loss buffers at the last chunk, and those less the chunk with the
             head's gradients; the embedding's gradient comes after the blocks', and the gradients are None
             through the forward), so its peak is counted as state + that much + loss + other, no
@@ -54,8 +54,19 @@ class Shape:
     """A block's keep bytes as the remat planner's profile counts them (what a compiled block saves for its
     backward): fixed + per token (remat_frontier.model_setup measures both with titan_train.remat.profile_blocks)."""
 
+    planner_keep_transient_bytes_per_token: int = 0
+    planner_keep_transient_fixed_bytes: int = 0
+    """A kept block's backward transient as the planner measures it (held.py: its backward's high mark less
+    what it saved)."""
+    planner_floor_block_bytes_per_token: int = 0
+    planner_floor_block_fixed_bytes: int = 0
+    """The first block's least backward high mark over the options: what the planner's floor adds to the state."""
+
     def planner_keep_bytes(self, tokens: int) -> int:
         return self.planner_keep_fixed_bytes + tokens * self.planner_keep_bytes_per_token
+
+    def planner_keep_transient_bytes(self, tokens: int) -> int:
+        return self.planner_keep_transient_fixed_bytes + tokens * self.planner_keep_transient_bytes_per_token
 
     @property
     def kv(self) -> int:
@@ -78,8 +89,9 @@ class Shape:
 
     def planner_floor_bytes(self, tokens: int) -> int:
         """The least budget the planner accepts (remat/peak.py backward_floor): the end of the backward + the
-        first block's keep bytes and input."""
-        return self.planner_static_bytes + self.planner_keep_bytes(tokens) + tokens * self.dim * self.value_bytes
+        first block's backward high mark under its cheapest option."""
+        return (self.planner_static_bytes + self.planner_floor_block_fixed_bytes
+                + tokens * self.planner_floor_block_bytes_per_token)
 
     def planner_reserve_bytes(self, tokens: int) -> int:
         """What the planner holds back from budget - forward state for the backward's start (peak.py peak_plan,
@@ -88,8 +100,8 @@ class Shape:
         early = (self.parameters - self.layers * self.block_parameters - self.vocab * self.dim) * self.grad_bytes
         chunk = min(self.loss_chunk, tokens) * self.vocab * self.loss_logit_bytes
         loss = chunk + self.vocab * self.dim * self.loss_weight_grad_bytes + tokens * self.dim * (2 * self.value_bytes + 8)
-        keep = self.planner_keep_bytes(tokens)
-        return max(keep + early + self.block_parameters * self.grad_bytes, loss, loss - chunk + early)
+        transient = self.planner_keep_transient_bytes(tokens)  # the last block's, kept
+        return max(transient + early + self.block_parameters * self.grad_bytes, loss, loss - chunk + early)
 
 
 def _per_token_layer(shape: Shape, saved: str) -> int:

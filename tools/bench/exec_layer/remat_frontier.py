@@ -107,18 +107,32 @@ def model_setup(args) -> tuple[list[str], Shape]:
 
 
 def _planner_keep(cfg, seq_len: int, dtype, compiled: bool = False) -> dict[str, int]:
-    """One block's keep bytes as the remat planner profiles them (on meta: no memory, no compute; what autograd
-    saves, compiled: as a compiled block), as a fixed part (the weight concatenations its products save) + a
-    part per token: profiled at one and two rows."""
+    """One block as the remat planner profiles it (on meta: no memory, no compute; held.py), each figure as a
+    fixed part (the weight concatenations a kept block's products save) + a part per token, profiled at one and
+    two rows: a kept block's saved bytes (compiled: as a compiled block) and backward transient, and the first
+    block's least backward high mark over the options (the planner's floor; compiled, only keep's saved bytes
+    are the compiled block's: the 8B's floor is keep's, and one compile a row count is ~7 s, not four)."""
     import titan_models
     from titan_train.remat import profile_blocks
-    from titan_train.remat.plan import cost
+    from titan_train.remat.plan import OPTIONS, choose
 
     with torch.device("meta"):
         model = titan_models.transforms.num_layers(1)(cfg).build()
-    one, two = (cost(profile_blocks(model, rows=r, seq_len=seq_len, dtype=dtype, compiled=compiled)[0], None)[0]
-                for r in (1, 2))
-    return {"planner_keep_bytes_per_token": (two - one) // seq_len, "planner_keep_fixed_bytes": 2 * one - two}
+    figures = {}
+    for rows in (1, 2):
+        eager = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=dtype)[0]
+        if compiled:
+            eager.held[None] = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=dtype, compiled=True,
+                                              only=(None,))[0].held[None]
+        keep = choose(eager, "keep", None)
+        floor = min(c.saved_bytes + c.backward_transient_bytes for c in (choose(eager, n, o) for n, o in OPTIONS.items()))
+        figures[rows] = (keep.saved_bytes, keep.backward_transient_bytes, floor)
+    names = ("keep", "keep_transient", "floor_block")
+    out = {}
+    for name, one, two in zip(names, figures[1], figures[2], strict=True):
+        out[f"planner_{name}_bytes_per_token"] = (two - one) // seq_len
+        out[f"planner_{name}_fixed_bytes"] = 2 * one - two
+    return out
 
 
 def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
@@ -205,11 +219,14 @@ def remat_check(point: Point, r: dict, results: dict[str, dict]) -> str:
     against = (f"{r['tokens_per_s'] / fitting[best]:.3f}x {best} (best existing <= {level:g} GiB)" if best
                else f"no existing mode measured <= {level:g} GiB")
     plan = r.get("plan") or {}
-    options = sorted({b["option"] for b in plan.get("blocks", [])})
+    counts: dict[str, int] = {}
+    for b in plan.get("blocks", []):
+        counts[b["option"]] = counts.get(b["option"], 0) + 1
     planned = plan.get("planned_total_bytes")
-    planned = f", planned {_gib(planned / GIB).strip()}" if planned else ""
+    planned = (f", planned {_gib(planned / GIB).strip()} (measured {r['memory_gib'] - planned / GIB:+.2f} GiB from it)"
+               if planned else "")
     return (f"peak {'<=' if r['memory_gib'] <= level else '>'} budget{planned}; {against}; "
-            f"plan {'/'.join(options) or '?'}")
+            f"plan {', '.join(f'{n} {o}' for o, n in sorted(counts.items())) or '?'}")
 
 
 def print_largest_batches(rows: list[tuple[int, dict[str, dict]]]) -> None:
@@ -233,8 +250,9 @@ def main(argv=None) -> int:
           f"{n * shape.forward_state_bytes / GIB:.2f} GiB through the forward ({shape.forward_state_bytes} B/param) + "
           f"{n * shape.grad_bytes / GIB:.2f} GiB gradients = {shape.planner_static_bytes / GIB:.2f} GiB at the end of "
           "the backward; the remat planner counts the gradients from the backward on (None through the forward) "
-          f"and reserves one block's keep bytes ({shape.planner_keep_bytes_per_token} B/token + "
-          f"{shape.planner_keep_fixed_bytes / GIB:.3f} GiB); capacity "
+          f"and prices a kept block at {shape.planner_keep_bytes_per_token} B/token + "
+          f"{shape.planner_keep_fixed_bytes / GIB:.3f} GiB, its backward transient at "
+          f"{shape.planner_keep_transient_bytes_per_token} B/token; capacity "
           f"{args.capacity:g} GiB", flush=True)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):

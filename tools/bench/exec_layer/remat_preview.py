@@ -27,10 +27,10 @@ def main(argv=None) -> int:
     import titan_models
     from titan_train.cli import parse_args as train_args
     from titan_train.memory_estimate import remat_static_memory
-    from titan_train.remat import BlockChoice, peak_model, peak_plan, profile_blocks
+    from titan_train.remat import peak_model, peak_plan, profile_blocks
     from titan_train.remat.apply import block_gradients
     from titan_train.remat.peak import block_transient
-    from titan_train.remat.plan import GIB, OPTIONS, cost
+    from titan_train.remat.plan import GIB, OPTIONS, choose
 
     args = parse_args(rest)
     flags, shape = model_setup(args)
@@ -46,11 +46,14 @@ def main(argv=None) -> int:
     every_op = sum(op.bytes for op in profiles[0].ops)
     print(f"a kept block saves {profiles[0].saved_bytes / GIB:.3f} GiB (every op's output: {every_op / GIB:.3f})")
     for name, ops in OPTIONS.items():  # every block alike: keep ~ mode none, recompute ~ full
-        uniform = [BlockChoice(b.path, name, ops, *cost(b, ops)) for b in profiles]
+        uniform = [choose(b, name, ops) for b in profiles]
         print(f"every block {name}: predicted {peak_model(uniform, grads, memory, transient).total_bytes / GIB:.2f} "
               "GiB", flush=True)
     levels = ([float(b) for b in own.budgets.split(",")] if own.budgets else
               [pt.budget_gib for pt in plan_points(shape, tokens, args) if pt.budget_gib is not None])
+    print("block 0 per option (GiB): " + "; ".join(
+        f"{n} saved {c.saved_bytes / GIB:.3f} fwd {c.forward_peak_bytes / GIB:.3f} bwd +{c.backward_transient_bytes / GIB:.3f}"
+        for n, c in ((n, choose(profiles[0], n, o)) for n, o in OPTIONS.items())))
     for level in levels:
         choices, model_peak = peak_plan(profiles, int(level * GIB), memory, grads)
         options = ", ".join(f"{n} {o}" for o, n in Counter(c.option for c in choices).items())

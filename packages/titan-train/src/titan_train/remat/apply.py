@@ -2,28 +2,17 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ..config import ActivationCheckpointConfig
-from .measure import op_name, profile_blocks
+from .measure import profile_blocks
 from .peak import StaticMemory, block_transient, peak_model, peak_plan
-from .plan import GIB, explicit_plan
+from .plan import GIB, explicit_plan, normalize_op
 from .report import plan_report, summary_line
-
-
-def _policy(save_ops: tuple[str, ...]):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    def policy(ctx, op, *args, **kwargs):
-        name = op_name(op)
-        if name in save_ops or ("flex_attention" in name and "flex_attention" in save_ops):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
+from .wrap import wrap_block
 
 
 def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: int, seq_len: int,
@@ -32,10 +21,9 @@ def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: i
     """Plan (explicit lists or the budget, against peak.py's peak model), wrap the blocks, print the plan and
     write <folder>/remat_plan.json (folder None: not this rank's job); returns the plan's report. compiled: the
     blocks will be compiled whole (a kept block then saves what the compiled graph does, measure.py)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype, compiled=compiled)
+    explicit = () if config.memory_budget_gib else (tuple(normalize_op(o) for o in config.save_ops),)
+    profiles = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=activation_dtype, compiled=compiled,
+                              extra_options=explicit)
     gradients = block_gradients(model, memory.gradient_bytes)
     budget = None
     if config.memory_budget_gib:
@@ -48,13 +36,8 @@ def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: i
         name = choice.path.removeprefix("layers.")
         if choice.save_ops is None:
             continue
-        block = model.layers[name]
-        if choice.save_ops:
-            context = partial(create_selective_checkpoint_contexts, _policy(choice.save_ops))
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
-        else:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-    report = plan_report(choices, memory=memory, peak=peak, transient_bytes=block_transient(profiles),
+        model.layers[name] = wrap_block(model.layers[name], choice.save_ops)
+    report = plan_report(choices, profiles, memory=memory, peak=peak, transient_bytes=block_transient(profiles),
                          budget_bytes=budget)
     if folder is not None:
         print(summary_line(report), flush=True)

@@ -1,12 +1,13 @@
 """What each block's forward allocates and computes, op by op: the planner's inputs.
 
-The forward runs on a meta copy of the model (no memory, no compute), once under a dispatch mode that
-records, per block, each op's output bytes and FLOPs (torch.utils.flop_counter's formulas for matmuls and
-attention, one FLOP per output element for the rest; an op whose output aliases an input, a view, adds no
-bytes), and once with gradients on, counting the tensors autograd saves (saved.py): a kept block's bytes.
-Every op's output would overcount those 2.6x for Llama 3 8B (3.68 GiB a block against 1.41 compiled):
-most outputs are freed, not saved. MoE routing counts are data on meta: the planner assumes balanced
-experts (each gets its share of the rows).
+The forward runs on a meta copy of the model (no memory, no compute) under a dispatch mode that records,
+per block, each op's output bytes and FLOPs (torch.utils.flop_counter's formulas for matmuls and attention,
+one FLOP per output element for the rest; an op whose output aliases an input, a view, adds no bytes): the
+FLOPs an option recomputes. Its bytes, for every option alike, are what the block holds for its backward when
+run under that option's checkpoint and policy, and its high marks (held.py). Pricing options by the listed
+ops' outputs instead (issue 20) is a different basis from what autograd saves: kept blocks were counted one
+way, checkpointed ones another. MoE routing counts are data on meta: the planner assumes balanced experts
+(each gets its share of the rows).
 """
 from __future__ import annotations
 
@@ -20,13 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from .saved import saved_block_bytes
-
-# The ops whose outputs are worth keeping: products and attention (recomputing them costs most).
-MATMUL_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm")
-ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                 "flex_attention")
+from .held import BlockCall, Held, block_signature, held_options
+from .ops import ATTENTION_OPS, MATMUL_OPS, op_name  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -44,7 +40,10 @@ class BlockProfile:
     input_bytes: int
     ops: list[OpRecord] = field(default_factory=list)
     saved_bytes: int | None = None
-    """What autograd saves when the block is kept (saved.py); None (hand-made profiles): every op output."""
+    """What autograd saves when the block is kept (held.py); None (hand-made profiles): every op output."""
+    held: dict[tuple[str, ...] | None, Held] = field(default_factory=dict)
+    """Per option's save_ops (None: kept, (): recomputed), what the block holds and its high marks (held.py);
+    empty (hand-made profiles): the listed ops' outputs, and one constant transient (peak.py)."""
 
     @property
     def forward_flops(self) -> int:
@@ -53,10 +52,6 @@ class BlockProfile:
     @property
     def keep_bytes(self) -> int:
         return sum(op.bytes for op in self.ops) if self.saved_bytes is None else self.saved_bytes
-
-
-def op_name(func) -> str:
-    return func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else str(func)
 
 
 def _bytes(tree) -> int:
@@ -131,25 +126,31 @@ class _Attention(TorchFunctionMode):
         return out
 
 
-def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dtype,
-                   compiled: bool = False) -> list[BlockProfile]:
-    """Per-block op records and saved bytes of one forward over a [rows, seq_len] microbatch in `dtype`
-    activations; compiled: the blocks will run compiled (compile.mode=blocks), so their saved bytes are a
-    compiled block's (saved.py; MoE models are counted eager: their routing counts are data)."""
+def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dtype, compiled: bool = False,
+                   extra_options: tuple[tuple[str, ...], ...] = (),
+                   only: tuple[tuple[str, ...] | None, ...] | None = None) -> list[BlockProfile]:
+    """Per-block op records and, per option (plan.OPTIONS and `extra_options`, explicit save lists), what the
+    block holds (held.py) over a [rows, seq_len] microbatch in `dtype` activations; compiled: the blocks will
+    run compiled (compile.mode=blocks), so what they save is a compiled block's (MoE models are counted eager:
+    their routing counts are data). only: measure just these options' save_ops (a bench's quick look)."""
+    from .plan import OPTIONS
+
     meta = model if next(model.parameters()).is_meta else copy.deepcopy(model)
     meta = meta.to(device="meta", dtype=dtype) if not next(meta.parameters()).is_meta else meta.to(dtype=dtype)
     moe = getattr(meta.config, "moe", None)
     tokens_per_expert = rows * seq_len * moe.top_k // moe.num_experts if moe is not None else 0
     recorder = _Recorder(tokens_per_expert)
     profiles: list[BlockProfile] = []
+    calls: list[BlockCall] = []
 
     def enter(name):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             profiles.append(BlockProfile(f"layers.{name}", _bytes(args[0])))
+            calls.append(BlockCall(args[0].shape, args[0].dtype, args[1:], kwargs))
             recorder.current = profiles[-1]
         return hook
 
-    handles = [block.register_forward_pre_hook(enter(name)) for name, block in meta.layers.items()]
+    handles = [block.register_forward_pre_hook(enter(name), with_kwargs=True) for name, block in meta.layers.items()]
     handles += [block.register_forward_hook(lambda *_: setattr(recorder, "current", None))
                 for block in meta.layers.values()]
     tokens = torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
@@ -159,11 +160,13 @@ def profile_blocks(model: nn.Module, *, rows: int, seq_len: int, dtype: torch.dt
     finally:
         for handle in handles:
             handle.remove()
-    if moe is not None or not compiled:
-        with recorder:  # recording nothing (current is None): MoE's counts still balanced
-            saved = saved_block_bytes(meta, lambda: meta.hidden_states(tokens), compiled=False)
-    else:
-        saved = saved_block_bytes(meta, lambda: meta.hidden_states(tokens), compiled=True)
-    for profile, nbytes in zip(profiles, saved, strict=True):
-        profile.saved_bytes = nbytes
+    options = {ops: ops for ops in (only if only is not None else (*OPTIONS.values(), *extra_options))}
+    measured: dict[tuple, dict] = {}
+    for profile, block, call in zip(profiles, meta.layers.values(), calls, strict=True):
+        signature = block_signature(block, call)
+        if signature not in measured:
+            measured[signature] = held_options(block, call, options, compiled=compiled and moe is None,
+                                               balanced_rows=tokens_per_expert)
+        profile.held = measured[signature]
+        profile.saved_bytes = profile.held[None].saved_bytes
     return profiles

@@ -13,20 +13,26 @@ saved activations are freed, last block first. So the step's high mark is the la
   end       forward_bytes + every gradient: what the clip and the optimizer step start from.
 With accumulation (grad_accum_steps > 1) the gradients persist across microbatches: forward_bytes holds
 them and the backward adds none. No plan fits below the backward's walk at the first block: the end of the
-backward's weights, moments and gradients with that block's transient and input.
+backward's weights, moments and gradients with that block's saved bytes and backward transient under its
+cheapest option.
 
-One block's transient is the largest block's keep bytes (what autograd saves when the block is kept,
-measure.py: what a recomputation re-materialises for the block's backward, and the working set its backward
-frees as it goes), whatever option each block takes. Each
-point of the walk caps the saved bytes of blocks 0..i, which the knapsack (plan.budget_plan) keeps to: the
-walk may peak inside when blocks saving more than their gradients come before blocks saving less.
+Each block's transients are its own, for the option it takes (held.py, measured under that option): in the
+forward, its high mark on top of the blocks before it (checked at every block, not only at the end); in the
+backward, its high mark less what it saved (what a checkpoint recomputes for it and the gradients in flight),
+at its point of the walk, with the share of its weights' gradients made by then (held.py). So a recomputed
+block next to kept ones is charged its recomputation, not one kept block's bytes. Hand-made profiles (no
+measurement) take one constant transient for every block: the largest block's keep bytes. Each point of the
+walk caps the saved bytes of blocks 0..i with that block's transient, which the knapsack (plan.budget_plan)
+keeps to: the walk may peak inside when blocks saving more than their gradients come before blocks saving
+less.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .measure import BlockProfile
-from .plan import GIB, OPTIONS, BlockChoice, budget_plan, cost
+from .plan import GIB, OPTIONS, BlockChoice, budget_plan, choose, cost
 
 
 @dataclass(frozen=True)
@@ -77,31 +83,62 @@ class PeakModel:
 
 
 def block_transient(profiles: list[BlockProfile]) -> int:
-    """The backward headroom: the largest block's keep bytes (see the module docstring)."""
+    """The constant backward headroom of unmeasured profiles: the largest block's keep bytes; 0 when every
+    profile is measured (each choice then carries its own, held.py)."""
+    if all(b.held for b in profiles):
+        return 0
     return max((cost(b, None)[0] for b in profiles), default=0)
 
 
 def peak_model(choices: list[BlockChoice], block_gradients: list[int], memory: StaticMemory,
-               transient: int) -> PeakModel:
-    """The plan's high marks; block_gradients[i]: the gradient bytes of block i's parameters."""
-    grads = [0] * len(choices) if memory.gradients_persist else block_gradients
+               transient: int = 0) -> PeakModel:
+    """The plan's high marks; block_gradients[i]: the gradient bytes of block i's parameters. Each choice's
+    own transients where measured, else the constant `transient`."""
     outside = memory.gradient_bytes - sum(block_gradients)
-    saved = [c.saved_bytes for c in choices]
-    alive, made, backward = sum(saved), memory.early_gradients(outside), 0
-    forward = memory.forward_bytes + alive + memory.forward_reserve(transient, outside)
-    for i in reversed(range(len(choices))):
-        made += grads[i]
-        backward = max(backward, memory.forward_bytes + made + alive + transient)
-        alive -= saved[i]
+    alive = sum(c.saved_bytes for c in choices)
+    forward = max([memory.forward_bytes + alive + memory.forward_reserve(transient, outside),
+                   *(f for f in forward_walk(choices, memory) if f is not None)])
+    backward = max(backward_walk(choices, block_gradients, memory, transient), default=0)
     return PeakModel(forward, backward, memory.end_of_backward_bytes)
+
+
+def forward_walk(choices: list[BlockChoice], memory: StaticMemory) -> list[int | None]:
+    """Per block, the high mark of its forward: the state, the blocks before it saved, its own high mark
+    (None: not measured)."""
+    marks, before = [], 0
+    for c in choices:
+        marks.append(None if c.forward_peak_bytes is None else memory.forward_bytes + before + c.forward_peak_bytes)
+        before += c.saved_bytes
+    return marks
+
+
+def backward_walk(choices: list[BlockChoice], block_gradients: list[int], memory: StaticMemory,
+                  transient: int = 0) -> list[int]:
+    """Per block, the high mark of its backward: the state, the gradients made by then (the head's, the later
+    blocks', its own share), what it and the blocks before it saved, and its transient."""
+    grads = [0] * len(choices) if memory.gradients_persist else block_gradients
+    made = memory.early_gradients(memory.gradient_bytes - sum(block_gradients))
+    alive = sum(c.saved_bytes for c in choices)
+    marks = [0] * len(choices)
+    for i in reversed(range(len(choices))):
+        own = choices[i].backward_transient_bytes
+        share = 1.0 if own is None else choices[i].grad_share  # unmeasured: all its gradients at its high mark
+        at_peak = made + math.ceil(share * grads[i])
+        marks[i] = memory.forward_bytes + at_peak + alive + (transient if own is None else own)
+        made += grads[i]
+        alive -= choices[i].saved_bytes
+    return marks
 
 
 def backward_floor(profiles: list[BlockProfile], memory: StaticMemory) -> int:
     """The least budget of any plan: the backward's walk at the first block, which holds every gradient but the
-    embedding's (and the later blocks' are there at the end anyway) with that block's transient and input."""
+    embedding's (and the later blocks' are there at the end anyway) with that block's saved bytes and backward
+    transient, under its cheapest option."""
     if not profiles:
         return memory.end_of_backward_bytes
-    return memory.end_of_backward_bytes + block_transient(profiles) + cost(profiles[0], ())[0]
+    transient = block_transient(profiles)
+    first = [choose(profiles[0], name, ops, transient) for name, ops in OPTIONS.items()]
+    return memory.end_of_backward_bytes + min(c.saved_bytes + c.backward_transient_bytes for c in first)
 
 
 def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMemory,
@@ -120,15 +157,17 @@ def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMem
     persist = memory.gradients_persist
     outside = memory.gradient_bytes - sum(block_gradients)
     early = memory.early_gradients(outside)
-    later = [0 if persist else sum(block_gradients[i:]) for i in range(len(profiles))]  # made when block i runs
-    caps = [budget_bytes - memory.forward_bytes - early - g - transient for g in later]
+    own = [0] * len(profiles) if persist else list(block_gradients)
+    later = [sum(own[i + 1:]) for i in range(len(profiles))]  # made before block i's backward
+    caps = [budget_bytes - memory.forward_bytes - early - g for g in later]
     forward = budget_bytes - memory.forward_bytes - memory.forward_reserve(transient, outside)
-    total = min(caps[-1], forward) if caps else forward
-    keep_all = [BlockChoice(b.path, "keep", None, *cost(b, None)) for b in profiles]
+    total = min(caps[-1] - own[-1], forward) if caps else forward
+    keep_all = [choose(b, "keep", None, transient) for b in profiles]
     model = peak_model(keep_all, block_gradients, memory, transient)
     if model.total_bytes <= budget_bytes:  # nothing to recompute: the knapsack's rounded grid could miss it
         return keep_all, model
-    choices = _less_recompute(profiles, budget_plan(profiles, total, caps), budget_bytes, memory, block_gradients)
+    choices = budget_plan(profiles, total, caps, budget_bytes - memory.forward_bytes, transient, own)
+    choices = _less_recompute(profiles, choices, budget_bytes, memory, block_gradients)
     model = peak_model(choices, block_gradients, memory, transient)
     assert model.total_bytes <= budget_bytes, (model, budget_bytes)  # the caps are the model's constraints
     return choices, model
@@ -142,7 +181,7 @@ def _less_recompute(profiles: list[BlockProfile], choices: list[BlockChoice], bu
     transient = block_transient(profiles)
     choices = list(choices)
     for i, b in enumerate(profiles):
-        options = sorted((BlockChoice(b.path, name, ops, *cost(b, ops)) for name, ops in OPTIONS.items()),
+        options = sorted((choose(b, name, ops, transient) for name, ops in OPTIONS.items()),
                          key=lambda c: (c.recomputed_flops, c.saved_bytes))
         for c in options:
             if c.recomputed_flops >= choices[i].recomputed_flops:

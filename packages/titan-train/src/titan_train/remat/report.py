@@ -3,13 +3,30 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from .measure import BlockProfile
 from .peak import PeakModel, StaticMemory
-from .plan import GIB, BlockChoice
+from .plan import GIB, OPTIONS, BlockChoice, choose
 
 
-def plan_report(choices: list[BlockChoice], *, memory: StaticMemory, peak: PeakModel, transient_bytes: int,
-                budget_bytes: int | None) -> dict:
-    return {"blocks": [asdict(c) for c in choices], "saved_activation_bytes": sum(c.saved_bytes for c in choices),
+def option_table(profiles: list[BlockProfile], transient: int = 0) -> list[dict]:
+    """Per block, every option's bytes on the one basis the planner prices them (held.py): saved, the forward's
+    high mark, the backward's transient, and the FLOPs it recomputes."""
+    rows = []
+    for b in profiles:
+        options = {}
+        for name, ops in OPTIONS.items():
+            c = choose(b, name, ops, transient)
+            options[name] = {"saved_bytes": c.saved_bytes, "forward_peak_bytes": c.forward_peak_bytes,
+                             "backward_transient_bytes": c.backward_transient_bytes,
+                             "recomputed_flops": c.recomputed_flops}
+        rows.append({"path": b.path, "options": options})
+    return rows
+
+
+def plan_report(choices: list[BlockChoice], profiles: list[BlockProfile] | None = None, *, memory: StaticMemory,
+                peak: PeakModel, transient_bytes: int, budget_bytes: int | None) -> dict:
+    return {"blocks": [asdict(c) for c in choices], "options": option_table(profiles or [], transient_bytes),
+            "saved_activation_bytes": sum(c.saved_bytes for c in choices),
             "recomputed_flops": sum(c.recomputed_flops for c in choices),
             "forward_static_bytes": memory.forward_bytes, "gradient_bytes": memory.gradient_bytes,
             "gradients_persist": memory.gradients_persist, "loss_bytes": memory.loss_bytes,

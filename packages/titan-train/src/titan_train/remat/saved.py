@@ -1,9 +1,5 @@
-"""What a kept block really holds for its backward: the tensors autograd saves during its forward.
-
-Counted with torch.autograd.graph.saved_tensors_hooks on the planner's meta copy of the model, by storage
-(a view or an alias of a saved tensor counts once, with its whole storage, which is what stays alive), leaving
-out the parameters and buffers and the tensors every block is handed besides its input (RoPE's cos/sin):
-those live outside the blocks. Two things would make a meta forward save what the GPU run does not:
+"""What makes a meta profile of a block save what the GPU run does (held.py counts it, by storage: a view
+or an alias of a saved tensor counts once, with its whole storage, which is what stays alive):
   attention  on meta scaled_dot_product_attention takes its math path, which saves the [b, h, s, s]
              probabilities; a fused kernel (flash, cuDNN, efficient) saves q, k, v, its output and the
              log-sum-exp, so the profile routes it through an opaque op (fused_attention) saving just those;
@@ -11,17 +7,15 @@ those live outside the blocks. Two things would make a meta forward save what th
              rstd, not an fp32 copy, and pointwise chains are recomputed), so with compile.mode=blocks each
              block is compiled on meta with AOTAutograd's min-cut partitioner and inductor's decompositions
              (the aot_eager_decomp_partition backend: no code generated) and the compiled forward's
-             save_for_backward is what the hooks see.
+             save_for_backward is what saved-tensor hooks see.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten
 
 COMPILED_BACKEND = "aot_eager_decomp_partition"  # inductor's partitioning and decompositions, no codegen
 
@@ -76,53 +70,3 @@ def fused_attention_profile() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def saved_block_bytes(model: nn.Module, forward: Callable[[], object], *, compiled: bool) -> list[int]:
-    """Per block of model.layers, the bytes of the storages autograd saves in its forward (first saver counts),
-    running `forward()` (model's forward over a microbatch) with gradients on; compiled: as compiled blocks."""
-    outside = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, torch.Tensor] = {}  # storage -> a tensor on it, kept alive so no key is reused
-    totals: list[int] = []
-    inside = [False]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if inside[0] and key not in outside and key not in seen:
-            seen[key] = t
-            totals[-1] += t.untyped_storage().nbytes()
-        return t
-
-    def enter(module, args, kwargs):
-        shared = [t for t in tree_flatten((args[1:], kwargs))[0] if isinstance(t, torch.Tensor)]
-        outside.update(_storage_key(t) for t in shared)  # handed to every block: not one block's
-        totals.append(0)
-        inside[0] = True
-
-    def leave(*_):
-        inside[0] = False
-
-    blocks = {name: torch.compile(block, backend=COMPILED_BACKEND) if compiled else block
-              for name, block in model.layers.items()}
-    originals = dict(model.layers.items())
-    handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks.values()]
-    handles += [b.register_forward_hook(leave) for b in blocks.values()]
-    try:
-        for name, block in blocks.items():
-            model.layers[name] = block
-        with torch.enable_grad(), fused_attention_profile(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            forward()
-    finally:
-        for handle in handles:
-            handle.remove()
-        for name, block in originals.items():
-            model.layers[name] = block
-    return totals
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
