@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -69,26 +69,21 @@ def losses(folder: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def _rank_main(rank: int, world: int, port: int, configs: list[TrainConfig]) -> None:
+def _rank_main(rank: int, world: int, rendezvous: str, configs: list[TrainConfig]) -> None:
     import torch.distributed as dist
 
     from titan_train import train
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # a file rendezvous, not a port picked free and bound later: under pytest -n 15 another test's ranks
+    # could take that port between the pick and the bind (a failure seen only on loaded machines)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         for config in configs:  # in turn, in one process group (train() joins the existing one)
             train(config)
     finally:
         dist.destroy_process_group()
     os._exit(0)  # torch sometimes aborts at interpreter exit after gloo
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_on_ranks(config: TrainConfig, nproc: int) -> dict[int, float]:
@@ -100,7 +95,8 @@ def train_each_on_ranks(configs: list[TrainConfig], nproc: int) -> list[dict[int
     """Run train() of each config in turn on the same `nproc` gloo ranks (one spawn: each rank imports torch
     and joins the group once, about 3.5 s of CPU per rank); the loss curve of each, as rank 0 wrote it."""
     configs = list(configs)
-    spawn_ranks(_rank_main, nproc, (nproc, _free_port(), configs))
+    with tempfile.TemporaryDirectory(prefix="titan-rendezvous-") as folder:
+        spawn_ranks(_rank_main, nproc, (nproc, str(Path(folder) / "store"), configs))
     return [losses(Path(config.job.folder)) for config in configs]
 
 

@@ -29,7 +29,7 @@ def run_job(args: list[str], *, timeout: float) -> dict:
     metrics = job / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-        return {"error": "OOM" if "OutOfMemory" in proc.stderr else tail[0][:160], "wall_s": wall}
+        return {"error": "OOM" if "OutOfMemory" in proc.stderr else tail[0][:800], "wall_s": wall}
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steady = [r["step_seconds"] for r in records[2:]] or [records[-1]["step_seconds"]]
     step = statistics.median(steady)
