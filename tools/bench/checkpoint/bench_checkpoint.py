@@ -375,19 +375,26 @@ def raw_threads(args) -> int:
     return args.io_threads or tc.CheckpointerConfig().io_threads
 
 
-def raw_disk(args, root: Path, rank: int, nbytes: int) -> dict[str, float | None]:
-    """This rank's bytes written raw (raw_disk.py): buffered with 1 thread and with the writer's thread
-    count, and direct with the writer's count; every rank at once. Seconds (None: the mode failed here)."""
-    threads = raw_threads(args)
+def raw_modes(threads: int, rank: int, what: str, measure) -> dict[str, float | None]:
+    """measure(streams, direct) -> seconds, buffered with 1 stream and with `threads`, direct with `threads`,
+    every rank at once; None where the mode failed here (O_DIRECT refused)."""
     out: dict[str, float | None] = {}
     for label, n, direct in (("buffered x1", 1, False), (f"buffered x{threads}", threads, False),
                              (f"direct x{threads}", threads, True)):
         dist.barrier()
         try:
-            out[label] = raw_write_s(root / f"raw-disk-{rank}", nbytes, n, direct=direct)
+            out[label] = measure(n, direct)
         except OSError as e:  # O_DIRECT refused by this filesystem
-            print(f"raw disk {label} failed on rank {rank}: {e}", flush=True)
+            print(f"{what} {label} failed on rank {rank}: {e}", flush=True)
             out[label] = None
+    return out
+
+
+def raw_disk(args, root: Path, rank: int, nbytes: int) -> dict[str, float | None]:
+    """This rank's bytes written raw (raw_disk.py): buffered with 1 thread and with the writer's thread
+    count, and direct with the writer's count; every rank at once. Seconds (None: the mode failed here)."""
+    out = raw_modes(raw_threads(args), rank, "raw disk",
+                    lambda n, direct: raw_write_s(root / f"raw-disk-{rank}", nbytes, n, direct=direct))
     dist.barrier()
     if rank == 0:
         print("raw disk: " + ", ".join(f"{k} {v:.3f} s" if v else f"{k} failed" for k, v in out.items()), flush=True)
@@ -401,15 +408,7 @@ def raw_reads(args, root: Path, rank: int, nbytes: int) -> dict[str, float | Non
     threads = args.read_threads or tc.CheckpointerConfig().read_threads
     path = root / f"raw-read-{rank}" / "raw.bin"
     write_read_file(path, nbytes, threads)
-    out: dict[str, float | None] = {}
-    for label, n, direct in (("buffered x1", 1, False), (f"buffered x{threads}", threads, False),
-                             (f"direct x{threads}", threads, True)):
-        dist.barrier()
-        try:
-            out[label] = raw_read_s(path, n, direct=direct)
-        except OSError as e:  # O_DIRECT refused by this filesystem
-            print(f"raw read {label} failed on rank {rank}: {e}", flush=True)
-            out[label] = None
+    out = raw_modes(threads, rank, "raw read", lambda n, direct: raw_read_s(path, n, direct=direct))
     shutil.rmtree(path.parent, ignore_errors=True)
     dist.barrier()
     if rank == 0:
@@ -421,24 +420,9 @@ def raw_reads(args, root: Path, rank: int, nbytes: int) -> dict[str, float | Non
 def report_raw_reads(raw: dict[str, float | None], rows: dict, gb: float) -> None:
     """--cold-load: the raw read rows, each torch-checkpointing path's load beside the best, and whether the
     load target (<= 0.5x pinned DCP) is reachable at all: a disk that alone needs more cannot meet it."""
-    timed = {k: v for k, v in raw.items() if v}
-    for label, seconds in raw.items():
-        what = f"{seconds:.3f} s, {gb / seconds:.2f} GB/s" if seconds else "failed (O_DIRECT refused?)"
-        print(f"{'raw read ' + label:24s} {what}")
-    if not timed:
-        return
-    best_label = min(timed, key=timed.get)
-    best = timed[best_label]
-    print(f"(raw read: the same bytes, one file evicted from the page cache, 16 MiB reads; best: {best_label})")
-    loads = [(name, r) for name, r in rows.items() if name.startswith("tc") and r and "error" not in r]
-    print("load speed: " + "; ".join(f"{name} {gb / r['load']:.2f} GB/s = {best / r['load'] * 100:.0f}% of the raw best"
-                                     for name, r in loads))
-    anchor = rows.get("dcp_pinned")
-    if anchor and "error" not in anchor:
-        allowed = 0.5 * anchor["load"]
-        verdict = "reachable" if best <= allowed else "NOT reachable by a reader: the disk alone needs more"
-        print(f"load target: tc <= 0.5 x dcp_pinned ({anchor['load']:.3f} s) = {allowed:.3f} s; the raw disk reads"
-              f" in {best:.3f} s ({best / anchor['load']:.2f}x dcp_pinned): {verdict}")
+    report_raw_rows(raw, rows, gb, metric="load", row="raw read ",
+                    method="raw read: the same bytes, one file evicted from the page cache, 16 MiB reads",
+                    disk_verb="reads in", by="a reader", speed_of="tc")
 
 
 def gathered_raw(gathered: list, key: str = "raw") -> dict[str, float | None]:
@@ -536,25 +520,34 @@ def report_raw(raw: dict[str, float | None], rows: dict, gb: float) -> None:
     """The raw-disk rows, each path's write speed beside them (GB/s, and as a fraction of the disk's best),
     and whether the write target can be met at all: if the disk alone needs more than the target allows,
     no writer meets it."""
+    report_raw_rows(raw, rows, gb, metric="write", row="raw disk ",
+                    method="raw: the same bytes, 4 MiB writes + fsync, one file per thread", disk_verb="takes",
+                    by="a writer")
+
+
+def report_raw_rows(raw: dict[str, float | None], rows: dict, gb: float, *, metric: str, row: str, method: str,
+                    disk_verb: str, by: str, speed_of: str = "") -> None:
+    """The raw rows, the `metric` speed of each path whose name starts with `speed_of` against the best of
+    them, and per target of that metric (TARGETS) whether the disk alone leaves it reachable."""
     timed = {k: v for k, v in raw.items() if v}
     for label, seconds in raw.items():
         what = f"{seconds:.3f} s, {gb / seconds:.2f} GB/s" if seconds else "failed (O_DIRECT refused?)"
-        print(f"{'raw disk ' + label:24s} {what}")
+        print(f"{row + label:24s} {what}")
     if not timed:
         return
     best_label = min(timed, key=timed.get)
     best = timed[best_label]
-    print(f"(raw: the same bytes, 4 MiB writes + fsync, one file per thread; best: {best_label})")
-    paths = [(name, r) for name, r in rows.items() if r and "error" not in r]
-    print("write speed: " + "; ".join(f"{name} {gb / r['write']:.2f} GB/s = {best / r['write'] * 100:.0f}% of the raw best"
-                                      for name, r in paths))
+    print(f"({method}; best: {best_label})")
+    paths = [(name, r) for name, r in rows.items() if name.startswith(speed_of) and r and "error" not in r]
+    print(f"{metric} speed: " + "; ".join(
+        f"{name} {gb / r[metric]:.2f} GB/s = {best / r[metric] * 100:.0f}% of the raw best" for name, r in paths))
     for what, ours, anchor, target in TARGETS:
         a = rows.get(anchor)
-        if what.startswith("write") and a and "error" not in a:
-            allowed = target * a["write"]
-            verdict = "reachable" if best <= allowed else "NOT reachable by a writer: the disk alone needs more"
-            print(f"write target: {ours} <= {target:.3g} x {anchor} ({a['write']:.3f} s) = {allowed:.3f} s;"
-                  f" the raw disk takes {best:.3f} s ({best / a['write']:.2f}x {anchor}): {verdict}")
+        if what.startswith(metric) and a and "error" not in a:
+            allowed = target * a[metric]
+            verdict = "reachable" if best <= allowed else f"NOT reachable by {by}: the disk alone needs more"
+            print(f"{metric} target: {ours} <= {target:.3g} x {anchor} ({a[metric]:.3f} s) = {allowed:.3f} s;"
+                  f" the raw disk {disk_verb} {best:.3f} s ({best / a[metric]:.2f}x {anchor}): {verdict}")
 
 
 def summarize_writes(gathered: list, name: str) -> dict | None:
