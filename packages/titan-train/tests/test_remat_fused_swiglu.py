@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import titan_models
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import titan_models
 from titan_train.kernels import swiglu as sw
 from titan_train.remat import profile_blocks
 from titan_train.remat.held import LiveStorages

@@ -13,7 +13,7 @@ moments, it would be 119.7 GiB and hardly any point would fit). The script print
 
 Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, and
 activation_checkpoint.mode=remat at three memory levels: the counted peaks of full, ops and none (+1 GiB
-of allocator slack, rounded up to 0.5; no lower than the planner's floor, 91.2 GiB at batch 2), so each remat
+of allocator slack, rounded up to 0.5; no lower than the planner's floor, 90.4 GiB at batch 2), so each remat
 point meets the existing mode that fits there; they run by memory, each level after its mode (full,
 remat_92.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
 ~60-75 s (start and imports ~10 s, 8B materialized ~10 s, compile ~30-40 s, 6 steps of ~1.0-1.4 s), 6
@@ -153,8 +153,8 @@ def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
     else:
         slack = min(SLACK_GIB, 0.05 * counted["full"])  # the tiny model's peaks are MiB
         top = args.capacity - 4  # the grid's top level: what is left for remat past the existing modes
-        # no lower than the planner accepts (its backward at the first block: every gradient and one block's
-        # keep bytes as it profiles them, more than full checkpointing's measured recomputation)
+        # no lower than the planner accepts (peak.py backward_floor: the end of the backward, or its walk at
+        # the first block: every gradient but the embedding's and that block's unmade share, + its high mark)
         floor = shape.planner_floor_bytes(tokens) / GIB
         levels = [_round_up(max(counted[n] + slack, floor)) for n in names
                   if n != "layers2" and counted[n] <= args.capacity]
