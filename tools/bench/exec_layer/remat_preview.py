@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     every_op = sum(op.bytes for op in profiles[0].ops)
     floor = backward_floor(profiles, memory, grads)
     print(f"{'fused' if fused else 'unfused'} SwiGLU; planner floor {floor / GIB:.2f} GiB (end of the backward "
-          f"{memory.end_of_backward_bytes / GIB:.2f}); frontier_memory counts it "
+          f"{memory.end_of_backward_bytes / GIB:.2f}); frontier_memory (fused) counts it "
           f"{shape.planner_floor_bytes(tokens) / GIB:.2f}")
     print(f"a kept block saves {profiles[0].saved_bytes / GIB:.3f} GiB (every op's output: {every_op / GIB:.3f})")
     for name, ops in OPTIONS.items():  # every block alike: keep ~ mode none, recompute ~ full
