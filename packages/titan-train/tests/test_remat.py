@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titan_train import train
 from titan_train.remat import BlockProfile, StaticMemory, budget_plan, peak_model, peak_plan
 from titan_train.remat.measure import OpRecord
-from titan_train.remat.peak import block_transient
+from titan_train.remat.peak import backward_floor, backward_walk, block_transient
 from titan_train.remat.plan import GIB, OPTIONS, BlockChoice, cost
 from titan_train.trainer import Trainer
 
@@ -174,15 +174,22 @@ def test_gradients_count_in_the_forward_only_when_accumulated(tmp_path, jobs):
 
 def test_budget_below_weights_moments_and_gradients_is_refused(tmp_path, jobs):
     """0.023 GiB holds the weights and moments (0.0198) but not them with the gradients (0.0264), which all
-    exist at the end of the backward; 0.034 holds those but not also the first block's backward under its
-    cheapest option (its high mark, held.py: 9836544 bytes, as kept or recomputed: 38168576 bytes, 0.03555 GiB,
-    in all), with or without gradient accumulation."""
-    for folder, budget, overrides in (("a", "0.023", {}), ("b", "0.034", {}), ("c", "0.034", ACCUMULATE)):
+    exist at the end of the backward; 0.032 holds those but not the backward at the first block under its
+    cheapest option (peak.py backward_floor): the weights and moments, 21249024, the gradients made before it
+    (the output head's and final norm's, 394240, and block 1's, 3147776; not the embedding's, 393216, made after
+    every block), block 0's high mark (held.py: 9836544 bytes, as kept or recomputed) and the quarter of its own
+    gradients made by then, 786432: 35414016 bytes, 0.03298 GiB, so 0.034 plans. With accumulation the gradients
+    persist through the forward's 28332032 bytes: 0.034 does not hold them with block 0's high mark, 38168576."""
+    for folder, budget, overrides, floor in (("a", "0.023", {}, 35414016), ("b", "0.032", {}, 35414016),
+                                             ("c", "0.034", ACCUMULATE, 38168576)):
         with pytest.raises(ValueError, match=rf"memory_budget_gib={budget}0 does not hold the weights, gradients "
-                                             r"and AdamW moments the backward ends with, 28332032 bytes .* with the "
-                                             r"first block's recomputation: 38168576 bytes"):
+                                             r"and AdamW moments the backward ends with, 28332032 bytes .* or those "
+                                             rf"at the first block's backward with its recomputation: {floor} bytes"):
             tiny_trainer(jobs, tmp_path / folder, **{"activation_checkpoint.mode": "remat",
                                                      "activation_checkpoint.memory_budget_gib": budget, **overrides})
+    report = _budget_report(jobs, tmp_path / "d", 0.034)
+    assert report["planned_total_bytes"] <= report["budget_bytes"] == int(0.034 * 2**30)
+    assert report["recomputed_flops"] > 0
 
 
 @pytest.mark.parametrize("budget", [3750, 3810, 3870, 3960, 4050, 4200])  # small: the knapsack's grid is 1 byte
@@ -199,12 +206,19 @@ def test_peak_plan_is_the_cheapest_whose_walk_fits(budget, persist, late):
                           gradients_persist=persist, loss_bytes=50 + late, loss_chunk_bytes=late,
                           late_gradient_bytes=late)
     transient = block_transient(profiles)
-    best = None
+    best, least, first = None, None, None
     for combo in itertools.product(OPTIONS.items(), repeat=len(profiles)):
         choices = [BlockChoice(p.path, name, ops, *cost(p, ops)) for p, (name, ops) in zip(profiles, combo)]
-        if peak_model(choices, grads, memory, transient).total_bytes <= budget:
+        total = peak_model(choices, grads, memory, transient).total_bytes
+        walk0 = backward_walk(choices, grads, memory, transient)[0]
+        least = total if least is None else min(least, total)
+        first = walk0 if first is None else min(first, walk0)
+        if total <= budget:
             flops = sum(c.recomputed_flops for c in choices)
             best = flops if best is None else min(best, flops)
+    # the floor: no plan's peak below it, and it is the end of the backward or the walk at block 0 of a plan
+    floor = backward_floor(profiles, memory, grads)
+    assert floor <= least and floor == max(memory.end_of_backward_bytes, first)
     if best is None:  # with persisting gradients 3750 cannot hold the forward: 3500 + 80 of inputs + one block
         with pytest.raises(ValueError, match="memory_budget_gib"):
             peak_plan(profiles, budget, memory, grads)

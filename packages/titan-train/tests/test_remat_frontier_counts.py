@@ -4,6 +4,7 @@ its peaks agree with tools/bench/train_throughput/memory_model.py's independent 
 holds only points that are counted to fit, at remat levels the planner accepts. Under a second."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -57,14 +58,17 @@ def test_a_kept_block_is_what_a_compiled_block_saves():
 
 def test_the_planner_model_is_the_planners():
     """frontier_memory's model of the remat planner (its forward state, reserve and floor) is what titan-train's
-    planner computes for the 8B (2 layers, on meta) at batch 2: gradients counted from the backward on."""
+    planner computes for the 8B (2 layers, on meta, with the fused SwiGLU a CUDA run swaps in) at batch 2:
+    gradients counted from the backward on."""
     import dataclasses
 
     import titan_models
+    from titan_train.kernels.swiglu import use_fused_swiglu
     from titan_train.memory_estimate import remat_static_memory
     from titan_train.remat import profile_blocks
     from titan_train.remat.apply import block_gradients
     from titan_train.remat.peak import backward_floor
+    from titan_train.remat.plan import OPTIONS, choose
 
     args = remat_frontier.parse_args([])
     flags, shape = remat_frontier.model_setup(args)
@@ -72,6 +76,7 @@ def test_the_planner_model_is_the_planners():
     config = _config([*flags, "--training.batch_size", "2"])
     with torch.device("meta"):
         model = titan_models.transforms.num_layers(2)(titan_models.flavor("llama3", "8B")).build()
+    assert use_fused_swiglu(model) == ["layers.0.feed_forward", "layers.1.feed_forward"]
     tokens = 2 * 4096
     memory = remat_static_memory(config, model, device=torch.device("cuda"), shards=1, tokens=tokens, autocast=False)
     assert not memory.gradients_persist
@@ -88,7 +93,15 @@ def test_the_planner_model_is_the_planners():
     early = memory.gradient_bytes - sum(grads) - memory.late_gradient_bytes
     assert shape.planner_reserve_bytes(tokens) == max(transient + early + grads[-1], memory.loss_bytes,
                                                       memory.loss_bytes - memory.loss_chunk_bytes + early)
-    assert shape.planner_floor_bytes(tokens) == backward_floor(profiles, memory)
+    floor = backward_floor(profiles, memory, grads)
+    assert shape.planner_floor_bytes(tokens) == floor
+    # the floor is the walk at block 0 (above the end of the backward): its cheapest option's high mark with
+    # every gradient made before it, not the embedding's nor the rest of block 0's own
+    first = min((choose(profiles[0], n, o) for n, o in OPTIONS.items()),
+                key=lambda c: c.saved_bytes + c.backward_transient_bytes + math.ceil(c.grad_share * grads[0]))
+    made = memory.gradient_bytes - memory.late_gradient_bytes - grads[0]
+    assert floor == (memory.forward_bytes + made + math.ceil(first.grad_share * grads[0]) + first.saved_bytes
+                     + first.backward_transient_bytes) > memory.end_of_backward_bytes
 
 
 @pytest.mark.parametrize("batch", [2, 4])
@@ -109,8 +122,8 @@ def test_default_run_fits_and_every_point_parses():
     flags, shape = remat_frontier.model_setup(args)
     points = remat_frontier.plan_points(shape, 2 * 4096, args)
     # each remat level runs right after the existing mode whose counted peak it is, + 1 GiB rounded up to 0.5:
-    # full 91.15 -> 92.5 (above the planner's floor, 91.21: every gradient + one kept block + its input), ops
-    # 99.51 -> 101, none 121.51 -> 123
+    # full 91.15 -> 92.5 (above the planner's floor, 90.38: every gradient but the embedding's and block 0's
+    # unmade share, + block 0's kept bytes and backward transient), ops 99.51 -> 101, none 121.51 -> 123
     assert [p.name for p in points] == ["full", "remat_92.5GiB", "ops", "remat_101GiB", "none", "remat_123GiB"]
     assert not any(p.skip for p in points)
     levels = [p.budget_gib for p in points if p.budget_gib is not None]

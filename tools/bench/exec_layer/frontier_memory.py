@@ -15,8 +15,10 @@ block, measured there through saved-tensor hooks), extended to the checkpointing
             gradients, its count of the loss buffers at the last chunk, and those less the chunk with the
             head's gradients; the embedding's gradient comes after the blocks', and the gradients are None
             through the forward), so its peak is counted as state + that much + loss + other, no
-            less than full checkpointing's and no more than none's; it refuses budgets below state + all the
-            gradients + one block's keep bytes and input (its backward at the first block).
+            less than full checkpointing's and no more than none's; it refuses budgets below its floor: the
+            larger of state + all the gradients (the backward's end) and its backward at the first block under
+            that block's cheapest option (state + every gradient but the embedding's and the first block's own,
+            + that block's saved bytes, backward transient and the share of its gradients made by then).
 The allocator's slack (~1 GiB measured on the 1.5B model) is not counted.
 """
 from __future__ import annotations
@@ -60,7 +62,8 @@ class Shape:
     what it saved)."""
     planner_floor_block_bytes_per_token: int = 0
     planner_floor_block_fixed_bytes: int = 0
-    """The first block's least backward high mark over the options: what the planner's floor adds to the state."""
+    """The first block's least backward high mark over the options, its gradients made by then included: what
+    the planner's walk at that block adds to the state and the gradients made before it."""
 
     def planner_keep_bytes(self, tokens: int) -> int:
         return self.planner_keep_fixed_bytes + tokens * self.planner_keep_bytes_per_token
@@ -88,10 +91,13 @@ class Shape:
         return d * (2 * d + 2 * self.kv) + 3 * d * self.ffn + 2 * d
 
     def planner_floor_bytes(self, tokens: int) -> int:
-        """The least budget the planner accepts (remat/peak.py backward_floor): the end of the backward + the
-        first block's backward high mark under its cheapest option."""
-        return (self.planner_static_bytes + self.planner_floor_block_fixed_bytes
-                + tokens * self.planner_floor_block_bytes_per_token)
+        """The least budget the planner accepts (remat/peak.py backward_floor): the larger of the end of the
+        backward and its walk at the first block (the state, every gradient but the embedding's and the first
+        block's, + that block's high mark under its cheapest option)."""
+        made = (self.parameters - self.vocab * self.dim - self.block_parameters) * self.grad_bytes
+        first = (self.parameters * self.forward_state_bytes + made + self.planner_floor_block_fixed_bytes
+                 + tokens * self.planner_floor_block_bytes_per_token)
+        return max(self.planner_static_bytes, first)
 
     def planner_reserve_bytes(self, tokens: int) -> int:
         """What the planner holds back from budget - forward state for the backward's start (peak.py peak_plan,

@@ -13,7 +13,7 @@ moments, it would be 119.7 GiB and hardly any point would fit). The script print
 
 Default (one GPU call, ~7 minutes): batch 2 x 4096 under full checkpointing, selective ops and none, and
 activation_checkpoint.mode=remat at three memory levels: the counted peaks of full, ops and none (+1 GiB
-of allocator slack, rounded up to 0.5; no lower than the planner's floor, 91.2 GiB at batch 2), so each remat
+of allocator slack, rounded up to 0.5; no lower than the planner's floor, 90.4 GiB at batch 2), so each remat
 point meets the existing mode that fits there; they run by memory, each level after its mode (full,
 remat_92.5GiB, ops, remat_101GiB, none, remat_123GiB). A point takes
 ~60-75 s (start and imports ~10 s, 8B materialized ~10 s, compile ~30-40 s, 6 steps of ~1.0-1.4 s), 6
@@ -100,24 +100,31 @@ def model_setup(args) -> tuple[list[str], Shape]:
     if args.tiny:  # fp32 on CPU: 4-byte weights and gradients, fp32 moments
         flags += ["--job.device", "cpu", "--training.seq_len", "256", "--compile.mode", "none"]
         return flags, Shape(**shape, value_bytes=4, forward_state_bytes=12, grad_bytes=4, loss_weight_grad_bytes=4,
-                            loss_logit_bytes=8, **_planner_keep(cfg, 256, torch.float32))
+                            loss_logit_bytes=8, **_planner_keep(cfg, 256, torch.float32, grad_bytes=4))
     flags += ["--job.device", "cuda", "--training.seq_len", "4096", "--compile.mode", "blocks",
               "--training.mixed_precision", "bf16_params", "--optimizer.moment_dtype", "bfloat16"]
-    return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16, compiled=True))
+    return flags, Shape(**shape, **_planner_keep(cfg, 4096, torch.bfloat16, grad_bytes=2, compiled=True, fused=True))
 
 
-def _planner_keep(cfg, seq_len: int, dtype, compiled: bool = False) -> dict[str, int]:
+def _planner_keep(cfg, seq_len: int, dtype, *, grad_bytes: int, compiled: bool = False,
+                  fused: bool = False) -> dict[str, int]:
     """One block as the remat planner profiles it (on meta: no memory, no compute; held.py), each figure as a
     fixed part (the weight concatenations a kept block's products save) + a part per token, profiled at one and
     two rows: a kept block's saved bytes (compiled: as a compiled block) and backward transient, and the first
-    block's least backward high mark over the options (the planner's floor; compiled, only keep's saved bytes
-    are the compiled block's: the 8B's floor is keep's, and one compile a row count is ~7 s, not four)."""
+    block's least backward high mark over the options with the share of its gradients (grad_bytes a parameter)
+    made by then (the planner's floor, peak.py backward_floor; compiled, only keep's saved bytes are the
+    compiled block's: one compile a row count is ~7 s, not four). fused: with the fused SwiGLU, as the trainer
+    gives CUDA runs (training.fused_kernels; kernels/swiglu.py: on meta its backward allocates as the kernel)."""
     import titan_models
+    from titan_train.kernels.swiglu import use_fused_swiglu
     from titan_train.remat import profile_blocks
     from titan_train.remat.plan import OPTIONS, choose
 
     with torch.device("meta"):
         model = titan_models.transforms.num_layers(1)(cfg).build()
+    if fused:
+        use_fused_swiglu(model)
+    own = grad_bytes * sum(p.numel() for p in model.layers["0"].parameters())
     figures = {}
     for rows in (1, 2):
         eager = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=dtype)[0]
@@ -125,7 +132,8 @@ def _planner_keep(cfg, seq_len: int, dtype, compiled: bool = False) -> dict[str,
             eager.held[None] = profile_blocks(model, rows=rows, seq_len=seq_len, dtype=dtype, compiled=True,
                                               only=(None,))[0].held[None]
         keep = choose(eager, "keep", None)
-        floor = min(c.saved_bytes + c.backward_transient_bytes for c in (choose(eager, n, o) for n, o in OPTIONS.items()))
+        floor = min(c.saved_bytes + c.backward_transient_bytes + math.ceil(c.grad_share * own)
+                    for c in (choose(eager, n, o) for n, o in OPTIONS.items()))
         figures[rows] = (keep.saved_bytes, keep.backward_transient_bytes, floor)
     names = ("keep", "keep_transient", "floor_block")
     out = {}
@@ -145,8 +153,8 @@ def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
     else:
         slack = min(SLACK_GIB, 0.05 * counted["full"])  # the tiny model's peaks are MiB
         top = args.capacity - 4  # the grid's top level: what is left for remat past the existing modes
-        # no lower than the planner accepts (its backward at the first block: every gradient and one block's
-        # keep bytes as it profiles them, more than full checkpointing's measured recomputation)
+        # no lower than the planner accepts (peak.py backward_floor: the end of the backward, or its walk at
+        # the first block: every gradient but the embedding's and that block's unmade share, + its high mark)
         floor = shape.planner_floor_bytes(tokens) / GIB
         levels = [_round_up(max(counted[n] + slack, floor)) for n in names
                   if n != "layers2" and counted[n] <= args.capacity]

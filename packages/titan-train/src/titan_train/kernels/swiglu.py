@@ -6,7 +6,11 @@ Backward, per element (s = sigmoid(gate)):
     dup   = dh * gate * s
     dgate = dh * up * s * (1 + gate * (1 - s))
 written side by side as d gate_up [..., 2F], the layout the GEMMs of the fused projection consume.
-The forward stays in torch ops, so torch.compile fuses it with its neighbours.
+The forward stays in torch ops, so torch.compile fuses it with its neighbours (on meta it allocates as on a GPU).
+On meta tensors (the remat planner's profile, remat/held.py) the backward is one opaque op allocating what
+the kernel does, its output, no fp32 intermediates, so the profile prices what the GPU holds: the torch
+reference's fp32 temporaries peak 14 bytes a gate_up element above the kernel's (3.06 GiB a block of the 8B
+at 2 x 4096 tokens).
 """
 from __future__ import annotations
 
@@ -50,10 +54,27 @@ def _swiglu_backward_triton(gate_up: Tensor, grad_h: Tensor) -> Tensor:
     return out.view(gate_up.shape)
 
 
+@torch.library.custom_op("titan_train::swiglu_backward_profile", mutates_args=())
+def swiglu_backward_profile(gate_up: Tensor, grad_h: Tensor) -> Tensor:
+    """The kernel as the remat planner's meta profile sees it: one op taking gate_up and the gradient (so a
+    compiled block's partitioner saves gate_up, as for the kernel's launch on a GPU) and making d gate_up in
+    gate_up's dtype, nothing else; defined for meta tensors only."""
+    raise NotImplementedError("titan_train::swiglu_backward_profile only profiles meta tensors")
+
+
+@swiglu_backward_profile.register_fake
+def _(gate_up, grad_h):
+    return torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+
+
 def swiglu_backward(gate_up: Tensor, grad_h: Tensor, *, use_triton: bool | None = None) -> Tensor:
-    """d gate_up for h = silu(gate) * up; the Triton kernel on CUDA tensors (use_triton=None), or as told."""
+    """d gate_up for h = silu(gate) * up; use_triton=None: the Triton kernel on CUDA tensors, its allocations
+    alone on meta ones (values undefined: meta has none), the torch reference elsewhere; or as told. By
+    device.type: a fake tensor standing in for a CUDA one (torch.compile's tracing) is a CUDA tensor here."""
     if use_triton is None:
-        use_triton = gate_up.is_cuda
+        if gate_up.device.type == "meta":
+            return swiglu_backward_profile(gate_up, grad_h)
+        use_triton = gate_up.device.type == "cuda"
     return _swiglu_backward_triton(gate_up, grad_h) if use_triton else swiglu_backward_reference(gate_up, grad_h)
 
 

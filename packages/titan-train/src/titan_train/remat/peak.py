@@ -12,9 +12,8 @@ saved activations are freed, last block first. So the step's high mark is the la
             saved (this block's and the earlier blocks') + one block's transient;
   end       forward_bytes + every gradient: what the clip and the optimizer step start from.
 With accumulation (grad_accum_steps > 1) the gradients persist across microbatches: forward_bytes holds
-them and the backward adds none. No plan fits below the backward's walk at the first block: the end of the
-backward's weights, moments and gradients with that block's saved bytes and backward transient under its
-cheapest option.
+them and the backward adds none. No plan fits below the larger of the end and the backward's walk at the
+first block under its cheapest option (backward_floor).
 
 Each block's transients are its own, for the option it takes (held.py, measured under that option): in the
 forward, its high mark on top of the blocks before it (checked at every block, not only at the end); in the
@@ -121,37 +120,54 @@ def backward_walk(choices: list[BlockChoice], block_gradients: list[int], memory
     alive = sum(c.saved_bytes for c in choices)
     marks = [0] * len(choices)
     for i in reversed(range(len(choices))):
-        own = choices[i].backward_transient_bytes
-        share = 1.0 if own is None else choices[i].grad_share  # unmeasured: all its gradients at its high mark
-        at_peak = made + math.ceil(share * grads[i])
-        marks[i] = memory.forward_bytes + at_peak + alive + (transient if own is None else own)
+        marks[i] = _backward_mark(choices[i], made, alive, grads[i], memory, transient)
         made += grads[i]
         alive -= choices[i].saved_bytes
     return marks
 
 
-def backward_floor(profiles: list[BlockProfile], memory: StaticMemory) -> int:
-    """The least budget of any plan: the backward's walk at the first block, which holds every gradient but the
-    embedding's (and the later blocks' are there at the end anyway) with that block's saved bytes and backward
-    transient, under its cheapest option."""
+def _backward_mark(choice: BlockChoice, made: int, alive: int, own_gradients: int, memory: StaticMemory,
+                   transient: int) -> int:
+    """One block's point of the walk: `made` gradients before its backward, `alive` saved bytes (its own and
+    the earlier blocks'), its share of its own gradients at its high mark, and its transient."""
+    own = choice.backward_transient_bytes
+    share = 1.0 if own is None else choice.grad_share  # unmeasured: all its gradients at its high mark
+    return (memory.forward_bytes + made + math.ceil(share * own_gradients) + alive
+            + (transient if own is None else own))
+
+
+def backward_floor(profiles: list[BlockProfile], memory: StaticMemory, block_gradients: list[int]) -> int:
+    """The least budget of any plan: max(end of the backward, the walk at block 0 under its cheapest option).
+
+    Why this and no more: both terms are points of peak_model that no other block's choice moves. The end
+    (every gradient) is the same for every plan. The walk at block 0 (backward_walk's marks[0]) holds the
+    gradients made before it (the head's and final norm's, every later block's; not the embedding's, made
+    after every block, nor the part of block 0's own not yet made at its high mark, 1 - grad_share), and of
+    the saved activations only block 0's (every later block freed its own): it depends on block 0's option
+    alone. So every plan's peak is at least their max, which is no higher than the old floor (the end + block
+    0's bytes, which counted the embedding's and block 0's late gradients beside block 0's high mark). The
+    walk's other points and the forward depend on several blocks' options: the knapsack decides them."""
+    end = memory.end_of_backward_bytes
     if not profiles:
-        return memory.end_of_backward_bytes
+        return end
     transient = block_transient(profiles)
+    grads = [0] * len(profiles) if memory.gradients_persist else block_gradients
+    made = memory.early_gradients(memory.gradient_bytes - sum(block_gradients)) + sum(grads[1:])
     first = [choose(profiles[0], name, ops, transient) for name, ops in OPTIONS.items()]
-    return memory.end_of_backward_bytes + min(c.saved_bytes + c.backward_transient_bytes for c in first)
+    return max(end, min(_backward_mark(c, made, c.saved_bytes, grads[0], memory, transient) for c in first))
 
 
 def peak_plan(profiles: list[BlockProfile], budget_bytes: int, memory: StaticMemory,
               block_gradients: list[int]) -> tuple[list[BlockChoice], PeakModel]:
     """The least recomputation whose peak model fits `budget_bytes`, and that model."""
-    floor = backward_floor(profiles, memory)
+    floor = backward_floor(profiles, memory, block_gradients)
     if budget_bytes < floor:
         m = memory
         raise ValueError(
             f"activation_checkpoint.memory_budget_gib={budget_bytes / GIB:.4f} does not hold the weights, gradients "
             f"and AdamW moments the backward ends with, {m.end_of_backward_bytes} bytes "
-            f"({m.end_of_backward_bytes / GIB:.4f} GiB per rank, gradients {m.gradient_bytes / GIB:.4f}), with the "
-            f"first block's recomputation: {floor} "
+            f"({m.end_of_backward_bytes / GIB:.4f} GiB per rank, gradients {m.gradient_bytes / GIB:.4f}), or those "
+            f"at the first block's backward with its recomputation: {floor} "
             f"bytes ({floor / GIB:.4f} GiB); raise the budget to at least that")
     transient = block_transient(profiles)
     persist = memory.gradients_persist
