@@ -72,6 +72,25 @@ def test_fused_feed_forward_is_the_same_module_with_the_same_outputs():
     torch.testing.assert_close(model(tokens), before, rtol=1e-6, atol=1e-6)
 
 
+def test_a_clamped_swiglu_feed_forward_keeps_its_own_activation():
+    """The fused SwiGLU computes silu(gate) * up only: a FeedForward with another activation (DeepSeek-V4's
+    clamped shared expert) is left as it is, so its outputs do not change."""
+    from titan_models.components.ffn import ClampedSwiGLU, FeedForward
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"plain": FeedForward(16, 32),
+                                 "clamped": FeedForward(16, 32, activation=ClampedSwiGLU(limit=0.5))})
+    x = torch.randn(3, 16) * 4
+    before = model["clamped"](x)
+    assert use_fused_swiglu(model) == ["plain"]
+    assert type(model["clamped"]) is FeedForward
+    torch.testing.assert_close(model["clamped"](x), before, rtol=0, atol=0)
+    # the control: the fused forward would have ignored the clamp
+    fused = FusedSwiGLUFeedForward.__new__(FusedSwiGLUFeedForward)
+    fused.__dict__ = dict(model["clamped"].__dict__)
+    assert not torch.allclose(fused(x), before, atol=1e-3)
+
+
 @needs_gpu
 @pytest.mark.parametrize("rows,width", [(4096, 8192), (1000, 1408)])
 def test_swiglu_backward_kernel_bf16(rows, width):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_models.components.ffn import FeedForward
+from titan_models.components.ffn import swiglu as plain_swiglu
 from titan_models.components.projections import project_fused
 
 _BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 8
@@ -110,10 +111,12 @@ class FusedSwiGLUFeedForward(FeedForward):
 
 
 def use_fused_swiglu(model: nn.Module) -> list[str]:
-    """Give every titan-models FeedForward of `model` the fused SwiGLU (in place); returns their names."""
+    """Give every titan-models FeedForward of `model` whose activation is the plain SwiGLU the fused one (in
+    place); returns their names. Others (a clamped SwiGLU: DeepSeek-V4's shared expert) keep their own."""
     import titan_models as tm
 
-    names = [name for name, module in model.named_modules() if type(module) is FeedForward]
+    names = [name for name, module in model.named_modules()
+             if type(module) is FeedForward and module.activation is plain_swiglu]
     for name in names:
         tm.override(model, name, _as_fused)
     return names
