@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan_train_ranks import file_rendezvous, spawn_ranks
 
 from titan_train.process_group import init_method_from_env
-from titan_train_ranks import file_rendezvous, spawn_ranks
 
 
 @pytest.mark.parametrize("value", ["", "  ", "env://"])
