@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -255,10 +255,13 @@ def gpu_worker(rank: int, world: int, root: str, kind: str) -> dict:
 # ---- launching ranks -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def file_rendezvous(folder: Path) -> str:
+    """A file:// init_method naming a file in `folder` that no run used yet.
+
+    A file, not a port picked free and bound later: under pytest -n 15 another test's ranks (often gloo's
+    own ephemeral ports) could take that port between the pick and rank 0's bind. A FileStore file must
+    not exist before init, so every run needs a new name."""
+    return f"file://{folder.resolve() / f'rendezvous-{uuid.uuid4().hex}'}"
 
 
 def run_ranks(worker: str, world: int, workdir: Path, backend: str = "gloo", **kwargs) -> list[dict]:
@@ -266,10 +269,10 @@ def run_ranks(worker: str, world: int, workdir: Path, backend: str = "gloo", **k
     each a fresh process running this file."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
-    port = _free_port()
+    init_method = file_rendezvous(workdir)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [
-        subprocess.Popen([sys.executable, __file__, worker, str(rank), str(world), str(port), str(workdir), backend],
+        subprocess.Popen([sys.executable, __file__, worker, str(rank), str(world), init_method, str(workdir), backend],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(world)
     ]
@@ -295,13 +298,13 @@ def _rank_main() -> None:
 
     import torch.distributed as dist
 
-    worker, rank, world, port, workdir, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]), sys.argv[6]
+    worker, rank, world, init_method, workdir, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]), sys.argv[6]
     torch.set_num_threads(1)
     code = 0
     try:
         if "nccl" in backend:
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
         result = globals()[worker](rank, world, **pickle.loads((workdir / "kwargs.pkl").read_bytes()))
         dist.barrier()
         (workdir / f"result-{rank}.pkl").write_bytes(pickle.dumps(result))

@@ -4,7 +4,7 @@ Every rank draws the same whole sequences and computes their loss and its gradie
 then its own contiguous slice of every sequence's tokens with group=WORLD (and, as a control, without); writes
 the ranks' summed shares and how far its slice's gradient is from the whole one's there.
 
-usage: python balance_loss_worker.py RANK WORLD_SIZE PORT OUT_DIR
+usage: python balance_loss_worker.py RANK WORLD_SIZE INIT_METHOD OUT_DIR
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def run(rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    write_rank_report(rank, world, port, out_dir, lambda: run(rank, world))
+    rank, world, init_method, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    write_rank_report(rank, world, init_method, out_dir, lambda: run(rank, world))
 
 
 if __name__ == "__main__":

@@ -5,13 +5,18 @@ host-device synchronisation a CUDA step makes."""
 from __future__ import annotations
 
 import os
+import sys
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
 os.environ.setdefault("DIST_MOE_AUTOTUNE", "0")
+# pytest runs with --import-mode=importlib, which does not put test folders on sys.path: the launching tests
+# import the workers' shared helper (dist_moe_rank_report, a package-unique name) by this path
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _assert_no_host_sync(step: Callable[[], object]) -> None:

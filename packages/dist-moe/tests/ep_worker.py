@@ -5,7 +5,7 @@ itself, then runs the expert-parallel layer on its own tokens and compares outpu
 input gradients and the local expert shards directly, replicated weights (router, shared experts)
 after summing the ranks' gradients. Writes a JSON report per rank.
 
-usage: python ep_worker.py RANK WORLD_SIZE PORT OUT_DIR BACKENDS (comma-separated: torch, triton;
+usage: python ep_worker.py RANK WORLD_SIZE INIT_METHOD OUT_DIR BACKENDS (comma-separated: torch, triton;
 triton runs the kernels through TRITON_INTERPRET=1 on CPU)
 """
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _taking_turns(rank: int, group) -> dict:
 
 
 def main() -> None:
-    rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, world, init_method, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     backends = sys.argv[5].split(",")
     if "triton" in backends:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -193,7 +193,8 @@ def main() -> None:
         # Integer-overflow checks of every interpreted op cost time and test nothing here.
         interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
                                                                       sanitize_overflow=False)
-    write_rank_report(rank, world, port, out_dir, lambda: {backend: run(rank, world, backend) for backend in backends})
+    write_rank_report(rank, world, init_method, out_dir,
+                      lambda: {backend: run(rank, world, backend) for backend in backends})
 
 
 if __name__ == "__main__":

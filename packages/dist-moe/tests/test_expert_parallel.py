@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_moe_rank_report import file_rendezvous
 
 WORKER = Path(__file__).with_name("ep_worker.py")
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _launch(world: int, backends: str, tmp_path: Path) -> list[dict]:
-    port = _free_port()
+    init_method = file_rendezvous(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), port, str(tmp_path), backends],
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), init_method, str(tmp_path), backends],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for rank in range(world)]
     logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]

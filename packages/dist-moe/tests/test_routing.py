@@ -124,17 +124,16 @@ def test_sequence_balance_loss_over_split_sequences_sums_to_the_whole_loss(tmp_p
     halves' losses average to another value (the control)."""
     import json
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    from dist_moe_rank_report import file_rendezvous
+
+    init_method = file_rendezvous(tmp_path)
     worker = Path(__file__).with_name("balance_loss_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), "2", port, str(tmp_path)], env=env,
+    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), "2", init_method, str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
     logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,10 +22,13 @@ import pytest
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def file_rendezvous(folder: str | Path) -> str:
+    """A file:// init_method naming a file in `folder` that no run used yet.
+
+    A file, not a port picked free and bound later: under pytest -n 15 another test's ranks (often gloo's
+    own ephemeral ports) could take that port between the pick and rank 0's bind. A FileStore file must
+    not exist before init, so every run needs a new name."""
+    return f"file://{Path(folder).resolve() / f'rendezvous-{uuid.uuid4().hex}'}"
 
 
 def run_ranks(fn, world: int = 2, timeout: float = 300.0, backend: str = "gloo", **kwargs) -> list:
@@ -33,11 +36,11 @@ def run_ranks(fn, world: int = 2, timeout: float = 300.0, backend: str = "gloo",
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
-        port = _free_port()
+        init_method = file_rendezvous(tmp)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         procs = [
             subprocess.Popen(
-                [sys.executable, str(RANK_MAIN), fn.__code__.co_filename, fn.__name__, str(rank), str(world), str(port), str(tmp), backend],
+                [sys.executable, str(RANK_MAIN), fn.__code__.co_filename, fn.__name__, str(rank), str(world), init_method, str(tmp), backend],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

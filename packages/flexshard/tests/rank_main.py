@@ -6,7 +6,7 @@ import sys
 import traceback
 from pathlib import Path
 
-path, fn_name, rank, world, port, out, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6]), sys.argv[7]
+path, fn_name, rank, world, init_method, out, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6]), sys.argv[7]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -17,7 +17,7 @@ code = 0
 try:
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)  # a file:// URL
     spec = importlib.util.spec_from_file_location(f"flexshard_rank_test_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -18,7 +18,6 @@ trainer drop 72 samples in the on-policy scenario and 24 in the slow one, failin
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -176,12 +175,12 @@ def _tp_layout(rank, groups, folder):
     dist.barrier(group=groups["trainer"])
 
 
-def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
+def _rank_main(rank: int, world: int, init_method: str, folder: str) -> None:
     import torch.distributed as dist
+    from rank_runner import join_gloo
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         for name, (dtype, lag, delay) in SCENARIOS.items():
             groups = {"trainer": dist.new_group(TRAINERS), "sync": dist.new_group([0, *GENERATORS]),
@@ -200,13 +199,10 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("disaggregated")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     sys.path.insert(0, str(Path(__file__).parent))  # rank_runner, for the spawned children too
-    from rank_runner import spawn_ranks
+    from rank_runner import file_rendezvous, spawn_ranks
 
-    spawn_ranks(_rank_main, 4, (4, port, str(folder)))
+    spawn_ranks(_rank_main, 4, (4, file_rendezvous(folder), str(folder)))
     return folder
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -87,11 +86,11 @@ def _trainer(sync, rollout, folder: str) -> None:
     Path(folder, "trainer.json").write_text(json.dumps(outcome))
 
 
-def _rank_main(rank: int, port: int, folder: str) -> None:
+def _rank_main(rank: int, init_method: str, folder: str) -> None:
     import torch.distributed as dist
+    from rank_runner import join_gloo
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, 2, init_method)
     try:
         sync, rollout = dist.new_group([0, 1]), dist.new_group([0, 1], backend="gloo")
         (_trainer if rank == 0 else _generator)(sync, rollout, folder)
@@ -102,13 +101,10 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
 
 
 def test_a_failed_generator_stops_both_ends_in_order(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     sys.path.insert(0, str(Path(__file__).parent))  # rank_runner, for the spawned children too
-    from rank_runner import _run_from_file
+    from rank_runner import _run_from_file, file_rendezvous
 
-    context = mp.start_processes(_run_from_file, args=(__file__, _rank_main.__name__, (port, str(tmp_path))),
+    context = mp.start_processes(_run_from_file, args=(__file__, _rank_main.__name__, (file_rendezvous(tmp_path), str(tmp_path))),
                                  nprocs=2, start_method="spawn", join=False)
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=1):

@@ -9,15 +9,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def rank_main(rank: int, world: int, port: int, configs: list) -> None:
+def rank_main(rank: int, world: int, init_method: str, configs: list) -> None:
     """Train each of `configs` in turn (one process group: the ranks start once); rank 0 saves each run's
     final full weights into its job folder."""
+    from titan_train_ranks import join_gloo
+
     from titan_train.trainer import Trainer
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         for config in configs:
             trainer = Trainer(config, torch.device("cpu"))

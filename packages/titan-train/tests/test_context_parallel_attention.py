@@ -9,12 +9,11 @@ held to 3e-2: bf16 keeps 8 bits of mantissa (relative 4e-3 per rounding) and the
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from titan_train_ranks import spawn_ranks
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 
 import titan_models as tm
 from titan_models.components.attention import SDPAttention
@@ -78,12 +77,6 @@ def _reference(docs):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CASES = {  # id -> (cp, document-masked, variant)
     "cp2-causal": (2, False, "float64"), "cp4-causal": (4, False, "float64"), "cp2-documents": (2, True, "float64"),
     "cp4-documents": (4, True, "float64"), "cp2-documents-row-chunks": (2, True, "row-chunks"),
@@ -91,14 +84,13 @@ CASES = {  # id -> (cp, document-masked, variant)
 }
 
 
-def _ring_rank(rank: int, world: int, port: int, folder: str, cases: list[str]) -> None:
+def _ring_rank(rank: int, world: int, init_method: str, folder: str, cases: list[str]) -> None:
     """Each of `cases` (ids of CASES) in turn on the same ranks; saves this rank's output and gradients."""
     import torch.distributed as dist
 
     import titan_train.context_parallel as context_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, init_method)
     score_elements = context_parallel._SCORE_ELEMENTS
     try:
         for case in cases:
@@ -125,7 +117,7 @@ def ring_outputs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("ring")
     for cp in (2, 4):
         cases = [case for case, (n, _, _) in CASES.items() if n == cp]
-        spawn_ranks(_ring_rank, cp, (cp, _free_port(), str(folder), cases))
+        spawn_ranks(_ring_rank, cp, (cp, file_rendezvous(folder), str(folder), cases))
     return folder
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from titan_train_curves import assert_pairs_follow
-from titan_train_ranks import spawn_ranks
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli_args import apply_override
@@ -92,7 +92,7 @@ def four_ranks(tmp_path_factory, jobs) -> dict[str, Path]:
     configs = {name: job(root / name, **layout) for name, layout in {**RUNS, **KILLED}.items()}
     for name in KILLED:
         with pytest.raises(mp.ProcessExitedException):
-            spawn_ranks(_rank_killed_in_step, 4, (4, _free_port(), configs[name], 7))
+            spawn_ranks(_rank_killed_in_step, 4, (4, file_rendezvous(root), configs[name], 7))
         steps = [json.loads(line)["step"] for line in (root / name / "metrics.jsonl").read_text().splitlines()]
         assert max(steps) == 6, (name, steps)  # killed in step 7
     jobs.each_on_ranks(configs.values(), 4)
@@ -185,23 +185,11 @@ def test_forced_balance_routing_is_labelled_in_every_record(reference, tmp_path)
     assert not any("moe_routing" in r for r in _records(reference).values())  # learned routing: unlabelled
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_killed_in_step(rank: int, world: int, port: int, config: TrainConfig, kill_at: int) -> None:
+def _rank_killed_in_step(rank: int, world: int, init_method: str, config: TrainConfig, kill_at: int) -> None:
     """A rank of `config` that SIGKILLs itself when step `kill_at` begins (no cleanup, as a lost node)."""
-    import torch.distributed as dist
-
     from titan_train.trainer import Trainer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     step = Trainer.train_step
 
     def train_step(self, n: int):

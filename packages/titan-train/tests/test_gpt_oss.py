@@ -5,7 +5,6 @@ with a clear error."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from titan_train import load_recipe, train
 from titan_train.expert_parallel import use_dist_moe
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import their entry point by module name
+from titan_train_ranks import file_rendezvous  # noqa: E402
 from tt_gpt_oss_ranks import attention_case, attention_rank  # noqa: E402
 
 # gpt-oss has no aux-loss-free selection bias (its checkpoints hold none; pipelines refuse the update)
@@ -64,18 +64,15 @@ def test_dist_moe_refuses_gpt_oss_moe():
         use_dist_moe(model, aux_loss_alpha=0.0)
 
 
-def test_heads_style_shards_sinks_with_the_heads():
+def test_heads_style_shards_sinks_with_the_heads(tmp_path):
     """q/k/v colwise, o rowwise and the sinks "headwise" on 2 gloo ranks give the unsplit output."""
     attention, x, rope = attention_case()
     with torch.no_grad():
         want = attention(x, rope)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
         os.environ["OMP_NUM_THREADS"] = "1"
-        mp.start_processes(attention_rank, args=(2, port, out), nprocs=2, start_method="spawn")
+        mp.start_processes(attention_rank, args=(2, file_rendezvous(tmp_path), out), nprocs=2, start_method="spawn")
         got = out["tp"]
     assert ((got - want).norm() / want.norm()).item() < 1e-6
 

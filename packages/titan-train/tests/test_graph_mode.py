@@ -2,7 +2,6 @@
 FSDP on 2 gloo ranks, gradient accumulation), dumps an inspectable graph, and runs registered passes."""
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -58,11 +57,10 @@ def _on_two_ranks(*configs) -> list[tuple[dict[int, float], dict[str, torch.Tens
     sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the worker by this path
     from conftest import losses
     from graph_ranks import rank_main
+    from titan_train_ranks import file_rendezvous
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(2, port, list(configs)), nprocs=2, start_method="spawn")
+    rendezvous = file_rendezvous(Path(configs[0].job.folder).parent)  # a new file next to the job folders
+    mp.start_processes(rank_main, args=(2, rendezvous, list(configs)), nprocs=2, start_method="spawn")
     return [(losses(Path(c.job.folder)), torch.load(Path(c.job.folder) / "final_weights.pt")) for c in configs]
 
 

@@ -180,16 +180,16 @@ def test_schedules():
 
 
 @pytest.mark.parametrize("world", [2])
-def test_vocab_parallel_loss_matches_one_process(world):
+def test_vocab_parallel_loss_matches_one_process(world, tmp_path):
     """The vocabulary sharded over gloo ranks (max and sums all-reduced) gives one process's loss and
     gradients, in float64 (F.cross_entropy on the whole logits as reference)."""
-    import socket
     import sys
     from pathlib import Path
 
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the worker by this path
+    from titan_train_ranks import file_rendezvous
     from vocab_parallel_ranks import rank_main, vocab_parallel_inputs
 
     h, w, y = vocab_parallel_inputs()
@@ -197,12 +197,10 @@ def test_vocab_parallel_loss_matches_one_process(world):
     want = F.cross_entropy((h_ref @ w_ref.t()).reshape(-1, 40), y.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction="sum")
     want.backward()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    init_method = file_rendezvous(tmp_path)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, init_method, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from titan_train_ranks import spawn_ranks
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli_args import apply_override
@@ -42,16 +41,14 @@ def curve(folder: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
 
 
-def _rank_main(rank: int, world: int, port: int, config: TrainConfig, report: str) -> None:
+def _rank_main(rank: int, world: int, init_method: str, config: TrainConfig, report: str) -> None:
     """One rank of the run, with every optimizer step's collectives counted (flexshard.CollectiveCounter)."""
     import torch.distributed as dist
 
     import flexshard
     from titan_train.trainer import Trainer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         trainer = Trainer(config, torch.device("cpu"))
         step, counts = trainer.optimizer.step, []
@@ -72,12 +69,6 @@ def _rank_main(rank: int, world: int, port: int, config: TrainConfig, report: st
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_flexshard_muon_follows_single_process_muon_and_resumes_in_one_process(tmp_path):
     reference = tmp_path / "single"
     train(muon_job(reference))
@@ -86,8 +77,8 @@ def test_flexshard_muon_follows_single_process_muon_and_resumes_in_one_process(t
 
     folder = tmp_path / "flexshard"
     report = tmp_path / "report.json"
-    spawn_ranks(_rank_main, 2, (
-        2, _free_port(), muon_job(folder, **{"parallelism.dp_shard": "2", "checkpoint.interval": "5"}), str(report)))
+    config = muon_job(folder, **{"parallelism.dp_shard": "2", "checkpoint.interval": "5"})
+    spawn_ranks(_rank_main, 2, (2, file_rendezvous(tmp_path), config, str(report)))
     got = curve(folder)
     for step in range(1, STEPS + 1):
         assert got[step][0] == pytest.approx(want[step][0], rel=1e-4), ("loss", step, got, want)

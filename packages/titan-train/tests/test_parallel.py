@@ -134,11 +134,12 @@ def _grad_norms(folder: Path) -> list[float]:
     return [json.loads(line)["grad_norm"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def _local_values_rank(rank: int, port: int, out) -> None:
+def _local_values_rank(rank: int, init_method: str, out) -> None:
     import os
 
     import torch
     import torch.distributed as dist
+    from titan_train_ranks import join_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
@@ -146,8 +147,7 @@ def _local_values_rank(rank: int, port: int, out) -> None:
     from titan_models.components.norms import ZeroCenteredRMSNorm
     from titan_train.parallelize import _compute_on_local_values
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, 2, init_method)
     mesh = init_device_mesh("cpu", (2,))
     gen = torch.Generator().manual_seed(0)
     x, a = torch.randn(2, 5, 4, 8, generator=gen), torch.randn(2, 5, 4, generator=gen)  # 4 heads
@@ -164,22 +164,18 @@ def _local_values_rank(rank: int, port: int, out) -> None:
     os._exit(0)
 
 
-def test_replicated_and_headwise_parameters_get_the_whole_gradient():
-    import socket
-
+def test_replicated_and_headwise_parameters_get_the_whole_gradient(tmp_path):
     import torch
     import torch.multiprocessing as mp
-    from titan_train_ranks import spawn_ranks
+    from titan_train_ranks import file_rendezvous, spawn_ranks
 
     from titan_models.components.gated_deltanet import DecayGate
     from titan_models.components.norms import ZeroCenteredRMSNorm
 
     manager = mp.Manager()
     out = manager.dict()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(_local_values_rank, 2, (port, out))  # spawn: earlier tests of the session ran autograd
+    # spawned: earlier tests of the session ran autograd
+    spawn_ranks(_local_values_rank, 2, (file_rendezvous(tmp_path), out))
     gen = torch.Generator().manual_seed(0)
     x, a = torch.randn(2, 5, 4, 8, generator=gen), torch.randn(2, 5, 4, generator=gen)
     norm, gate = ZeroCenteredRMSNorm(8), DecayGate(4)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 from titan_train_curves import assert_pairs_follow
-from titan_train_ranks import spawn_ranks
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 from torch.distributed.pipelining import PipelineStage
 
 import dist_moe
@@ -38,12 +37,6 @@ def test_overlap_needs_dualpipev_and_expert_parallelism(fields, message):
     with pytest.raises(ValueError, match=message):
         check_pipeline_overlap(ParallelismConfig(pp_overlap_ep=True, **fields))
     check_pipeline_overlap(ParallelismConfig(**fields))  # off: nothing to check
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STEPS = 10
@@ -67,13 +60,11 @@ def _curve(folder: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
 
 
-def _overlapped_then_plain_rank(rank: int, world: int, port: int, overlapped, plain) -> None:
+def _overlapped_then_plain_rank(rank: int, world: int, init_method: str, overlapped, plain) -> None:
     """Both runs in one launch (spawning 4 ranks costs more than a run); counts this rank's hand-overs."""
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     hand_overs = []
     original = dist_moe.TakingTurns.hand_over
 
@@ -99,7 +90,7 @@ def test_pp2_x_ep2_dualpipev_overlapped_is_plain_dualpipev_and_follows_one_proce
     # Steps 1-3 of the plain schedule: their losses and gradient norms follow from the warm-up's updates
     # only (lr_schedule.warmup_steps 2), which the run's length does not change.
     plain = _job(tmp_path / "plain", **DUALPIPEV, **{"training.steps": "3"})
-    spawn_ranks(_overlapped_then_plain_rank, 4, (4, _free_port(), overlapped, plain))
+    spawn_ranks(_overlapped_then_plain_rank, 4, (4, file_rendezvous(tmp_path), overlapped, plain))
     train(_job(tmp_path / "single", **{"parallelism.ep": "1", "parallelism.dp_shard": "-1"}))
     assert all(json.loads((tmp_path / "overlapped" / f"hand_overs{r}.json").read_text()) > 0 for r in range(4))
     overlapped_curve = _curve(tmp_path / "overlapped")

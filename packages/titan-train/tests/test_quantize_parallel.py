@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import warnings
 from pathlib import Path
 
 import torch
+from titan_train_ranks import join_gloo
 
 from titan_train import train
 
@@ -28,20 +28,6 @@ STEPS = {"training.steps": "4"}
 # The Linears every recipe can convert on the debug Llama under TP2 (wk/wv: kv width 128 / 2 = 64 is not a
 # multiple of fp8_blockwise's 128, so it leaves them in high precision): one process converts the same ones.
 TP_MODULES = {"fp8_blockwise": "layers.*.attention.wq,layers.*.attention.wo,layers.*.feed_forward.*"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
 
 
 def _wide_range(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -86,10 +72,10 @@ def _operand_checks(rank: int, world: int) -> dict[str, bool]:
     return out
 
 
-def tp_worker(rank: int, world: int, port: int, configs: list, folder: str) -> None:
+def tp_worker(rank: int, world: int, init_method: str, configs: list, folder: str) -> None:
     import torch.distributed as dist
 
-    _init(rank, world, port)
+    join_gloo(rank, world, init_method)
     try:
         checks = _operand_checks(rank, world)
         with warnings.catch_warnings():
@@ -115,14 +101,14 @@ def test_tp2_quantises_shards_as_one_process_and_follows_its_curves(tmp_path, jo
     four recipes (~60 s on the shared 2-core machine: 9 short runs, 4 of them on 2 ranks, and the ranks'
     start-up; one parallel test per recipe would cost ~70 s each)."""
     from titan_train_curves import tolerance
-    from titan_train_ranks import spawn_ranks
+    from titan_train_ranks import file_rendezvous, spawn_ranks
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         single = {r: train(_job(jobs, tmp_path / f"one_{r}", r)).losses for r in RECIPES}
     fp32 = train(jobs.tiny(tmp_path / "fp32", **STEPS)).losses
     configs = [_job(jobs, tmp_path / f"tp_{r}", r, **{"parallelism.tp": "2"}) for r in RECIPES]
-    spawn_ranks(tp_worker, 2, (2, _free_port(), configs, str(tmp_path)))
+    spawn_ranks(tp_worker, 2, (2, file_rendezvous(tmp_path), configs, str(tmp_path)))
     checks = json.loads((tmp_path / "operands.json").read_text())
     control = checks.pop("control: local tensorwise")
     assert all(checks.values()), [k for k, ok in checks.items() if not ok]
@@ -133,7 +119,7 @@ def test_tp2_quantises_shards_as_one_process_and_follows_its_curves(tmp_path, jo
         assert max(abs(single[recipe][s] - fp32[s]) / fp32[s] - tolerance(s) for s in fp32) > 0, (recipe, single, fp32)
 
 
-def flexshard_worker(rank: int, world: int, port: int, config, folder: str) -> None:
+def flexshard_worker(rank: int, world: int, init_method: str, config, folder: str) -> None:
     """The trainer's flexshard model: each converted Linear's first forward records what the GEMM took as W
     (the gathered e4m3 + scales) next to quantize(the whole weight), taken from the weights before any step
     through flexshard.full_tensor (an fp32 gather, independent of the fp8 one); then the run's curve."""
@@ -144,7 +130,7 @@ def flexshard_worker(rank: int, world: int, port: int, config, folder: str) -> N
     from titan_train.quantize.gathered import gathered_weight
     from titan_train.trainer import Trainer
 
-    _init(rank, world, port)
+    join_gloo(rank, world, init_method)
     try:
         trainer = Trainer(config, torch.device("cpu"))
         linears = {n: m for n, m in trainer.model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -175,13 +161,13 @@ def test_flexshard_fp8_gather_feeds_the_blockwise_gemm(tmp_path, jobs, cli):
     the 2 blocks) took its forward weight from the gather, bit for bit quantize(whole weight), and the loss
     curve follows the 1-process blockwise run (~45-85 s on the shared machine: one 2-rank run with its
     start-up, one single-process run)."""
-    from titan_train_ranks import spawn_ranks
+    from titan_train_ranks import file_rendezvous, spawn_ranks
 
     single = train(jobs.tiny(tmp_path / "one", **STEPS, **{"quantize.linear": "fp8_blockwise"})).losses
     config = jobs.tiny(tmp_path / "flex", **STEPS, **{"quantize.linear": "fp8_blockwise", "parallelism.dp_shard": "2",
                                                       "parallelism.fsdp_impl": "flexshard",
                                                       "parallelism.fp8_all_gather": "true"})
-    spawn_ranks(flexshard_worker, 2, (2, _free_port(), config, str(tmp_path)))
+    spawn_ranks(flexshard_worker, 2, (2, file_rendezvous(tmp_path), config, str(tmp_path)))
     checks = json.loads((tmp_path / "gathered.json").read_text())
     assert len(checks) == 2 * 7 and all(checks.values()), checks
     jobs.assert_follows(cli.losses(tmp_path / "flex"), single)

@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 
 import pytest
-from titan_train_ranks import spawn_ranks
-from titan_train_rl_ranks import free_port, small_job
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 from titan_train_rl_ranks import records as metrics_records
+from titan_train_rl_ranks import small_job
 
 from titan_train.rl import run_rl
 from titan_train.rl.build import validate
@@ -27,11 +27,10 @@ from titan_train.rl.build import validate
 STEPS = 3
 
 
-def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
+def _rank_main(rank: int, world: int, init_method: str, folder: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         common = dict(pretrain__steps=0, training__steps=STEPS, eval__problems=4, rollout__prompts_per_step=4,
                       algorithm__group_size=2, rollout__max_new_tokens=4, generator__batch_invariant=True,
@@ -50,7 +49,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rl_disaggregated")
-    spawn_ranks(_rank_main, 4, (4, free_port(), str(folder)))
+    spawn_ranks(_rank_main, 4, (4, file_rendezvous(folder), str(folder)))
     return folder
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from titan_train_ranks import spawn_ranks
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 
 from titan_rl import Completion, SamplingConfig
 from titan_rl.envs import SingleTurn, SortingTask
@@ -96,13 +95,12 @@ class InstantGenerator:
         self.policy_version = version
 
 
-def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
+def _rank_main(rank: int, world: int, init_method: str, folder: str) -> None:
     import torch.distributed as dist
 
     from titan_rl import ByteTokenizer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         # Ranks that hold different batches (one dropped a batch the other kept) agree on the later one.
         task = SortingTask(min_length=3, max_length=3)
@@ -135,10 +133,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rl_ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(_rank_main, 2, (2, port, str(folder)))
+    init_method = file_rendezvous(folder)
+    spawn_ranks(_rank_main, 2, (2, init_method, str(folder)))
     return folder
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 
 import pytest
 import torch
-from titan_train_ranks import spawn_ranks
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 
 import titan_models as tm
 from titan_rl import ByteTokenizer, Sample, TrainBatch, dapo, grpo, policy_loss, token_logprobs
@@ -64,14 +63,13 @@ def _loss(logp: torch.Tensor, batch: TrainBatch, algorithm) -> torch.Tensor:
                        mask=batch.mask.double(), behavior_logprobs=batch.behavior_logprobs).loss
 
 
-def _cp_rank(rank: int, world: int, port: int, out: str) -> None:
+def _cp_rank(rank: int, world: int, init_method: str, out: str) -> None:
     import torch.distributed as dist
 
     from titan_train.context_parallel import apply_context_parallel
     from titan_train.rl.context_parallel_logprobs import cp_token_logprobs
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         torch.set_num_threads(1)
         batch, results = long_batch(), {}
@@ -101,11 +99,9 @@ def _cp_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_context_parallel_rl_loss_and_gradients_equal_one_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    init_method = file_rendezvous(tmp_path)
     out = tmp_path / "cp.json"
-    spawn_ranks(_cp_rank, 2, (2, port, str(out)))
+    spawn_ranks(_cp_rank, 2, (2, init_method, str(out)))
     results = json.loads(out.read_text())
     for name, r in results.items():
         assert abs(r["cp_loss"] - r["loss"]) <= 1e-12 * max(1.0, abs(r["loss"])), (name, r)
@@ -113,22 +109,19 @@ def test_context_parallel_rl_loss_and_gradients_equal_one_process(tmp_path):
         assert r["own_share_diff"] > 1e-6, (name, r)  # a rank's own gradient alone is not the answer
 
 
-def _job_rank(rank: int, world: int, port: int, folder: str) -> None:
-    import torch.distributed as dist
-
+def _job_rank(rank: int, world: int, init_method: str, folder: str) -> None:
     from titan_train.rl import RLConfig, run_rl
     from titan_train.rl.recipes import RL_RECIPES
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
-    try:
-        config: RLConfig = RL_RECIPES["rl_long_context"]()
-        config.job.folder, config.metrics.progress = folder, False
-        config.env.context_chars = 1024
-        config.pretrain.steps, config.training.steps, config.eval.problems = 0, 2, 2
-        run_rl(config)
-    finally:
-        dist.destroy_process_group()
+    # no group made here: run_rl joins one itself by TITAN_INIT_METHOD (titan_train.process_group), as a
+    # job on a cluster's shared file system would; with no MASTER_PORT, env:// could not bring the ranks together
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TITAN_INIT_METHOD=init_method)
+    os.environ.pop("MASTER_PORT", None)
+    config: RLConfig = RL_RECIPES["rl_long_context"]()
+    config.job.folder, config.metrics.progress = folder, False
+    config.env.context_chars = 1024
+    config.pretrain.steps, config.training.steps, config.eval.problems = 0, 2, 2
+    run_rl(config)
     os._exit(0)
 
 
@@ -136,10 +129,8 @@ def test_long_context_job_trains_with_context_parallel_ranks(tmp_path):
     """The rl_long_context recipe on 2 ranks (context_parallel=2, the update's sequences split): the trainer's
     ring-attention logprobs of every sampled token match what each rank's generator (whole sequences, KV
     cache) reported, so the split reassembles the right sequences; a wrong layout would be off by far more."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(_job_rank, 2, (2, port, str(tmp_path)))
+    init_method = file_rendezvous(tmp_path)
+    spawn_ranks(_job_rank, 2, (2, init_method, str(tmp_path)))
     records = [json.loads(line) for line in (tmp_path / "rl_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["trained_samples"] == 8 and r["completion_len"] >= 1 for r in records)

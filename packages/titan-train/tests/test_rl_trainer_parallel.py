@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from titan_train_curves import tolerance
-from titan_train_ranks import spawn_ranks
-from titan_train_rl_ranks import free_port, load_weights, recording_weights, records, small_job
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
+from titan_train_rl_ranks import load_weights, recording_weights, records, small_job
 
 from titan_train.model_setup import build_on_meta, model_config
 from titan_train.rl import run_rl
@@ -46,11 +46,10 @@ def long_context_job(folder, **changes):
     return config
 
 
-def _rank_main(rank: int, world: int, port: int, folder: str, run: str) -> None:
+def _rank_main(rank: int, world: int, init_method: str, folder: str, run: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         with recording_weights(folder, generator_ranks=1):
             run_rl(small_job(folder, **TP_JOB, generator__ranks=1, training__tensor_parallel=2) if run == "tp"
@@ -72,7 +71,7 @@ def split_runs(tmp_path_factory):
         if run not in outcomes:
             (folder / run).mkdir()
             try:
-                spawn_ranks(_rank_main, 3, (3, free_port(), str(folder / run), run))
+                spawn_ranks(_rank_main, 3, (3, file_rendezvous(folder / run), str(folder / run), run))
                 outcomes[run] = folder / run
             except Exception as error:  # kept, and raised again for each test of the run
                 outcomes[run] = error

@@ -21,13 +21,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from titan_train_curves import tolerance
-from titan_train_ranks import spawn_ranks
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks
 
 import titan_rl
 from titan_train.config import ModelConfig
@@ -119,11 +118,10 @@ def test_one_process_is_titan_rl_train_on_batch_bitwise(name):
 TP_CASES = [name for name in CASES if not CASES[name][3]]  # batch-invariant mode refuses TP (build.validate)
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, tensor_parallel: int) -> None:
+def _rank_main(rank: int, world: int, init_method: str, out: str, tensor_parallel: int) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, world, init_method)
     try:
         names = TP_CASES if tensor_parallel > 1 else list(CASES)
         results = {name: run_updates(name, tensor_parallel=tensor_parallel) for name in names}
@@ -136,10 +134,8 @@ def _rank_main(rank: int, world: int, port: int, out: str, tensor_parallel: int)
 
 def _results_on_ranks(folder: Path, world: int, tensor_parallel: int) -> dict:
     out = str(folder / "results.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(_rank_main, world, (world, port, out, tensor_parallel))
+    init_method = file_rendezvous(folder)
+    spawn_ranks(_rank_main, world, (world, init_method, out, tensor_parallel))
     return torch.load(out)
 
 

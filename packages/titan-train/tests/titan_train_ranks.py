@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import faulthandler
 import importlib.util
+import os
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -34,3 +36,21 @@ def spawn_ranks(fn: Callable, nprocs: int, args: tuple) -> None:
     assert fn.__qualname__ == fn.__name__, f"{fn.__qualname__}: only module-level functions can be sent by name"
     mp.start_processes(_run_from_file, args=(fn.__code__.co_filename, fn.__name__, args), nprocs=nprocs,
                        start_method="spawn")
+
+
+def file_rendezvous(folder: str | Path) -> str:
+    """A file:// init_method naming a file in `folder` that no run used yet.
+
+    A file, not a port picked free and bound later: under pytest -n 15 another test's ranks (often
+    gloo's own ephemeral ports) could take that port between the pick and rank 0's bind. A FileStore
+    file must not exist before init, so every group (every spawn, every re-init) needs a new name."""
+    return f"file://{Path(folder).resolve() / f'rendezvous-{uuid.uuid4().hex}'}"
+
+
+def join_gloo(rank: int, world: int, init_method: str) -> None:
+    """Join the gloo group of `world` ranks the way the trainer does: torchrun's RANK, WORLD_SIZE and
+    LOCAL_RANK, and TITAN_INIT_METHOD (titan_train.process_group) for the rendezvous."""
+    from titan_train.process_group import init_process_group_from_env
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TITAN_INIT_METHOD=init_method)
+    init_process_group_from_env("gloo")

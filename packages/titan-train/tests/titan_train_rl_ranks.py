@@ -1,4 +1,4 @@
-"""Helpers of the RL job tests on gloo ranks: the small job, a free port, the metrics records, and a
+"""Helpers of the RL job tests on gloo ranks: the small job, the metrics records, and a
 recorder of the weights each generator rank holds and the trainer holds after every update.
 
 Importable by name in spawned ranks (conftest.py puts this folder on sys.path); the name is package-unique.
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,12 +26,6 @@ def small_job(folder: Path, **changes) -> RLConfig:
         section, name = dotted.split("__")
         setattr(getattr(config, section), name, value)
     return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def records(folder: Path) -> list[dict]:

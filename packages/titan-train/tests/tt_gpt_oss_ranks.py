@@ -8,8 +8,9 @@ import torch
 import titan_models as tm
 
 
-def attention_rank(rank: int, world: int, port: int, out: dict) -> None:
+def attention_rank(rank: int, world: int, init_method: str, out: dict) -> None:
     import torch.distributed as dist
+    from titan_train_ranks import join_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -18,8 +19,7 @@ def attention_rank(rank: int, world: int, port: int, out: dict) -> None:
     # the trainer has no tensor parallelism for MoE experts)
     from titan_train.parallelize import _compute_on_local_values
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, init_method)
     attention, x, rope = attention_case()
     mesh = init_device_mesh("cpu", (world,))
     parallelize_module(attention, mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),

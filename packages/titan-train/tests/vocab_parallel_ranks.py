@@ -5,14 +5,14 @@ import os
 
 import torch
 import torch.distributed as dist
+from titan_train_ranks import join_gloo
 
 from titan_train.data import IGNORE_INDEX
 from titan_train.loss import fused_linear_cross_entropy
 
 
-def rank_main(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_main(rank: int, world: int, init_method: str, queue) -> None:
+    join_gloo(rank, world, init_method)
     try:
         h, w, y = vocab_parallel_inputs()
         rows = w.shape[0] // world

@@ -6,7 +6,6 @@ update: the new weights reached the engine."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -32,11 +31,11 @@ def small_llama() -> torch.nn.Module:
     return titan_rl.batch_invariant(model)
 
 
-def _rank_main(rank: int, port: int, folder: str) -> None:
+def _rank_main(rank: int, init_method: str, folder: str) -> None:
     import torch.distributed as dist
+    from rank_runner import join_gloo
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+    join_gloo(rank, 2, init_method)
     try:
         sync, rollout = dist.new_group([0, 1]), dist.new_group([0, 1])
         if rank == 1:
@@ -86,10 +85,7 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
 
 def test_vllm_generator_rank_gets_each_update_and_agrees_bitwise(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent.parent))  # rank_runner
-    from rank_runner import spawn_ranks
+    from rank_runner import file_rendezvous, spawn_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(_rank_main, 2, (port, str(tmp_path)))
+    spawn_ranks(_rank_main, 2, (file_rendezvous(tmp_path), str(tmp_path)))
     assert torch.load(tmp_path / "mismatches.pt") == [0.0] * STEPS
