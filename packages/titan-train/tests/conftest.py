@@ -26,7 +26,7 @@ os.environ["OMP_NUM_THREADS"] = "1"  # spawned ranks inherit it before they impo
 torch.set_num_threads(1)  # one thread per process: the machine is shared, and runs stay reproducible
 
 from titan_train_curves import assert_follows  # noqa: E402
-from titan_train_ranks import spawn_ranks  # noqa: E402
+from titan_train_ranks import file_rendezvous, join_gloo, spawn_ranks  # noqa: E402
 
 # A tiny, fast job: the debug Llama cut to 2 layers, short sequences, fp32 on CPU, nothing to resume.
 # job.device cpu: on a GPU machine "auto" would put every gloo rank of a CPU test on cuda:LOCAL_RANK.
@@ -69,15 +69,12 @@ def losses(folder: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, configs: list[TrainConfig]) -> None:
+def _rank_main(rank: int, world: int, init_method: str, configs: list[TrainConfig]) -> None:
     import torch.distributed as dist
 
     from titan_train import train
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    # a file rendezvous, not a port picked free and bound later: under pytest -n 15 another test's ranks
-    # could take that port between the pick and the bind (a failure seen only on loaded machines)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    join_gloo(rank, world, init_method)
     try:
         for config in configs:  # in turn, in one process group (train() joins the existing one)
             train(config)
@@ -96,7 +93,7 @@ def train_each_on_ranks(configs: list[TrainConfig], nproc: int) -> list[dict[int
     and joins the group once, about 3.5 s of CPU per rank); the loss curve of each, as rank 0 wrote it."""
     configs = list(configs)
     with tempfile.TemporaryDirectory(prefix="titan-rendezvous-") as folder:
-        spawn_ranks(_rank_main, nproc, (nproc, str(Path(folder) / "store"), configs))
+        spawn_ranks(_rank_main, nproc, (nproc, file_rendezvous(folder), configs))
     return [losses(Path(config.job.folder)) for config in configs]
 
 
