@@ -115,8 +115,7 @@ def backward_walk(choices: list[BlockChoice], block_gradients: list[int], memory
                   transient: int = 0) -> list[int]:
     """Per block, the high mark of its backward: the state, the gradients made by then (the head's, the later
     blocks', its own share), what it and the blocks before it saved, and its transient."""
-    grads = [0] * len(choices) if memory.gradients_persist else block_gradients
-    made = memory.early_gradients(memory.gradient_bytes - sum(block_gradients))
+    grads, made = _walk_gradients(memory, block_gradients)
     alive = sum(c.saved_bytes for c in choices)
     marks = [0] * len(choices)
     for i in reversed(range(len(choices))):
@@ -124,6 +123,13 @@ def backward_walk(choices: list[BlockChoice], block_gradients: list[int], memory
         made += grads[i]
         alive -= choices[i].saved_bytes
     return marks
+
+
+def _walk_gradients(memory: StaticMemory, block_gradients: list[int]) -> tuple[list[int], int]:
+    """The gradients the backward adds per block (none when they persist through accumulation) and those made
+    before the last block's backward (the head's and the final norm's)."""
+    grads = [0] * len(block_gradients) if memory.gradients_persist else block_gradients
+    return grads, memory.early_gradients(memory.gradient_bytes - sum(block_gradients))
 
 
 def _backward_mark(choice: BlockChoice, made: int, alive: int, own_gradients: int, memory: StaticMemory,
@@ -151,8 +157,8 @@ def backward_floor(profiles: list[BlockProfile], memory: StaticMemory, block_gra
     if not profiles:
         return end
     transient = block_transient(profiles)
-    grads = [0] * len(profiles) if memory.gradients_persist else block_gradients
-    made = memory.early_gradients(memory.gradient_bytes - sum(block_gradients)) + sum(grads[1:])
+    grads, early = _walk_gradients(memory, block_gradients)
+    made = early + sum(grads[1:])
     first = [choose(profiles[0], name, ops, transient) for name, ops in OPTIONS.items()]
     return max(end, min(_backward_mark(c, made, c.saved_bytes, grads[0], memory, transient) for c in first))
 
