@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step (routed rows = tokens x top-k)")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds (medians over them)")
     p.add_argument("--routing", choices=("uniform", "zipf", "both"), default="both")
+    p.add_argument("--sections", action="store_true",
+                   help="only the launch-by-launch breakdown of one fp8 GEMM and its tile sweep (fp8_sections.py)")
     return p.parse_args()
 
 
@@ -286,6 +288,14 @@ def main() -> int:
     routings = ("uniform", "zipf") if args.routing == "both" else (args.routing,)
     report = {"shapes": dims, "env": env_info(), "torch": torch.__version__}
     start = time.time()
+    if args.sections:
+        from fp8_sections import fp8_sections
+
+        backend = "triton" if setup.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+        rows = dims["tokens"] * dims["top_k"]
+        counts = counts_for(routings[0], rows, dims["experts"])
+        report["sections"] = fp8_sections(setup, dims, counts, 1 if args.dry_run else args.rounds, backend)
+        routings = ()
     for routing in routings:
         report[routing] = run_routing(setup, dims, routing, 1 if args.dry_run else args.rounds)
         print_table(routing, report[routing])
