@@ -48,6 +48,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def kernel_backend(device) -> str:
+    """dist-moe's Triton kernels on CUDA (or interpreted on CPU), its torch path otherwise."""
+    return "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+
+
 def shapes(dry: bool, tokens: int) -> dict:
     if dry:
         return dict(tokens=16, top_k=2, experts=4, hidden=128, inter=128)
@@ -72,7 +77,7 @@ def make_step(name: str, x, w13, w2, offsets, dy, inter: int):
 
     import dist_moe
 
-    backend = "triton" if x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    backend = kernel_backend(x.device)
 
     def gmm(a, w):  # w: Linear-style [E, out, in]
         if name == "bf16":
@@ -120,7 +125,7 @@ def scaled_anchor(x, w13, offsets, counts):
     xq, sx = quantize_blocks(x.detach(), 1, x.shape[1], torch.float8_e4m3fn)
     wq, sw = quantize_blocks(w13.detach(), 1, w13.shape[2], torch.float8_e4m3fn)  # [E, N, K], scale [E, N, 1]
     sx, sw = sx.squeeze(1), sw.squeeze(2)
-    backend = "triton" if x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    backend = kernel_backend(x.device)
     ends = counts_cumsum(counts)
     fns = {"dist_moe_fp8_rowwise_fwd": lambda: _scaled_mm(xq, sx, wq.transpose(1, 2), sw, offsets, False,
                                                           torch.bfloat16, backend, ends)}
@@ -221,7 +226,7 @@ def run_layer(setup, dims: dict, counts: list[int], rounds: int) -> dict:
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(**to).requires_grad_()
     weights = torch.rand(tokens, top_k, generator=gen).to(setup.device).requires_grad_()
     dy = torch.randn(tokens, hidden, generator=gen).to(**to)
-    backend = "triton" if setup.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    backend = kernel_backend(setup.device)
     with torch.no_grad():
         want = dist_moe.expert_mlp(*(t.double() for t in (x, w1, w2, w3)), offsets, row_slot, top_k=top_k,
                                    weights=weights.double(), backend="torch")
@@ -291,10 +296,9 @@ def main() -> int:
     if args.sections:
         from fp8_sections import fp8_sections
 
-        backend = "triton" if setup.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
-        rows = dims["tokens"] * dims["top_k"]
-        counts = counts_for(routings[0], rows, dims["experts"])
-        report["sections"] = fp8_sections(setup, dims, counts, 1 if args.dry_run else args.rounds, backend)
+        counts = counts_for(routings[0], dims["tokens"] * dims["top_k"], dims["experts"])
+        report["sections"] = fp8_sections(setup, dims, counts, 1 if args.dry_run else args.rounds,
+                                          kernel_backend(setup.device))
         routings = ()
     for routing in routings:
         report[routing] = run_routing(setup, dims, routing, 1 if args.dry_run else args.rounds)

@@ -44,7 +44,7 @@ def _pieces(recipe_name: str, x, w, dy, offsets, backend: str) -> dict:
     """name -> zero-argument callable, in the order grouped_mm_fp8 runs them."""
     import torch
 
-    from dist_moe.fp8_quant import FP8_DTYPES, padded_chunks, quantize_blocks, quantize_token_columns, resolve_recipe
+    from dist_moe.fp8_quant import FP8_DTYPES, quantize_blocks, quantize_token_columns, resolve_recipe
     from dist_moe.grouped_mm_fp8 import E4M3, _quantize_rows, _quantize_weight_forward, _scaled_mm
 
     recipe = resolve_recipe(recipe_name)
@@ -59,8 +59,7 @@ def _pieces(recipe_name: str, x, w, dy, offsets, backend: str) -> dict:
     else:
         wtq_rows, swt = quantize_blocks(w, 1, w.shape[2], E4M3, backend)
         wtq, swt = wtq_rows.transpose(1, 2), swt.squeeze(2)
-    chunks = padded_chunks(offsets, x.shape[0])
-    xp, dyp = chunks.scatter(x), chunks.scatter(dy)
+    chunks, xp, dyp = _pad(offsets, x, dy)
     xq_t, sxt = quantize_token_columns(xp, chunks, recipe.granularity, E4M3, backend)
     gq_t, sgt = quantize_token_columns(dyp, chunks, recipe.granularity, grad, backend)
     out_dtype = x.dtype
@@ -73,7 +72,7 @@ def _pieces(recipe_name: str, x, w, dy, offsets, backend: str) -> dict:
     if not blockwise:
         pieces["quant_wT"] = lambda: quantize_blocks(w, 1, w.shape[2], E4M3, backend)
     pieces["gemm_dgrad"] = lambda: _scaled_mm(gq, sg, wtq, swt, offsets, blockwise, out_dtype, backend, ends)
-    pieces["pad"] = lambda: (padded_chunks(offsets, x.shape[0]).scatter(x), chunks.scatter(dy))
+    pieces["pad"] = lambda: _pad(offsets, x, dy)
     pieces["quant_cols"] = lambda: (quantize_token_columns(xp, chunks, recipe.granularity, E4M3, backend),
                                     quantize_token_columns(dyp, chunks, recipe.granularity, grad, backend))
     if backend == "triton":
@@ -82,6 +81,14 @@ def _pieces(recipe_name: str, x, w, dy, offsets, backend: str) -> dict:
         dw = torch.empty_like(w)
         pieces["gemm_wgrad"] = lambda: scaled_weight_gemm(xq_t, sxt, gq_t, sgt, chunks.ends, dw)
     return pieces
+
+
+def _pad(offsets, x, dy):
+    """The weight gradient's padding as grouped_mm_fp8 runs it: one chunk layout, both operands scattered."""
+    from dist_moe.fp8_quant import padded_chunks
+
+    chunks = padded_chunks(offsets, x.shape[0])
+    return chunks, chunks.scatter(x), chunks.scatter(dy)
 
 
 def _whole_step(recipe_name: str, x, w, dy, offsets, backend: str):
@@ -116,12 +123,11 @@ def _bf16_pieces(x, w, dy, offsets, backend: str) -> dict:
 
 
 def _row_sweep(setup, x, w, offsets, backend: str, rounds: int) -> dict:
+    if backend != "triton":  # the tiles are the Triton kernel's
+        return {}
     import torch
 
     from dist_moe.grouped_mm_fp8 import E4M3, _quantize_rows, _quantize_weight_forward
-
-    if backend != "triton":
-        return {}
     from dist_moe.kernels.fp8_launch import Fp8RowConfig, scaled_row_gemm
 
     xq, sx = _quantize_rows(x, False, E4M3, backend)
