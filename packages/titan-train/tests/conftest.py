@@ -104,6 +104,19 @@ def train_folders_on_ranks(root: Path, runs: dict[str, dict[str, str]], nproc: i
     return {name: root / name for name in runs}
 
 
+@pytest.fixture(autouse=True)
+def _allocator_env_restored():
+    """main() sets the CUDA allocator's default in os.environ (cli.default_cuda_allocator): undone after each
+    test, so a test's environment does not depend on which tests ran before it in the worker."""
+    saved = {name: os.environ.get(name) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def cli():
     """cli.run(args, nproc=1), cli.command(args, nproc), cli.env(), cli.losses(folder), cli.TINY (as args)."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from titan_train import TrainConfig, load_recipe
-from titan_train.cli import main, parse_args
+from titan_train.cli import default_cuda_allocator, main, parse_args
 from titan_train.cli_args import ConfigError, apply_override, check_types, describe_fields, field_types, section_types
 
 REQUIRED_FLAGS = ["--training.steps", "--training.batch_size", "--training.seq_len", "--job.folder",
@@ -141,3 +142,21 @@ def test_sections_nest_to_any_depth():
     tree.model.moe.num_experts = "4"
     with pytest.raises(ConfigError, match="model.moe.num_experts = '4' does not fit int"):
         check_types(tree)
+
+
+def test_cuda_allocator_defaults_to_expandable_segments_and_keeps_the_users_setting(monkeypatch):
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("torch.cuda.is_initialized", lambda: False)
+    default_cuda_allocator()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # the user's, under either name, stays
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        monkeypatch.setenv(name, "backend:cudaMallocAsync")
+        default_cuda_allocator()
+        assert os.environ[name] == "backend:cudaMallocAsync"
+        assert name == "PYTORCH_CUDA_ALLOC_CONF" or "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+        monkeypatch.delenv(name)
+    monkeypatch.setattr("torch.cuda.is_initialized", lambda: True)  # too late: CUDA read it already
+    default_cuda_allocator()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

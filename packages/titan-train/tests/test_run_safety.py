@@ -172,6 +172,31 @@ def test_sizes_that_cannot_fit_are_refused_with_the_estimate(tmp_path, jobs, mon
         Trainer(too_big, torch.device("cpu"))
 
 
+def test_the_activation_bound_follows_which_layers_may_be_checkpointed(tmp_path, jobs):
+    # remat may recompute every block, so its bound is full checkpointing's (it was counted as mode none's,
+    # refusing an 8B at batch 16 x 4096 on an H200 that full checkpointing's bound admitted); selective
+    # layers every 2 checkpoints layers 0 and 2 of 3 (parallelize.py).
+    import titan_train.memory_estimate as memory
+
+    tokens, dim, block = 2 * 128, 256, 4 * 256 + 2 * 768  # the tiny job: fp32, dim 256, ffn 768
+    expected = {"full": tokens * (3 * dim + block) * 4, "remat": tokens * (3 * dim + block) * 4,
+                "layers2": tokens * (2 * dim + 1 * block + block) * 4, "ops": tokens * 3 * block * 4,
+                "none": tokens * 3 * block * 4}
+    flags = {"full": {"activation_checkpoint.mode": "full"}, "remat": {"activation_checkpoint.mode": "remat"},
+             "layers2": {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective": "layers",
+                         "activation_checkpoint.every": "2"},
+             "ops": {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective": "ops"},
+             "none": {"activation_checkpoint.mode": "none"}}
+    found = {}
+    for name, overrides in flags.items():
+        config = jobs.tiny(tmp_path / name, **{"model.num_layers": "3", "training.batch_size": "2",
+                                               "training.seq_len": "128", **overrides})
+        model_cfg = model_config(config.model, vocab_needed=0)
+        found[name] = memory.estimate(config, model_cfg, _one_rank(), device=torch.device("cpu"),
+                                      n_params=1).activations
+    assert found == expected
+
+
 def test_the_estimate_counts_12_bytes_a_parameter_with_bf16_moments(tmp_path, jobs):
     import titan_train.memory_estimate as memory
 

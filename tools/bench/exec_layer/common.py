@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import statistics
 import subprocess
@@ -29,12 +30,24 @@ def run_job(args: list[str], *, timeout: float) -> dict:
     metrics = job / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-        return {"error": "OOM" if "OutOfMemory" in proc.stderr else tail[0][:800], "wall_s": wall}
+        return {"error": _oom_summary(proc.stderr) if "OutOfMemory" in proc.stderr else tail[0][:800], "wall_s": wall}
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steady = [r["step_seconds"] for r in records[2:]] or [records[-1]["step_seconds"]]
     step = statistics.median(steady)
     plan = job / "remat_plan.json"
     return {"step_s": step, "first_step_s": records[0]["step_seconds"], "compile_s": records[0]["step_seconds"] - step,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[2:] or records[-1:]),
-            "memory_gib": max(r["memory_gib"] or 0 for r in records), "wall_s": wall,
+            "memory_gib": max(r["memory_gib"] or 0 for r in records),
+            "reserved_gib": max(r.get("memory_reserved_gib") or 0 for r in records), "wall_s": wall,
             "plan": json.loads(plan.read_text()) if plan.exists() else None}
+
+
+def _oom_summary(stderr: str) -> str:
+    """'OOM' with the allocator's own account from torch's message (what was asked, what is free, allocated,
+    reserved but unallocated): tells a plan that counted too little from one the allocator's cache fragmented."""
+    found = re.search(r"Tried to allocate ([\d.]+ [KMG]iB).*?([\d.]+ [KMG]iB) is free.*?([\d.]+ [KMG]iB) is allocated by "
+                      r"PyTorch, and ([\d.]+ [KMG]iB) is reserved by PyTorch but unallocated", stderr, re.S)
+    if not found:
+        return "OOM"
+    asked, free, allocated, cached = found.groups()
+    return f"OOM (asked {asked}, free {free}, allocated {allocated}, reserved but unallocated {cached})"

@@ -23,6 +23,11 @@ too and remat also at the top level (--capacity minus 4 GiB): 8 points at batch 
 batches 3 and 4 (none is predicted OOM there; ~7 min each): one batch per GPU call, e.g.
 --grid --batches 3 --deadline 520.
 
+--modes picks the existing modes (e.g. --modes full,ops --budgets 130,138: the top of the frontier at one
+batch without none's predicted OOM). Each process runs with the trainer's CUDA allocator default
+(expandable segments, titan_train/cli.py) unless PYTORCH_CUDA_ALLOC_CONF says otherwise; 'reserved' is the
+allocator's peak beside the allocated one, and an OOM prints the allocator's account of it.
+
 Memory levels and the budget: activation_checkpoint.memory_budget_gib is the TOTAL peak the remat planner
 aims at (weights + gradients + moments + saved activations; titan_train/remat/apply.py), not an activation
 budget; a remat point is called with the level as its budget, its measured peak is checked against it, and
@@ -74,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grid", action="store_true", help="batches 2,3,4, every mode, remat at 4 levels (~15 min/batch)")
     p.add_argument("--batches", default="", help="comma list (default 2; --grid: 2,3,4)")
     p.add_argument("--budgets", default="", help="remat budgets in GiB, total (default: the levels above)")
+    p.add_argument("--modes", default="", help=f"existing modes to run, comma list of {','.join(EXISTING)} "
+                   "(default full,ops,none; --grid: all); --budgets is then needed if ops or none is left out")
     p.add_argument("--layers", type=int, default=0, help="layers of the 8B (0: all 32)")
     p.add_argument("--steps", type=int, default=6, help="steps a point; tokens/s is the median after two")
     p.add_argument("--capacity", type=float, default=139.0, help="GiB the device holds")
@@ -81,6 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=480.0, help="no point starts after this many seconds")
     args = p.parse_args(argv)
     args.batches = args.batches or ("2,3,4" if args.grid else "2")
+    modes = [m for m in args.modes.split(",") if m] or (list(EXISTING) if args.grid else ["full", "ops", "none"])
+    unknown = sorted(set(modes) - set(EXISTING))
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(EXISTING)}")
+    if not args.budgets and not {"full", "ops", "none"} <= set(modes):
+        p.error("--modes without full, ops and none needs --budgets (the default levels are those modes' peaks)")
+    args.modes = modes
     return args
 
 
@@ -145,7 +159,7 @@ def _planner_keep(cfg, seq_len: int, dtype, *, grad_bytes: int, compiled: bool =
 
 def plan_points(shape: Shape, tokens: int, args) -> list[Point]:
     """The existing modes of the run, then remat at each level, each with its counted peak."""
-    names = list(EXISTING) if args.grid else ["full", "ops", "none"]
+    names = args.modes
     counted = {n: peak(shape, tokens, COUNTED[n]) / GIB for n in names}
     points = [Point(n, EXISTING[n], counted[n]) for n in names]
     if args.budgets:
@@ -202,8 +216,8 @@ def _gib(value: float) -> str:
 
 
 def print_table(batch: int, points: list[Point], results: dict[str, dict]) -> None:
-    print(f"\nbatch {batch}: {'variant':16s} {'pred GiB':>9s} {'peak GiB':>9s} {'tokens/s':>9s} {'vs full':>8s}  "
-          "remat check")
+    print(f"\nbatch {batch}: {'variant':16s} {'pred GiB':>9s} {'peak GiB':>9s} {'reserved':>9s} {'tokens/s':>9s} "
+          f"{'vs full':>8s}  remat check")
     full = results.get("full", {}).get("tokens_per_s")
     for p in points:
         r = results[p.name]
@@ -211,7 +225,8 @@ def print_table(batch: int, points: list[Point], results: dict[str, dict]) -> No
             print(f"batch {batch}: {p.name:16s} {_gib(p.predicted_gib)} {r['error']}")
             continue
         ratio = f"{r['tokens_per_s'] / full:.3f}x" if full else "-"
-        print(f"batch {batch}: {p.name:16s} {_gib(p.predicted_gib)} {_gib(r['memory_gib'])} {r['tokens_per_s']:9.0f} "
+        print(f"batch {batch}: {p.name:16s} {_gib(p.predicted_gib)} {_gib(r['memory_gib'])} {_gib(r['reserved_gib'])} "
+              f"{r['tokens_per_s']:9.0f} "
               f"{ratio:>8s}  {remat_check(p, r, results)}")
 
 

@@ -20,6 +20,22 @@ Under torchrun (torchrun --nproc-per-node N -m titan_train ...) each process is 
 """
 
 
+ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch >= 2.9 reads either
+
+
+def default_cuda_allocator() -> None:
+    """CUDA's caching allocator with expandable segments unless the user configured it: a step's activations
+    come and go in sizes that fixed segments fragment, so a plan near the device's capacity (the remat
+    planner's top budget) can fail with gigabytes reserved but unallocated. torchtitan's launcher sets the
+    same. The setting is read when CUDA first allocates: set before that, or not at all."""
+    import os
+
+    import torch
+
+    if not any(name in os.environ for name in ALLOCATOR_ENV) and not torch.cuda.is_initialized():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, set[str]]:
     """The trainer's config the arguments describe, and the actions asked for (help, list-recipes, print-config)."""
     return command.parse_args(argv, registry=None, config_type=TrainConfig, default=DEFAULT_RECIPE)
@@ -46,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    registry=recipes())
     from .nonfinite import NonFiniteLossError
     from .trainer import train
+
+    default_cuda_allocator()
 
     code = 0
     try:

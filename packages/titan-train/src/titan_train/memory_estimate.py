@@ -3,11 +3,11 @@ batch_size whose activations cannot fit stops at config time with the estimate, 
 out-of-memory error (or the kernel's OOM killer, on a CPU) minutes into the run.
 
 The bound counts only what a step must hold at once:
-- activations: for each of this rank's layers and each token of a microbatch, the block input when
-  activation checkpointing is full, else at least the matmul outputs a SwiGLU block's backward needs
-  (4 x dim for attention's q, attention output, output projection and FFN output, 2 x the FFN width
-  for the gate and up projections), in the compute dtype; plus one layer's worth under full
-  checkpointing (its recompute);
+- activations: for each of this rank's layers and each token of a microbatch, the block input where the
+  layer may be checkpointed (every layer under full checkpointing and remat, every `every`-th under
+  selective layers), else at least the matmul outputs a SwiGLU block's backward needs (4 x dim for
+  attention's q, attention output, output projection and FFN output, 2 x the FFN width for the gate and
+  up projections), in the compute dtype; plus one layer's worth when any is checkpointed (its recompute);
 - the loss chunk's fp32 logits and their gradient (chunk x vocab x 2);
 - fp32 parameters, gradients and AdamW's two moments (16 bytes a parameter; 12 under bf16_params with
   optimizer.moment_dtype=bfloat16: bf16 weight and gradient, fp32 master, bf16 moments), split over the ranks;
@@ -53,16 +53,28 @@ def estimate(config: TrainConfig, model_cfg, degrees: Degrees, *, device: torch.
     moe = getattr(model_cfg, "moe", None)
     ffn = moe.top_k * moe.expert_dim if moe is not None else getattr(model_cfg, "ffn_dim", 0)
     per_layer_token = 4 * model_cfg.dim + 2 * ffn
-    if config.activation_checkpoint.mode == "full":
-        activations = tokens * (layers * model_cfg.dim + per_layer_token) * value_bytes
-    else:
-        activations = tokens * layers * per_layer_token * value_bytes
+    checkpointed = checkpointed_layers(config, layers)
+    recompute = per_layer_token if checkpointed else 0  # one checkpointed layer's, in its backward
+    activations = tokens * (checkpointed * model_cfg.dim + (layers - checkpointed) * per_layer_token
+                            + recompute) * value_bytes
     chunk = min(t.loss_chunk_size, tokens)
     loss = chunk * model_cfg.vocab_size * 4 * 2
     world = degrees.dp * degrees.cp * degrees.tp * degrees.pp
     states = state_bytes_per_param(config, device) * n_params // world
     data = 3 * t.batch_size * (t.seq_len + 1) * 8
     return MemoryEstimate(activations=activations, loss=loss, states=states, data=data)
+
+
+def checkpointed_layers(config: TrainConfig, layers: int) -> int:
+    """Of this rank's `layers`, those that may save only their input: all under full checkpointing and under
+    remat (its planner may recompute every block, and picks what the budget keeps), every `every`-th from the
+    first under selective layers (parallelize.py), none under selective ops or none."""
+    ac = config.activation_checkpoint
+    if ac.mode in ("full", "remat"):
+        return layers
+    if ac.mode == "selective" and ac.selective == "layers":
+        return -(-layers // max(ac.every, 1))
+    return 0
 
 
 def state_bytes_per_param(config: TrainConfig, device: torch.device) -> int:
@@ -142,9 +154,10 @@ def check_memory_fits(config: TrainConfig, model_cfg, degrees: Degrees, *, devic
     if need.total <= free:
         return
     t = config.training
+    hint = "" if checkpointed_layers(config, 2) == 2 else ", or set activation_checkpoint.mode=full"
     raise ValueError(
         f"training.seq_len={t.seq_len} x training.batch_size={t.batch_size} cannot fit: each rank needs at least "
         f"{need.total / GiB:.1f} GiB (activations {need.activations / GiB:.1f}, loss chunk {need.loss / GiB:.1f}, "
         f"parameters + gradients + AdamW moments {need.states / GiB:.1f}, batch rows {need.data / GiB:.1f}) but "
         f"{device.type} has {free / GiB:.1f} GiB free; lower training.batch_size or training.seq_len, raise "
-        "training.grad_accum_steps or the parallel degrees, or set activation_checkpoint.mode=full")
+        f"training.grad_accum_steps or the parallel degrees{hint}")

@@ -40,6 +40,12 @@ def memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def memory_reserved_gib(device: torch.device) -> float | None:
+    """Peak memory the GPU allocator held from the device (allocated + cached, fragmentation included): what
+    an out-of-memory error is about, beside memory_gib's allocated peak. None off CUDA."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
 class MetricsWriter:
     def __init__(self, folder: Path, *, tensorboard: bool, start_step: int = 0, sinks: list | None = None):
         """sinks: more writers of each record (write(record), close()), e.g. tracking.WandbSink."""

@@ -22,7 +22,7 @@ from .data import IGNORE_INDEX, Batch
 from .field_checks import check_run_fields
 from .grad_norm import clip_by_total_norm
 from .memory_estimate import check_memory_fits
-from .metrics import memory_gib, peak_flops
+from .metrics import memory_gib, memory_reserved_gib, peak_flops
 from .model_setup import model_config
 from .multi_token import MTPBatch, mtp_batch, mtp_objective, mtp_weight
 from .nonfinite import NonFiniteGuard, NonFiniteLossError
@@ -396,7 +396,7 @@ class Trainer:
         last = pending[-1]
         record = {"step": last.step, "loss": values[-1][0], "tokens_per_s": tokens_per_s, "lr": last.lr,
                   "grad_norm": values[-1][1], "mfu": mfu, "memory_gib": memory_gib(self.device),
-                  "step_seconds": seconds}
+                  "memory_reserved_gib": memory_reserved_gib(self.device), "step_seconds": seconds}
         if self.model_cfg_mtp:  # beside the main loss, which stays comparable with runs without MTP
             record["mtp_loss"] = values[-1][2]
         if self.config.model.moe_routing != "learned":  # forced routing changes the workload: say so everywhere
