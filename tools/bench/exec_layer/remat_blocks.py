@@ -1,10 +1,12 @@
 """A mixed remat plan's per-block memory on one GPU, measured against the planner's prediction (issue 20).
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/exec_layer/remat_blocks.py \
-        [--layers 8] [--batch 2] [--plan save_matmuls_attention*3,save_attention*3,recompute,keep] [--eager]
+        [--layers 8] [--batch 2] [--plan save_matmuls_attention*3,save_attention*3,recompute,keep] [--eager] \
+        [--fused]
 
 Llama 3 8B's blocks (--layers of them, the 8B's shapes) in bf16 on CUDA, each wrapped for its option as the
 trainer wraps it (titan_train/remat/wrap.py) and compiled as compile.mode=blocks does (inductor; --eager: not),
+their SwiGLU the trainer's fused one on CUDA with --fused (training.fused_kernels, the Triton backward),
 run forward and backward once over random embeddings (after one warm-up pass that compiles), loss = sum of the
 last block's output. Per block: what it holds after its forward (the allocator's growth across it, its output
 left out, its input counted if it keeps it), the high mark of its forward and of its backward
@@ -39,12 +41,16 @@ def parse_plan(text: str, layers: int) -> list[str]:
     return plan
 
 
-def build(layers: int, flavor: str = "8B"):
+def build(layers: int, flavor: str = "8B", fused: bool = False):
     import titan_models
 
     cfg = titan_models.transforms.num_layers(layers)(titan_models.flavor("llama3", flavor))
     with torch.device("meta"):
         model = cfg.build()
+    if fused:
+        from titan_train.kernels.swiglu import use_fused_swiglu
+
+        use_fused_swiglu(model)
     model = model.to_empty(device=DEVICE).to(torch.bfloat16)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
@@ -120,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--plan", default="save_matmuls_attention*3,save_attention*3,recompute,keep",
                    help="comma list of options, name*count repeats, one per block")
     p.add_argument("--eager", action="store_true", help="blocks not compiled")
+    p.add_argument("--fused", action="store_true", help="the trainer's fused SwiGLU (Triton backward), as on CUDA")
     p.add_argument("--check", action="store_true", help="exit 1 if a measured figure exceeds its prediction")
     p.add_argument("--tolerance", type=float, default=0.05)
     args = p.parse_args(argv)
@@ -130,7 +137,7 @@ def main(argv=None) -> int:
     from titan_train.remat.plan import OPTIONS
 
     plan = parse_plan(args.plan, args.layers)
-    model = build(args.layers, args.flavor)
+    model = build(args.layers, args.flavor, args.fused)
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=DEVICE)
     with torch.no_grad():
         h = model.tok_embeddings(tokens)
@@ -152,7 +159,8 @@ def main(argv=None) -> int:
 
 
 def report(plan: list[str], pred: dict, measured: dict, state: int, args) -> int:
-    print(f"{args.layers} {args.flavor} blocks, batch {args.batch} x {args.seq}, {'eager' if args.eager else 'compiled'}; "
+    print(f"{args.layers} {args.flavor} blocks, batch {args.batch} x {args.seq}, {'eager' if args.eager else 'compiled'}"
+          f"{', fused SwiGLU' if args.fused else ''}; "
           f"state before the pass {state / GIB:.3f} GiB (GiB below; forward/backward: absolute high marks)")
     print(f"{'block':>5s} {'option':24s} {'saved pred':>10s} {'meas':>7s} {'fwd pred':>9s} {'meas':>7s} "
           f"{'bwd pred':>9s} {'meas':>7s}")
