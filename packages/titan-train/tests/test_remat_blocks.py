@@ -58,7 +58,8 @@ def test_the_bench_accounting_on_a_faked_allocator(monkeypatch, capsys):
         monkeypatch.setattr(torch.cuda, name, fn)
     monkeypatch.setattr(remat_blocks, "DEVICE", "cpu")
     build = remat_blocks.build
-    monkeypatch.setattr(remat_blocks, "build", lambda layers, flavor: build(layers, flavor).float())  # CPU: fp32
+    # CPU: fp32
+    monkeypatch.setattr(remat_blocks, "build", lambda layers, flavor, fused=False: build(layers, flavor, fused).float())
     seen = {}
 
     def fp32_choices(model, plan, rows, seq, compiled):

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     from titan_train.cli import parse_args as train_args
     from titan_train.kernels.swiglu import use_fused_swiglu
     from titan_train.memory_estimate import remat_static_memory
-    from titan_train.remat import peak_model, peak_plan, profile_blocks
+    from titan_train.remat import peak_model, planned_under_budget, profile_blocks
     from titan_train.remat.apply import block_gradients
     from titan_train.remat.peak import backward_floor, block_transient
     from titan_train.remat.plan import GIB, OPTIONS, choose
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         f"{n} saved {c.saved_bytes / GIB:.3f} fwd {c.forward_peak_bytes / GIB:.3f} bwd +{c.backward_transient_bytes / GIB:.3f}"
         for n, c in ((n, choose(profiles[0], n, o)) for n, o in OPTIONS.items())))
     for level in levels:
-        choices, model_peak = peak_plan(profiles, int(level * GIB), memory, grads)
+        choices, model_peak = planned_under_budget(profiles, int(level * GIB), memory, grads)
         options = ", ".join(f"{n} {o}" for o, n in Counter(c.option for c in choices).items())
         print(f"budget {level:g} GiB: {options}; planned {model_peak.total_bytes / GIB:.2f} GiB (forward "
               f"{model_peak.forward_bytes / GIB:.2f}, backward {model_peak.backward_bytes / GIB:.2f})", flush=True)

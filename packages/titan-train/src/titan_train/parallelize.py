@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .config import ActivationCheckpointConfig
+from .remat.wrap import checkpoint_whole
 
 
 def matching_modules(model: nn.Module, pattern: str) -> list[str]:
@@ -255,11 +256,11 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
         raise ValueError(f"activation_checkpoint.every must be >= 1, got {config.every}")
     for index, (name, block) in enumerate(list(model.layers.items())):
         if config.mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = checkpoint_whole(block)
         elif config.selective == "layers":
             if index % config.every:
                 continue
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = checkpoint_whole(block)
         else:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
                                          context_fn=partial(create_selective_checkpoint_contexts, _op_sac_policy()))

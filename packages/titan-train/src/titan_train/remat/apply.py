@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..config import ActivationCheckpointConfig
 from .measure import profile_blocks
-from .peak import StaticMemory, block_transient, peak_model, peak_plan
+from .peak import StaticMemory, block_transient, peak_model, planned_under_budget
 from .plan import GIB, explicit_plan, normalize_op
 from .report import plan_report, summary_line
 from .wrap import wrap_block
@@ -28,7 +28,7 @@ def apply_remat(model: nn.Module, config: ActivationCheckpointConfig, *, rows: i
     budget = None
     if config.memory_budget_gib:
         budget = int(config.memory_budget_gib * GIB)
-        choices, peak = peak_plan(profiles, budget, memory, gradients)
+        choices, peak = planned_under_budget(profiles, budget, memory, gradients)
     else:
         choices = explicit_plan(profiles, config.save_ops, config.save_blocks)
         peak = peak_model(choices, gradients, memory, block_transient(profiles))

@@ -6,6 +6,13 @@ closure's cells, so blocks whose closures differed only in save_ops shared the f
 in a compiled mixed plan every selectively checkpointed block saved what the first one did (issue 20: 10
 save_attention blocks saving matmuls too, +5.6 GiB on the 8B). With save_ops a partial argument the guard
 compares the tuple and each policy compiles its own graph (test_remat_options.py counts it).
+
+A block checkpointed whole is a selective checkpoint whose policy recomputes every op, not torch's plain
+checkpoint: compiled on torch 2.11, the plain one left the ops of a custom autograd.Function (the fused
+SwiGLU's, kernels/swiglu.py) without the checkpoint's recompute tag, and the partitioner saved their output
+(pytorch/pytorch#177396, fixed later by the same route): an 8B block saved its [tokens, 14336] SwiGLU output
+beside its [tokens, 4096] input, 4.4x the bytes, measured on the H200. The selective path tags every op it
+dispatches, the Function's too (test_remat_whole.py).
 """
 from __future__ import annotations
 
@@ -34,13 +41,17 @@ def save_policy(save_ops: tuple[str, ...]):
 
 
 def wrap_block(block: nn.Module, save_ops: tuple[str, ...] | None) -> nn.Module:
-    """None: the block itself (kept); (): checkpointed whole; else selectively, saving `save_ops`' outputs."""
+    """None: the block itself (kept); (): checkpointed whole (every op recomputed); else selectively, saving
+    `save_ops`' outputs."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if save_ops is None:
         return block
-    if not save_ops:
-        return checkpoint_wrapper(block, preserve_rng_state=False)
     context = partial(create_selective_checkpoint_contexts, save_policy(save_ops))
     return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
+
+
+def checkpoint_whole(block: nn.Module) -> nn.Module:
+    """`block` checkpointed whole: only its input saved, every op recomputed in the backward."""
+    return wrap_block(block, ())
