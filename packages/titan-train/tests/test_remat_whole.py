@@ -1,8 +1,8 @@
 """A block checkpointed whole (remat/wrap.py checkpoint_whole: activation_checkpoint.mode=full, selective
 layers, remat's recompute option) saves only its input when compiled, also with the fused SwiGLU's custom
 autograd.Function inside. torch 2.11's plain checkpoint left that Function's ops untagged and its partitioner
-saved the SwiGLU output beside the input (pytorch/pytorch#177396; on the H200 an 8B block saved 4.4x its
-input's bytes): the control below shows it there, on the torch that has the bug."""
+saved the SwiGLU output beside the input (pytorch/pytorch#177396; on the H200 an 8B block saved 4.3x the bytes
+it saves without it): the control below shows it there, on the torch that has the bug."""
 from __future__ import annotations
 
 import pytest

@@ -11,7 +11,7 @@ A block checkpointed whole is a selective checkpoint whose policy recomputes eve
 checkpoint: compiled on torch 2.11, the plain one left the ops of a custom autograd.Function (the fused
 SwiGLU's, kernels/swiglu.py) without the checkpoint's recompute tag, and the partitioner saved their output
 (pytorch/pytorch#177396, fixed later by the same route): an 8B block saved its [tokens, 14336] SwiGLU output
-beside its [tokens, 4096] input, 4.4x the bytes, measured on the H200. The selective path tags every op it
+beside its [tokens, 4096] input, 4.3x the bytes, measured on the H200. The selective path tags every op it
 dispatches, the Function's too (test_remat_whole.py).
 """
 from __future__ import annotations
