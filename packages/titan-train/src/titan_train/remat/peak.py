@@ -34,8 +34,9 @@ from .measure import BlockProfile
 from .plan import GIB, OPTIONS, BlockChoice, budget_plan, choose, cost
 
 # The trainer's plan aims this fraction of the budget under it (planned_under_budget): the step's measured peak
-# on the H200 was within -0.95 to +0.09 GiB of the peak model's over 12 plans of the 8B (allocator rounding,
-# buffers the model approximates); 0.2% is 0.28 GiB at 138 GiB, three times the largest excess.
+# on the H200 was within -0.95 to +0.09 GiB of the peak model's over the 14 plans of the 8B measured at batches
+# 2-24 (allocator rounding, buffers the model approximates; docs/benchmarks.md); 0.2% is 0.28 GiB at 138 GiB,
+# three times the largest excess.
 PLAN_HEADROOM = 0.002
 
 
