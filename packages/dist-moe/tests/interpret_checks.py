@@ -171,7 +171,7 @@ def expert_mlp_reference(x, w1, w2, w3, expert_ids, weights):
 
 
 def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: int = 24, ffn: int = 40,
-                    weight_grad: str = "triton", frozen_weights: bool = False) -> None:
+                    weight_grad: str = "triton", frozen_weights: bool = False, keep_routed_input: bool = False) -> None:
     gen = torch.Generator().manual_seed(1)
     num_experts = 5
     ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(rows)])
@@ -189,9 +189,22 @@ def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: i
         params["weights"] = torch.rand(rows, top_k, generator=gen)
     grad = torch.randn(rows, dim, generator=gen)
     mine = {k: v.clone().requires_grad_(not (frozen_weights and k == "weights")) for k, v in params.items()}
-    out = dist_moe.expert_mlp(mine["x"], mine["w1"], mine["w2"], mine["w3"], offsets, row_slot, top_k=top_k,
-                              weights=mine.get("weights"), backend="triton", weight_grad=weight_grad)
+    saved_rows = []  # rows of every saved tensor as wide as x: x itself, or the kept routed rows
+
+    def pack(t):
+        if t.dim() == 2 and t.shape[1] == dim:
+            saved_rows.append(t.shape[0])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = dist_moe.expert_mlp(mine["x"], mine["w1"], mine["w2"], mine["w3"], offsets, row_slot, top_k=top_k,
+                                  weights=mine.get("weights"), backend="triton", weight_grad=weight_grad,
+                                  keep_routed_input=keep_routed_input)
     out.backward(grad)
+    # The kept copy holds every routed row in the padded layout (rows * top_k and more); x has `rows`.
+    kept = [n for n in saved_rows if n >= rows * top_k + num_experts]
+    results[f"{name}_saves"] = {"ok": saved_rows == ([max(kept, default=-1)] if keep_routed_input else [rows]),
+                                "err": 0.0, "scale": 0.0, "saved_rows": saved_rows}
     ref = {k: v.double().requires_grad_() for k, v in params.items()}
     want = expert_mlp_reference(ref["x"], ref["w1"], ref["w2"], ref["w3"], ids, ref.get("weights"))
     want.backward(grad.double())
@@ -206,6 +219,9 @@ def main() -> None:
     slot_sum_checks()
     expert_mlp_case("expert_mlp_top2_weighted", rows=11, top_k=2, with_weights=True)
     expert_mlp_case("expert_mlp_top1_unweighted", rows=9, top_k=1, with_weights=False)
+    # The routed rows copied once, read by the gate/up GEMM from the padded layout, reused in the backward.
+    expert_mlp_case("expert_mlp_top2_keep_routed", rows=11, top_k=2, with_weights=True, keep_routed_input=True)
+    expert_mlp_case("expert_mlp_top1_keep_routed", rows=9, top_k=1, with_weights=False, keep_routed_input=True)
     # Routing weights that need no gradient still scale the expert gradients.
     expert_mlp_case("expert_mlp_top2_frozen_weights", rows=11, top_k=2, with_weights=True, frozen_weights=True)
     # The fallback option: weight gradients by torch._grouped_mm on the same padded operands.
@@ -223,6 +239,9 @@ def main() -> None:
     launch.row_candidates = configs.row_candidates
     # Whole tiles, so every weight operand (both layouts) can go through a descriptor.
     expert_mlp_case("expert_mlp_top2_tma_persistent", rows=11, top_k=2, with_weights=True, dim=32, ffn=48)
+    # ... and the kept routed rows through an A descriptor too (the dual_tma role).
+    expert_mlp_case("expert_mlp_top2_tma_persistent_keep_routed", rows=11, top_k=2, with_weights=True, dim=32,
+                    ffn=48, keep_routed_input=True)
     print(json.dumps(results))
 
 

@@ -49,11 +49,11 @@ def make_case(rows, top_k, num_experts, dim, ffn, device, dtype, *, starve=(), w
     return ids, row_slot.to(device), offsets.to(device), mine, ref, grad
 
 
-def run(backend, device, dtype, **case):
+def run(backend, device, dtype, keep_routed_input=False, **case):
     ids, row_slot, offsets, mine, ref, grad = make_case(device=device, dtype=dtype, **case)
     top_k = ids.shape[1]
     out = dist_moe.expert_mlp(mine["x"], mine["w1"], mine["w2"], mine["w3"], offsets, row_slot, top_k=top_k,
-                              weights=mine.get("weights"), backend=backend)
+                              weights=mine.get("weights"), backend=backend, keep_routed_input=keep_routed_input)
     out.backward(grad.to(device, dtype))
     want = per_token_reference(ref["x"], ref["w1"], ref["w2"], ref["w3"], ids, ref.get("weights"))
     want.backward(grad.to(device, torch.float64))
@@ -91,16 +91,20 @@ def test_shape_errors_are_named():
         dist_moe.expert_mlp(x, w1, w2, w1, offsets, slot, top_k=1)
     with pytest.raises(ValueError, match="weights must be"):
         dist_moe.expert_mlp(x, w1, w2, w1, offsets, slot, top_k=2, weights=torch.rand(4, 1))
+    with pytest.raises(TypeError, match="keep_routed_input must be a bool"):
+        dist_moe.expert_mlp(x, w1, w2, w1, offsets, slot, top_k=2, keep_routed_input="yes")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)")
 
 
 @cuda
+@pytest.mark.parametrize("keep_routed_input", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_path_on_gpu(dtype):
-    run("triton", "cuda", dtype, rows=300, top_k=4, num_experts=8, dim=256, ffn=192, starve=(2,))
-    run("triton", "cuda", dtype, rows=70, top_k=1, num_experts=3, dim=136, ffn=72, with_weights=False)
+def test_triton_path_on_gpu(dtype, keep_routed_input):
+    run("triton", "cuda", dtype, keep_routed_input, rows=300, top_k=4, num_experts=8, dim=256, ffn=192, starve=(2,))
+    run("triton", "cuda", dtype, keep_routed_input, rows=70, top_k=1, num_experts=3, dim=136, ffn=72,
+        with_weights=False)
 
 
 @cuda
@@ -132,7 +136,9 @@ def test_every_candidate_on_gpu(monkeypatch):
         monkeypatch.setattr(launch, "weight_candidates", lambda device, dtype=None, *, tma=False:
                             [weights_of[tma][min(index, len(weights_of[tma]) - 1)]])
         configs._chosen.clear()
-        run("triton", "cuda", torch.bfloat16, rows=200, top_k=4, num_experts=6, dim=256, ffn=256, starve=(2,))
+        for keep in (False, True):  # the gate/up GEMM's "dual" role gathers, "dual_tma" reads the kept copy
+            run("triton", "cuda", torch.bfloat16, keep, rows=200, top_k=4, num_experts=6, dim=256, ffn=256,
+                starve=(2,))
         run_grouped_mm_case()
     configs._chosen.clear()
 

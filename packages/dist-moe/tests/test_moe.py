@@ -218,6 +218,11 @@ def test_config_errors_are_named(change, message):
         dist_moe.MoEConfig(**{**QWEN_LIKE, **change})
 
 
+def test_keep_routed_input_must_be_a_bool():
+    with pytest.raises(TypeError, match="keep_routed_input must be a bool"):
+        dist_moe.MoEConfig(**QWEN_LIKE, keep_routed_input=1)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)")
 
 

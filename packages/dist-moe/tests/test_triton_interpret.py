@@ -23,10 +23,12 @@ EXPECTED = [
     "gather_rows_padded_layout", "padded_ends", "invert_slots", "slot_sum_weighted", "slot_sum_unweighted",
     "grouped_mm_forward", "grouped_mm_grad_x", "grouped_mm_grad_w",
     *(f"{case}_{what}" for case in ("expert_mlp_top2_weighted", "expert_mlp_top2_tma_persistent",
-                                    "expert_mlp_top2_torch_weight_grad")
-      for what in ("forward", "grad_x", "grad_w1", "grad_w2", "grad_w3", "grad_weights")),
-    *(f"{case}_{what}" for case in ("expert_mlp_top1_unweighted", "expert_mlp_top2_frozen_weights")
-      for what in ("forward", "grad_x", "grad_w1", "grad_w2", "grad_w3")),
+                                    "expert_mlp_top2_torch_weight_grad", "expert_mlp_top2_keep_routed",
+                                    "expert_mlp_top2_tma_persistent_keep_routed")
+      for what in ("forward", "grad_x", "grad_w1", "grad_w2", "grad_w3", "grad_weights", "saves")),
+    *(f"{case}_{what}" for case in ("expert_mlp_top1_unweighted", "expert_mlp_top2_frozen_weights",
+                                    "expert_mlp_top1_keep_routed")
+      for what in ("forward", "grad_x", "grad_w1", "grad_w2", "grad_w3", "saves")),
 ]
 
 

@@ -129,15 +129,18 @@ def report(results: dict) -> list[str]:
 def _layer_lines(layer: dict) -> list[str]:
     if "routings" not in layer:
         return [f"layer section failed: {layer.get('error', 'no result')[-500:]}"] if layer else []
-    from layer_sections import FUSED, FUSED_TORCH_WGRAD, USUAL, USUAL_COMPILED, VERDICT_BLOCK
+    from layer_sections import FUSED, FUSED_KEEP, FUSED_TORCH_WGRAD, USUAL, USUAL_COMPILED, VERDICT_BLOCK
 
     lines = ["", "MoE routed experts forward+backward, ms (4096 tokens x top-8, 32 experts, 7168/2048; bf16; "
              f"usual pipeline backward: {layer.get('baseline_backward')}); target: compiled usual / fused >= 1.2",
              "(fwd+bwd: one pipeline after the other, 10 steps each; x3 / x20: medians of blocks of 3 / 20 "
              f"steps taking turns after a 25 ms rest; b2b: 20-step blocks taking turns back to back, no rest "
-             f"(steady state); ratios: the anchor's time over this one's, rested x{VERDICT_BLOCK} and b2b)",
+             f"(steady state); ratios: the anchor's time over this one's, rested x{VERDICT_BLOCK} and b2b; peak MiB: "
+             "one step's peak above what was allocated before it, one layer alone, so a copy kept for the "
+             "backward shows only where it outlives the backward's own buffers)",
              f"{'routing':9s} {'pipeline':30s} {'fwd':>7s} {'fwd+bwd':>8s} {'x3':>7s} {'x20':>7s} {'b2b':>7s} "
-             f"{'max rel err':>11s} {'usual/this':>10s} {'(b2b)':>6s} {'compiled/this':>13s} {'(b2b)':>6s}"]
+             f"{'max rel err':>11s} {'usual/this':>10s} {'(b2b)':>6s} {'compiled/this':>13s} {'(b2b)':>6s} "
+             f"{'peak MiB':>8s}"]
 
     def interleaved(v, block):
         return {int(k): ms for k, ms in v.get("interleaved_ms", {}).items()}.get(block)
@@ -152,7 +155,7 @@ def _layer_lines(layer: dict) -> list[str]:
         return a / b if a and b else None
     for routing, entry in layer["routings"].items():
         usual, compiled = entry.get(USUAL), entry.get(USUAL_COMPILED)
-        for name in (USUAL, USUAL_COMPILED, FUSED, FUSED_TORCH_WGRAD):
+        for name in (USUAL, USUAL_COMPILED, FUSED, FUSED_KEEP, FUSED_TORCH_WGRAD):
             v = entry.get(name)
             if v is None:
                 continue
@@ -167,15 +170,18 @@ def _layer_lines(layer: dict) -> list[str]:
                          f"{_fmt(v.get('back_to_back_ms'), 7, 2)} "
                          f"{max(v['errors'].values()):11.2e}{'' if v['ok'] else ' WRONG'} "
                          f"{_fmt(ratio(usual, v, 'rested'), 10, 3)} {_fmt(ratio(usual, v, 'b2b'), 6, 3)} "
-                         f"{_fmt(vs_compiled, 13, 3)} {_fmt(ratio(compiled, v, 'b2b'), 6, 3)}{verdict}")
-    for routing, entry in layer["routings"].items():
-        launches = entry.get(FUSED, {}).get("launches")
-        if launches:
-            total = sum(x["ms"] or 0 for x in launches)
-            lines.append(f"  {routing}: dist-moe launches of one fused step (sum {total:.2f} ms; the rest is torch "
-                         f"ops: routing sort, dtype casts)")
-            from layer_sections import _launch_line
+                         f"{_fmt(vs_compiled, 13, 3)} {_fmt(ratio(compiled, v, 'b2b'), 6, 3)} "
+                         f"{_fmt(v.get('peak_mib'), 8)}{verdict}")
+    from layer_sections import _launch_line
 
+    for routing, entry in layer["routings"].items():
+        for name in (FUSED, FUSED_KEEP):
+            launches = entry.get(name, {}).get("launches")
+            if not launches:
+                continue
+            total = sum(x["ms"] or 0 for x in launches)
+            lines.append(f"  {routing}: dist-moe launches of one step of {name} (sum {total:.2f} ms; the rest is "
+                         f"torch ops: routing sort, dtype casts)")
             lines += [f"    {_launch_line(x)}" for x in launches]
     for name, config in layer.get("tuned", {}).items():
         lines.append(f"  tuned {name}: {config}")

@@ -70,6 +70,19 @@ class Setup:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps
 
+    def peak_mib(self, fn) -> float | None:
+        """MiB allocated at the peak of one call above what was allocated before it (CUDA only)."""
+        import torch
+
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+
     def interleaved_ms(self, fns: dict, rounds: int, per_block: int) -> dict:
         """{name: median ms per call}: the functions take turns, `per_block` back-to-back calls each
         per round, so clock and thermal drift fall on all of them alike. Before each block the GPU is

@@ -25,6 +25,9 @@ USUAL = "usual (torch._grouped_mm)"
 USUAL_COMPILED = "usual, torch.compile"
 FUSED = "dist_moe fused"
 FUSED_TORCH_WGRAD = "dist_moe fused, torch wgrad"
+# keep_routed_input: the routed rows copied once, read through TMA, kept for the backward (the
+# usual pipeline's activation memory: it keeps its gathered rows for the grouped GEMMs' backward)
+FUSED_KEEP = "dist_moe fused, routed x kept"
 GRADS = ["out", "x", "w1", "w2", "w3", "weights"]
 # (steps per block, rounds) of the interleaved timing. The H200 is power-limited (700 W) on this
 # layer: after a 25 ms pause a 3-step block runs at higher clocks than sustained work (ratio 1.31
@@ -103,12 +106,12 @@ def compiled_usual_layer(setup: Setup, gmm):
         x, w1, w2, w3, weights, expert_ids, num_experts, traced_gmm)
 
 
-def fused_layer(x, w1, w2, w3, weights, expert_ids, num_experts, weight_grad="triton"):
+def fused_layer(x, w1, w2, w3, weights, expert_ids, num_experts, weight_grad="triton", keep_routed_input=False):
     import dist_moe
 
     sent = dist_moe.dispatch(x, expert_ids, weights, num_experts=num_experts)
     return dist_moe.expert_mlp(x, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=weights,
-                               backend="triton", weight_grad=weight_grad)
+                               backend="triton", weight_grad=weight_grad, keep_routed_input=keep_routed_input)
 
 
 def layer_reference(inputs, expert_ids, grad_out):
@@ -222,7 +225,8 @@ def section_layer(setup: Setup, budget_s: float) -> dict:
 
         loads = torch.bincount(ids.flatten(), minlength=e).tolist()
         entry = {"loads_min_max": [min(loads), max(loads)]}
-        pipelines = {FUSED: lambda: fused_layer(*case.inputs, ids, e)}
+        pipelines = {FUSED: lambda: fused_layer(*case.inputs, ids, e),
+                     FUSED_KEEP: lambda: fused_layer(*case.inputs, ids, e, keep_routed_input=True)}
         if gmm is not None:
             pipelines[USUAL] = lambda: usual_layer(*case.inputs, ids, e, gmm)
             compiled = compiled_usual_layer(setup, gmm)
@@ -234,7 +238,8 @@ def section_layer(setup: Setup, budget_s: float) -> dict:
                 errors = case.errors(step, routing)  # the first call also tunes dist_moe's kernels
                 entry[name] = {"errors": errors, "ok": all(v <= LAYER_RTOL for v in errors.values()),
                                "forward_ms": setup.time_ms(forward, reps=10),
-                               "forward_backward_ms": setup.time_ms(step, reps=10)}
+                               "forward_backward_ms": setup.time_ms(step, reps=10),
+                               "peak_mib": setup.peak_mib(step)}
                 if name != USUAL:
                     entry[name]["launches"] = case.launches(step)
                 elif routing == "uniform" and not setup.dry:
@@ -271,7 +276,7 @@ def _launch_line(launch: dict) -> str:
 
 
 # How LaunchTimer names the launches of each role.
-ROLE_LAUNCHES = {"plain": ("dh = dOut @ w2", "down"), "concat": ("dx =",), "dual": ("gate/up",),
+ROLE_LAUNCHES = {"plain": ("dh = dOut @ w2", "down"), "concat": ("dx =",), "dual": ("gate/up",), "dual_tma": ("gate/up",),
                  "weight": ("weight grad",)}
 
 

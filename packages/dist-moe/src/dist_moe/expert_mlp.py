@@ -10,9 +10,11 @@ the tokens received from other ranks, top_k is 1 and the routing weights are app
 
 Triton path, forward: (1) gate/up GEMM reading x[slot // top_k] inside the kernel, two
 accumulators sharing each A tile, SwiGLU in the epilogue -> h [R, ffn] (gate and up kept for the
-backward); (2) down GEMM storing in expert order, then one memory-bound pass that sums each input
-row's top_k results weighted, in float32 and a fixed order (deterministic; kernels/slot_sum.py);
-with top_k 1 the GEMM's epilogue weights each row and stores it at its slot instead.
+backward; with `keep_routed_input` the routed rows X = x[slot // top_k] are instead copied once into
+the padded layout, read by the GEMM through TMA and reused by the backward's step (7)); (2) down
+GEMM storing in expert order, then one memory-bound pass that sums each input row's top_k results
+weighted, in float32 and a fixed order (deterministic; kernels/slot_sum.py); with top_k 1 the
+GEMM's epilogue weights each row and stores it at its slot instead.
 
 Backward, in the padded row layout (each expert's rows start at a multiple of 64 rows, zero rows
 fill its last chunk; kernels/row_tiles.py), so every GEMM operand that is not a weight goes through
@@ -43,6 +45,7 @@ def expert_mlp(
     x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, offsets: Tensor, row_slot: Tensor, *,
     top_k: int = 1, weights: Tensor | None = None, backend: Backend = "auto",
     weight_grad: WeightGrad = "triton", quantize: Quantize = "none", swiglu_limit: float | None = None,
+    keep_routed_input: bool = False,
 ) -> Tensor:
     """x [rows, dim], w1/w3 [E, ffn, dim], w2 [E, dim, ffn] (Linear-style) -> [rows, dim].
 
@@ -54,8 +57,14 @@ def expert_mlp(
     `quantize`: "none", or "fp8_rowwise" / "fp8_blockwise": the three expert GEMMs (forward and
     backward) by grouped_mm_fp8 with that recipe, around a gather of the routed rows, SwiGLU and
     the weighted slot sum in torch ops (not the fused bf16 kernels; `weight_grad` then unused).
+    `keep_routed_input` (Triton path): copy the routed rows [R, dim] once and keep them for the
+    backward, as the usual gather-then-grouped-GEMM pipeline does: the gate/up GEMM reads them through
+    TMA and the backward skips its second gather, for R * dim elements more held until the backward.
+    False (the default) gathers inside the gate/up GEMM and again in the backward, holding nothing extra.
     """
     check_weight_grad(weight_grad)
+    if not isinstance(keep_routed_input, bool):
+        raise TypeError(f"keep_routed_input must be a bool, got {type(keep_routed_input).__name__}")
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
     if x.dim() != 2:
@@ -87,7 +96,7 @@ def expert_mlp(
         raise ValueError("swiglu_limit (the clamped SwiGLU) runs on backend='torch' only; the Triton kernels "
                          "do not clamp")
     return _ExpertMLP.apply(x, w1, w2, w3, offsets.to(torch.int32), row_slot.to(torch.int32), weights, top_k,
-                            weight_grad)
+                            weight_grad, keep_routed_input)
 
 
 def _torch_expert_mlp(x, w1, w2, w3, offsets, row_slot, top_k, weights, swiglu_limit=None) -> Tensor:
@@ -154,8 +163,15 @@ def _combine(ops, pos: Tensor | None, top_k: int, flat_weights: Tensor | None = 
 
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, offsets, slot, weights, top_k, weight_grad):
-        from dist_moe.kernels.launch import EPILOGUE_SWIGLU, RowOperands, TileMaps, invert_slots, row_gemm
+    def forward(ctx, x, w1, w2, w3, offsets, slot, weights, top_k, weight_grad, keep_routed_input):
+        from dist_moe.kernels.launch import (
+            EPILOGUE_SWIGLU,
+            RowOperands,
+            TileMaps,
+            gather_rows,
+            invert_slots,
+            row_gemm,
+        )
 
         dim = x.shape[1]
         num_routed, ffn = slot.shape[0], w1.shape[1]
@@ -168,16 +184,21 @@ class _ExpertMLP(torch.autograd.Function):
         else:
             gate = up = None
             h = x.new_empty(num_routed, ffn)
-        row_gemm(RowOperands(a=x, b=w1.transpose(1, 2), b2=w3.transpose(1, 2), offsets=offsets, out=h, out2=gate,
-                             out3=up, num_rows=num_routed, slot=slot, top_k=top_k, gather_a=True,
-                             epilogue=EPILOGUE_SWIGLU, save_preact=save, maps=maps))
+        # A: x gathered inside the kernel, or the routed rows copied once ([padded rows, dim], via TMA)
+        routed = gather_rows(x, slot, top_k, maps) if keep_routed_input else None
+        row_gemm(RowOperands(a=x if routed is None else routed, b=w1.transpose(1, 2), b2=w3.transpose(1, 2),
+                             offsets=offsets, out=h, out2=gate, out3=up, num_rows=num_routed, slot=slot, top_k=top_k,
+                             gather_a=routed is None, padded_a=routed is not None, epilogue=EPILOGUE_SWIGLU,
+                             save_preact=save, maps=maps))
         pos = invert_slots(slot) if top_k > 1 else None
         out = _combine(RowOperands(a=h, b=w2.transpose(1, 2), offsets=offsets, out=x.new_empty(num_routed, dim),
                                    num_rows=num_routed, slot=slot, maps=maps), pos, top_k, flat_weights)
         ctx.top_k, ctx.weight_grad = top_k, weight_grad
         ctx.weights_shape = None if weights is None else (weights.shape, weights.dtype)
-        if save:
-            ctx.save_for_backward(x, w1, w2, w3, offsets, slot, pos, flat_weights, gate, up, h)
+        if save:  # the backward reads x only through its routed rows: keep one of the two
+            ctx.routed_kept = routed is not None
+            ctx.save_for_backward(x if routed is None else routed, w1, w2, w3, offsets, slot, pos, flat_weights,
+                                  gate, up, h)
         return out
 
     @staticmethod
@@ -192,6 +213,7 @@ class _ExpertMLP(torch.autograd.Function):
         )
 
         x, w1, w2, w3, offsets, slot, pos, flat_weights, gate, up, h = ctx.saved_tensors
+        routed_x = x if ctx.routed_kept else None  # [padded rows, dim], or x itself [rows, dim]
         top_k = ctx.top_k
         # The incoming gradient may be wider than the forward's output (an fp32 combine downstream):
         # the kernels take their operands in one dtype, the forward's.
@@ -222,11 +244,12 @@ class _ExpertMLP(torch.autograd.Function):
             dx = _combine(RowOperands(a=dgate, a2=dup, b=w1, b2=w3, offsets=offsets, out=x.new_empty(num_routed, dim),
                                       num_rows=num_routed, slot=slot, padded_a=True, maps=maps), pos, top_k)
         if need_w1 or need_w3:
-            routed_x = gather_rows(x, slot, top_k, maps)  # [padded rows, dim]
+            if routed_x is None:
+                routed_x = gather_rows(x, slot, top_k, maps)  # [padded rows, dim]
             # [E, ffn, dim] each: dgate^T X and dup^T X, one GEMM over [dgate | dup]
             dw1, dw3 = _weight_grads(grads[:, :2 * ffn], routed_x, maps.padded_ends(), [ffn, ffn],
                                      ctx.weight_grad, weight_gemm)
-        return dx, dw1 if need_w1 else None, dw2, dw3 if need_w3 else None, None, None, dweights, None, None
+        return dx, dw1 if need_w1 else None, dw2, dw3 if need_w3 else None, None, None, dweights, None, None, None
 
 
 def _weight_grads(p: Tensor, q: Tensor, padded_ends: Tensor, widths: list[int], how: str,

@@ -73,6 +73,9 @@ class MoEConfig:
     sequence_group: dist.ProcessGroup | None = None
     backend: Backend = "auto"
     weight_grad: WeightGrad = "triton"  # Triton path: who computes the expert weight gradients
+    # Triton path: copy the routed rows once and keep them for the backward (expert_mlp's option:
+    # faster, R x dim more activation memory, as the usual pipeline holds)
+    keep_routed_input: bool = False
     # "fp8_rowwise" / "fp8_blockwise": the routed experts' GEMMs in fp8 (grouped_mm_fp8), forward and
     # backward; "none": bf16 fused kernels. The router and shared experts are not touched.
     quantize: Quantize = "none"
@@ -105,6 +108,8 @@ class MoEConfig:
             raise ValueError("swiglu_limit runs the experts on backend='torch' (or 'auto'); the Triton kernels "
                              "do not clamp")
         check_weight_grad(self.weight_grad)
+        if not isinstance(self.keep_routed_input, bool):
+            raise TypeError(f"keep_routed_input must be a bool, got {type(self.keep_routed_input).__name__}")
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
 
@@ -254,7 +259,7 @@ class MoE(nn.Module):
             routed, w1, w2, w3 = (t.to(dtype) for t in (routed, w1, w2, w3))
         # the clamped SwiGLU exists on the torch path only (MoEConfig refuses it with backend="triton")
         mlp = dict(backend="torch" if cfg.swiglu_limit is not None else cfg.backend, weight_grad=cfg.weight_grad,
-                   swiglu_limit=cfg.swiglu_limit, quantize=cfg.quantize)
+                   swiglu_limit=cfg.swiglu_limit, quantize=cfg.quantize, keep_routed_input=cfg.keep_routed_input)
         if self.post_expert_norm is None:
             y = expert_mlp(routed, w1, w2, w3, sent.offsets, sent.row_slot, top_k=sent.top_k, weights=sent.weights,
                            **mlp)

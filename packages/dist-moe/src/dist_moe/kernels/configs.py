@@ -76,7 +76,8 @@ def _wgmma_dtype(dtype: torch.dtype) -> bool:
 
 
 # Row-tiled kernel roles: "plain" (grouped_mm, the down projection, dOut @ W2), "dual" (gate and
-# up in one tile: two accumulators, so half the N width), "concat" (the input gradient, two A/B
+# up in one tile: two accumulators, so half the N width; "dual_tma" the same on routed rows copied
+# once, read through TMA), "concat" (the input gradient, two A/B
 # pairs in one accumulator).
 # Hopper, 16-bit: the H200 sweep's best configurations first (tools/bench/moe, float64-checked):
 # grouped GEMM 128x256x64, 8 warps, 3 stages, persistent with the tile loop flattened into the K
@@ -104,6 +105,17 @@ _HOPPER_ROWS = {
         RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
         RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True, tma=True),
         RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent=True, tma=True),
+    ],
+    # Gate and up on the routed rows copied once (expert_mlp's keep_routed_input): A in the padded
+    # layout, so every operand goes through TMA. Persistent at 4 stages first: the tuner chose it over
+    # the two flattened ones in the layer on an H100 (2026-12-07; 2.56 / 2.79 ms uniform / skewed, 751 /
+    # 689 TFLOP/s, against 2.82 / 3.08 ms for the "dual" role gathering inside the kernel).
+    "dual_tma": [
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent=True, tma=True),
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True, flatten=True,
+                  tma=True),
+        RowConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent=True, flatten=True,
+                  tma=True),
     ],
     # Two K loops in one tile; 4 stages of 128x256 spill registers (triton 3.6). Persistent with
     # flatten requested first: in the layer 2.92 / 3.12 ms (uniform / skewed) against 3.02 / 3.31 for

@@ -165,10 +165,12 @@ def capture_layer(rows, weights_of) -> list:
     configs._chosen.clear()
     try:
         with capture_launches(launch) as seen, _pretend_triton_on_cpu():
-            xs = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
-            wt = weights.clone().requires_grad_()
-            out = dist_moe.expert_mlp(*xs, sent.offsets, sent.row_slot, top_k=top_k, weights=wt, backend="triton")
-            out.backward(grad)
+            for keep in (False, True):  # the gate/up GEMM's two roles: gathering A ("dual") or TMA ("dual_tma")
+                xs = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
+                wt = weights.clone().requires_grad_()
+                out = dist_moe.expert_mlp(*xs, sent.offsets, sent.row_slot, top_k=top_k, weights=wt, backend="triton",
+                                          keep_routed_input=keep)
+                out.backward(grad)
             xg = torch.randn(tokens * top_k, dim, generator=gen).to(bf).requires_grad_()
             wg = w1.clone().requires_grad_()
             y = dist_moe.grouped_mm(xg, wg.transpose(1, 2), sent.offsets, backend="triton")

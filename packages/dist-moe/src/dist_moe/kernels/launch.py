@@ -261,7 +261,9 @@ class RowOperands:
     def role(self) -> str:
         if self.a2 is not None:
             return "concat"
-        return "dual" if self.b2 is not None else "plain"
+        if self.b2 is None:
+            return "plain"
+        return "dual" if self.gather_a else "dual_tma"
 
 
 def row_gemm(ops: RowOperands, config: RowConfig | None = None) -> RowConfig:
