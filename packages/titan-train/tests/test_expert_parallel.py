@@ -22,10 +22,12 @@ import pytest
 import torch
 from titan_train_curves import assert_pairs_follow
 
+import dist_moe
+import titan_models as tm
 from titan_train import TrainConfig, load_recipe, train
 from titan_train.cli import main
 from titan_train.cli_args import apply_override
-from titan_train.expert_parallel import resolve_moe_impl
+from titan_train.expert_parallel import prepare_moe_layers, resolve_moe_impl
 from torch_checkpointing import Checkpointer
 
 STEPS = 10
@@ -167,11 +169,23 @@ def test_flexshard_x_ep2_deepseek_v3_follows_one_process(deepseek_runs):
     ({"parallelism.ep": "1", "model.moe_impl": "titan", "model.moe_aux_loss_weight": "0.1"},
      "model.moe_aux_loss_weight > 0 needs model.moe_impl=dist_moe"),
     ({"parallelism.ep": "1", "training.moe_bias_update_rate": "-1"}, "training.moe_bias_update_rate must be >= 0"),
+    ({"parallelism.ep": "1", "model.moe_impl": "titan", "model.moe_keep_routed_input": "true"},
+     "model.moe_keep_routed_input needs model.moe_impl=dist_moe"),
 ])
 def test_moe_settings_that_cannot_run_are_errors(capsys, overrides, message):
     args = [p for k, v in {"checkpoint.resume": "false", **overrides}.items() for p in (f"--{k}", v)]
     assert main(["--recipe", "qwen3_moe_debug_ep", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_routed_input_reaches_every_dist_moe_layer(keep):
+    config = load_recipe("qwen3_moe_debug_ep")
+    config.model.moe_keep_routed_input = keep
+    with torch.device("meta"):
+        model = tm.flavor(config.model.family, config.model.flavor).build()
+    moes = prepare_moe_layers(model, config)
+    assert moes and all(isinstance(m, dist_moe.MoE) and m.config.keep_routed_input is keep for m in moes)
 
 
 def test_expert_parallel_needs_dist_moe():

@@ -65,6 +65,9 @@ def resolve_moe_impl(config: TrainConfig) -> str:
     if m.moe_aux_loss_weight > 0 and impl != "dist_moe":
         raise ValueError("model.moe_aux_loss_weight > 0 needs model.moe_impl=dist_moe (titan-models' MoE has no "
                          "sequence balance loss)")
+    if m.moe_keep_routed_input and impl != "dist_moe":
+        raise ValueError("model.moe_keep_routed_input needs model.moe_impl=dist_moe (titan-models' MoE has no "
+                         "fused gather to replace)")
     if config.training.moe_bias_update_rate < 0:
         raise ValueError(f"training.moe_bias_update_rate must be >= 0, got {config.training.moe_bias_update_rate}")
     return impl
@@ -77,7 +80,7 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "learned",
-                 quantize: str = "none") -> list[str]:
+                 quantize: str = "none", keep_routed_input: bool = False) -> list[str]:
     """Replace every MoE layer of the (meta) model by dist-moe's, with the same parameter names and
     shapes (tm.override checks them), so weights, init and checkpoints carry over. Returns their names."""
     replaced: list[str] = []
@@ -87,7 +90,8 @@ def use_dist_moe(model: nn.Module, *, aux_loss_alpha: float, routing: str = "lea
 
         def factory(fqn: str, old: nn.Module) -> nn.Module:
             config = dist_moe.MoEConfig.like(old.config, dim=old.router.gate.in_features, aux_loss_alpha=aux_loss_alpha,
-                                             routing=routing, quantize=quantize, **_dist_moe_options(fqn, old.config))
+                                             routing=routing, quantize=quantize, keep_routed_input=keep_routed_input,
+                                             **_dist_moe_options(fqn, old.config))
             with torch.device(old.router.gate.weight.device):
                 return config.build()
 
@@ -321,7 +325,8 @@ def prepare_moe_layers(model: nn.Module, config: TrainConfig) -> list[nn.Module]
     if resolve_moe_impl(config) == "dist_moe":
         # The trainer sums the microbatches' gradients, so each carries 1 / grad_accum_steps of the weight.
         use_dist_moe(model, aux_loss_alpha=config.model.moe_aux_loss_weight / config.training.grad_accum_steps,
-                     routing=config.model.moe_routing, quantize=experts)
+                     routing=config.model.moe_routing, quantize=experts,
+                     keep_routed_input=config.model.moe_keep_routed_input)
     elif experts != "none":
         raise ValueError(f"quantize.experts={experts} runs in dist-moe's experts; it needs model.moe_impl=dist_moe "
                          f"(a MoE model), not {resolve_moe_impl(config)}")
