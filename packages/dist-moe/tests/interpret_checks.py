@@ -33,7 +33,7 @@ from dist_moe.kernels.launch import (  # noqa: E402
     slot_sum,
     weight_gemm,
 )
-from dist_moe.kernels.row_tiles import ROW_ALIGN  # noqa: E402
+from dist_moe.kernels.row_tiles import ROW_ALIGN, padded_rows  # noqa: E402
 
 # Integer-overflow checks of every interpreted op cost time and test nothing here.
 interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
@@ -201,10 +201,9 @@ def expert_mlp_case(name: str, rows: int, top_k: int, with_weights: bool, dim: i
                                   weights=mine.get("weights"), backend="triton", weight_grad=weight_grad,
                                   keep_routed_input=keep_routed_input)
     out.backward(grad)
-    # The kept copy holds every routed row in the padded layout (rows * top_k and more); x has `rows`.
-    kept = [n for n in saved_rows if n >= rows * top_k + num_experts]
-    results[f"{name}_saves"] = {"ok": saved_rows == ([max(kept, default=-1)] if keep_routed_input else [rows]),
-                                "err": 0.0, "scale": 0.0, "saved_rows": saved_rows}
+    # Kept: the copy, every routed row in the padded layout; otherwise x itself.
+    want_rows = padded_rows(rows * top_k, num_experts) if keep_routed_input else rows
+    results[f"{name}_saves"] = {"ok": saved_rows == [want_rows], "err": 0.0, "scale": 0.0, "saved_rows": saved_rows}
     ref = {k: v.double().requires_grad_() for k, v in params.items()}
     want = expert_mlp_reference(ref["x"], ref["w1"], ref["w2"], ref["w3"], ids, ref.get("weights"))
     want.backward(grad.double())

@@ -3,7 +3,8 @@ forward + backward, outputs and all gradients checked against a float64 per-expe
 
   layer      the usual pipeline (argsort permute, index gather, three torch._grouped_mm, SwiGLU,
              weighting, index_add_ scatter-add; backward by autograd) against dist_moe's fused path
-             (dispatch + expert_mlp) with its own weight-gradient kernel and with the
+             (dispatch + expert_mlp) with its own weight-gradient kernel, with the routed rows
+             copied once and kept for the backward (keep_routed_input) and with the
              torch._grouped_mm fallback for the weight gradients; the pipelines timed one after
              the other and then interleaved (blocks of 3 and of 20 steps taking turns, medians:
              the ratio is taken from the 20-step blocks, so clock drift between pipelines does
@@ -276,7 +277,7 @@ def _launch_line(launch: dict) -> str:
 
 
 # How LaunchTimer names the launches of each role.
-ROLE_LAUNCHES = {"plain": ("dh = dOut @ w2", "down"), "concat": ("dx =",), "dual": ("gate/up",), "dual_tma": ("gate/up",),
+ROLE_LAUNCHES = {"plain": ("dh = dOut @ w2", "down"), "concat": ("dx =",), "dual": ("gate/up",),
                  "weight": ("weight grad",)}
 
 
