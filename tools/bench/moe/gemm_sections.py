@@ -54,6 +54,13 @@ def weight_sweep(dry: bool):
         WeightConfig(block_k=128, block_n=256, block_r=32, num_warps=8, num_stages=4, persistent=True),
         WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4, persistent=True),
         WeightConfig(block_k=128, block_n=128, block_r=32, num_warps=4, num_stages=4, persistent=True, per_sm=2),
+        # Shorter row steps, deeper prefetch across the tile boundary (the store's latency hidden by more chunks):
+        WeightConfig(block_k=128, block_n=256, block_r=32, group_k=32, num_warps=8, num_stages=5, persistent=True,
+                     store_tma=True),
+        WeightConfig(block_k=128, block_n=256, block_r=32, group_k=32, num_warps=8, num_stages=6, persistent=True,
+                     store_tma=True),
+        WeightConfig(block_k=256, block_n=128, block_r=32, group_k=32, num_warps=8, num_stages=6, persistent=True,
+                     store_tma=True),
     ]
     pointer = _as_hopper(lambda: weight_candidates(torch.device("cuda"), torch.bfloat16, tma=False))
     return tma, pointer
