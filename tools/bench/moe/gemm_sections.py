@@ -55,7 +55,7 @@ def weight_sweep(dry: bool):
         WeightConfig(block_k=128, block_n=128, block_r=64, num_warps=8, num_stages=4, persistent=True),
         WeightConfig(block_k=128, block_n=128, block_r=32, num_warps=4, num_stages=4, persistent=True, per_sm=2),
         # Shorter row steps, deeper prefetch across the tile boundary, hoping more chunks in flight hide the
-        # store: 12-15% slower than the shipped 128x256x64 on an H100 (2026-12-07), kept to show it:
+        # store: 11-18% slower than the shipped 128x256x64 on an H100 (2026-12-07), kept to show it:
         WeightConfig(block_k=128, block_n=256, block_r=32, group_k=32, num_warps=8, num_stages=5, persistent=True,
                      store_tma=True),
         WeightConfig(block_k=128, block_n=256, block_r=32, group_k=32, num_warps=8, num_stages=6, persistent=True,

@@ -60,9 +60,9 @@ class ModelConfig:
     load; it changes the workload, so every metrics record says `moe_routing`."""
     moe_keep_routed_input: bool = False
     """dist_moe only: each MoE layer copies its routed token rows once and keeps them for the backward (the
-    gate/up GEMM reads the copy through TMA, the backward skips a second gather): 1.18-1.19x torch.compile of
-    the usual MoE pipeline against 1.15x without it (DeepSeek-V3 expert shapes, one H100), for routed rows x
-    dim more activation memory per MoE layer, what the usual pipeline holds."""
+    gate/up GEMM reads the copy through TMA, the backward skips a second gather): 1.16-1.19x torch.compile of
+    the usual MoE pipeline against 1.15-1.17x without it (DeepSeek-V3 expert shapes, two runs on one H100),
+    for routed rows x dim more activation memory per MoE layer, what the usual pipeline holds."""
     mtp_layers: int = 0
     """Multi-token-prediction modules trained beside the main model (DeepSeek-V3: 1; titan-models builds
     depth 0 or 1). The MTP module predicts token i + 2 from the main model's hidden state at i and the
