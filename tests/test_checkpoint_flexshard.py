@@ -117,7 +117,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     for name, p in model.named_parameters():
         entry = {"param": flexshard.full_tensor(p.detach()).clone()}
         for key, value in optimizer.state[p].items():
-            entry[key] = flexshard.full_tensor(value).clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            is_tensor = isinstance(value, torch.Tensor)
+            entry[key] = flexshard.full_tensor(value).clone() if is_tensor else torch.tensor(value)
         out[name] = entry
     return out
 
@@ -135,8 +136,9 @@ def differences(got: dict, want: dict) -> list[str]:
 
 def collectives_during(fn) -> tuple[int, int]:
     """(collectives flexshard's counter saw, advance of the default group's sequence number)."""
-    import flexshard
     import torch.distributed.distributed_c10d as c10d
+
+    import flexshard
 
     group = c10d._get_default_group()
     before = group._get_sequence_number_for_group()
@@ -166,7 +168,8 @@ def sharded_worker(rank: int, world: int, root: str, kind: str) -> dict:
     report: dict = {}
     model = sharded_model(mesh, SAVE_PLACEMENTS, seed=0)
     optimizer = make_optimizer(model, kind)
-    report["chunked"] = sorted(n for n, p in model.named_parameters() if isinstance(p._local_tensor, flexshard.ChunkedShard))
+    report["chunked"] = sorted(n for n, p in model.named_parameters()
+                               if isinstance(p._local_tensor, flexshard.ChunkedShard))
     report["empty_here"] = sorted(n for n, p in model.named_parameters() if p._local_tensor.numel() == 0)
     assert all(isinstance(p, DTensor) for p in model.parameters())
 
@@ -298,7 +301,8 @@ def _rank_main() -> None:
 
     import torch.distributed as dist
 
-    worker, rank, world, init_method, workdir, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]), sys.argv[6]
+    worker, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    init_method, workdir, backend = sys.argv[4], Path(sys.argv[5]), sys.argv[6]
     torch.set_num_threads(1)
     code = 0
     try:
@@ -343,7 +347,8 @@ def test_checkpoint_stores_each_rectangle_once(run):
     tensors = metadata["tensors"]
     assert tensors["model.tok_embeddings.weight"]["shape"] == [VOCAB, DIM]
     # 37 x 24 in 8 x 16 tiles: rank 0 holds tile rows 0-1 and a head of row 2, rank 1 the rest
-    emb = sorted((c["rank"], tuple(c["offset"]), tuple(c["shape"])) for c in tensors["model.tok_embeddings.weight"]["chunks"])
+    emb = sorted((c["rank"], tuple(c["offset"]), tuple(c["shape"]))
+                 for c in tensors["model.tok_embeddings.weight"]["chunks"])
     assert emb == [(0, (0, 0), (16, 24)), (0, (16, 0), (8, 16)), (1, (16, 16), (8, 8)), (1, (24, 0), (13, 24))]
     for name in ("model.w1.weight", "model.w2.weight"):  # Owned: one chunk, the whole matrix
         (chunk,) = tensors[name]["chunks"]
@@ -387,7 +392,8 @@ def test_single_process_loads_into_a_plain_model(run):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="staging from and loading into CUDA pieces needs a GPU")
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
 def test_gpu_pieces_stage_and_load(tmp_path, kind):
-    (report,) = run_ranks("gpu_worker", 1, tmp_path / "one", backend="cpu:gloo,cuda:nccl", root=str(tmp_path / "ckpt"), kind=kind)
+    (report,) = run_ranks("gpu_worker", 1, tmp_path / "one", backend="cpu:gloo,cuda:nccl",
+                          root=str(tmp_path / "ckpt"), kind=kind)
     assert report["on_gpu"]
     assert report["state_diff"] == [] and report["plain_diff"] == []
 

@@ -97,12 +97,21 @@ def grouped_mm_checks() -> None:
     maps = TileMaps(offsets, rows)
     identity = torch.arange(rows, dtype=torch.int32)
     x_padded, dy_padded = gather_rows(x, identity, 1, maps), gather_rows(dy, identity, 1, maps)
+    import dist_moe.kernels.launch as launch
+
+    specialized = []  # whether each warp-specialized launch ran its own kernel (not the fallback)
+    real_specialized = launch._launch_weight_specialized
+    launch._launch_weight_specialized = lambda *args: specialized.append(real_specialized(*args)) or specialized[-1]
     for name, config in {"16": WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_stages=1),
                          "32": WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_stages=1,
                                             persistent=True),
                          # K 40 = 5 tiles of 8 rows, so the outputs take TMA stores (N 36 clipped at 16-wide tiles)
                          "tma_store": WeightConfig(block_k=8, block_n=16, block_r=16, group_k=2, num_stages=1,
-                                                   persistent=True, store_tma=True)}.items():
+                                                   persistent=True, store_tma=True),
+                         # weight_gemm_specialized.py on the padded layout (the pointer case falls back)
+                         "warp_specialized": WeightConfig(block_k=8, block_n=16, block_r=16, group_k=2,
+                                                          num_warps=4, num_stages=1, persistent=True,
+                                                          store_tma=True, warp_specialize=True)}.items():
         dw = torch.full_like(linear_w, float("nan"))  # [E, N, K]; the kernel writes [E, K, N] views
         weight_gemm(p=x, q=dy, ends=offsets, outs=(dw.transpose(1, 2),), config=config)
         check(f"weight_gemm_pointer_{name}", dw.transpose(1, 2), want_dw)
@@ -113,6 +122,10 @@ def grouped_mm_checks() -> None:
         weight_gemm(p=x_padded[:, :32], q=dy_padded, ends=maps.padded_ends(), outs=(top, bottom), padded=True,
                     config=dataclasses.replace(config, block_k=16))
         check(f"weight_gemm_padded_split_{name}", torch.cat([top, bottom], dim=1), want_dw[:, :32])
+    launch._launch_weight_specialized = real_specialized
+    # The pointer case falls back to the flattened kernel; the padded one and the split one run it.
+    check("weight_gemm_specialized_kernel_ran", torch.tensor(specialized, dtype=torch.float64),
+          torch.tensor([0.0, 1.0, 1.0]))
     # The padded layout itself: row r of expert e at r + shift, zero rows up to a whole chunk.
     slot = torch.randperm(rows * 2, generator=gen)[:rows].to(torch.int32)  # any slots, top_k 2
     tokens = torch.randn(rows, k, generator=gen)

@@ -19,7 +19,8 @@ EXPECTED = [
     *(f"row_gemm_{layout}_weights_{launch}" for layout in ("k_contiguous", "n_contiguous")
       for launch in ("grid", "persistent", "tma")),
     *(f"weight_gemm_{how}_{size}" for how in ("pointer", "padded_tma", "padded_split")
-      for size in ("16", "32", "tma_store")),
+      for size in ("16", "32", "tma_store", "warp_specialized")),
+    "weight_gemm_specialized_kernel_ran",
     "gather_rows_padded_layout", "padded_ends", "invert_slots", "slot_sum_weighted", "slot_sum_unweighted",
     "grouped_mm_forward", "grouped_mm_grad_x", "grouped_mm_grad_w",
     *(f"{case}_{what}" for case in ("expert_mlp_top2_weighted", "expert_mlp_top2_tma_persistent",

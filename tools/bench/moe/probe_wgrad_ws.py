@@ -1,19 +1,20 @@
-"""The weight gradient with Triton's warp specialization on Hopper, against the shipped kernel.
+"""The weight gradient with Triton's warp specialization on Hopper, against the flattened kernel.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/moe/probe_wgrad_ws.py
     ... probe_wgrad_ws.py --compile-only   # no GPU: compile for sm_90, report whether the loop was specialized
 
 Why: out[e] = P[rows of e]^T @ Q[rows of e] has 1,024 rows per expert at DeepSeek-V3's shapes, so a
-128x256 tile is 16 steps of 64 rows and then a 64 KiB store that the shipped kernel's one group of
+128x256 tile is 16 steps of 64 rows and then a 64 KiB store that the flattened kernel's one group of
 warps does not overlap with the next tile's multiplies (690 TFLOP/s against 750-770 for dh and dx).
 Triton's automatic warp specialization for Hopper splits a loop marked `warp_specialize=True` into a
 producer (the loads) and consumer warp groups; it needs the operands' descriptors made inside the
-kernel and 4 warps a group (found on triton 3.8 compiling for sm_90: with descriptors passed from
-the host it failed to compile at 4 warps; at 8 warps the loop stays as it was). This probe's kernel is the plain nested form (a tile
-loop over this program's tiles, a row loop over the tile's expert), operands in the padded row layout
-through TMA, each tile stored by TMA; the same kernel with the flag off is the control. Each variant is
-checked against float64, then all take turns being timed with the shipped kernel (medians), and each
-prints its speed as the shipped kernel's time over its own.
+kernel and 4 warps a group (found compiling for sm_90 with triton 3.8, and 3.6 as on the device
+image: with descriptors passed from the host it failed to compile at 4 warps; at 8 warps the loop
+stays as it was). The kernel timed is dist-moe's weight_gemm_specialized_kernel (the plain nested
+form: a tile loop over this program's tiles, a row loop over the tile's expert, TMA loads and
+stores) in three tilings, and the same kernel with the flag off as the control. Each variant is
+checked against float64, then all take turns being timed with the tuner's first candidate (the
+"shipped" flattened kernel; medians), and each prints its speed as that kernel's time over its own.
 """
 from __future__ import annotations
 
@@ -22,41 +23,9 @@ import os
 import sys
 
 import triton
-import triton.language as tl
+from dist_moe.kernels.weight_gemm_specialized import weight_gemm_specialized_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-@triton.jit
-def wgrad_nested_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, rows, KP, NQ, num_experts,
-                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        GROUP_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """out [E * KP, NQ] (contiguous): tile (e, k0, n0) sums P[r, k0:k0+BK]^T Q[r, n0:n0+BN] over e's
-    padded rows r (whole BLOCK_R chunks, zero rows at the end), stored by TMA."""
-    p_desc = tl.make_tensor_descriptor(p_ptr, shape=[rows, KP], strides=[KP, 1], block_shape=[BLOCK_R, BLOCK_K])
-    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[rows, NQ], strides=[NQ, 1], block_shape=[BLOCK_R, BLOCK_N])
-    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_experts * KP, NQ], strides=[NQ, 1],
-                                         block_shape=[BLOCK_K, BLOCK_N])
-    num_k = tl.cdiv(KP, BLOCK_K)
-    num_n = tl.cdiv(NQ, BLOCK_N)
-    per_expert = num_k * num_n
-    tiles = per_expert * num_experts
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
-        e = tile // per_expert
-        within = tile % per_expert
-        width = GROUP_K * num_n  # grouped order over the expert's [num_k, num_n] tiles (L2 reuse)
-        first_k = (within // width) * GROUP_K
-        group_rows = tl.minimum(num_k - first_k, GROUP_K)
-        k0 = (first_k + (within % width) % group_rows) * BLOCK_K
-        n0 = ((within % width) // group_rows) * BLOCK_N
-        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(ends_ptr + e)
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_R):
-            p = p_desc.load([r0, k0])
-            q = q_desc.load([r0, n0])
-            acc = tl.dot(p.T, q, acc)
-        out_desc.store([e * KP + k0, n0], acc.to(out_ptr.dtype.element_ty))
 
 
 VARIANTS = {  # name: (BLOCK_K, BLOCK_N, BLOCK_R, GROUP_K, warps, stages, warp_specialize)
@@ -76,9 +45,9 @@ def launch(variant: tuple, p, q, ends, out) -> None:
     import torch
 
     sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.device.type == "cuda" else 1
-    wgrad_nested_kernel[(min(tiles, sms),)](p, q, out, ends, rows, kp, nq, num_experts, BLOCK_K=bk, BLOCK_N=bn,
-                                            BLOCK_R=br, GROUP_K=group_k, WARP_SPECIALIZE=ws, num_warps=warps,
-                                            num_stages=stages)
+    weight_gemm_specialized_kernel[(min(tiles, sms),)](p, q, out, ends, rows, kp, nq, num_experts, kp, nq,
+                                                       BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, GROUP_K=group_k,
+                                                       WARP_SPECIALIZE=ws, num_warps=warps, num_stages=stages)
 
 
 def compile_only() -> int:
@@ -87,13 +56,14 @@ def compile_only() -> int:
     from triton.compiler import ASTSource
 
     signature = {"p_ptr": "*bf16", "q_ptr": "*bf16", "out_ptr": "*bf16", "ends_ptr": "*i32", "rows": "i32",
-                 "KP": "i32", "NQ": "i32", "num_experts": "i32", "BLOCK_K": "constexpr", "BLOCK_N": "constexpr",
+                 "KP": "i32", "NQ": "i32", "num_experts": "i32", "stride_pr": "i32", "stride_qr": "i32",
+                 "BLOCK_K": "constexpr", "BLOCK_N": "constexpr",
                  "BLOCK_R": "constexpr", "GROUP_K": "constexpr", "WARP_SPECIALIZE": "constexpr"}
     failures = 0
     for name, (bk, bn, br, group_k, warps, stages, ws) in VARIANTS.items():
         constexprs = {"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_R": br, "GROUP_K": group_k, "WARP_SPECIALIZE": ws}
         try:
-            compiled = triton.compile(ASTSource(wgrad_nested_kernel, signature, constexprs=constexprs),
+            compiled = triton.compile(ASTSource(weight_gemm_specialized_kernel, signature, constexprs=constexprs),
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": warps, "num_stages": stages})
         except Exception as err:

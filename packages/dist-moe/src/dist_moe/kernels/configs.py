@@ -52,10 +52,14 @@ class WeightConfig:
     persistent: bool = False
     per_sm: int = 1
     store_tma: bool = False  # contiguous outputs whose rows are whole tiles: TMA stores
+    # weight_gemm_specialized.py: Triton's warp specialization (padded operands, contiguous outputs of
+    # whole tiles; persistent, TMA stores; other layouts run the flattened kernel with these tiles)
+    warp_specialize: bool = False
 
     def name(self) -> str:
         style = f"persistent x{self.per_sm}" if self.persistent else "grid"
         style += " +tma store" if self.store_tma else ""
+        style += " +warp-specialized" if self.warp_specialize else ""
         return (f"{self.block_k}x{self.block_n}x{self.block_r} g{self.group_k} w{self.num_warps} "
                 f"s{self.num_stages} {style}")
 

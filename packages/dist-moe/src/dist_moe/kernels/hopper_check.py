@@ -9,7 +9,9 @@ DeepSeek-V3 widths (hidden 7168, expert width 2048; few experts and rows, which 
 compiled code) with every Hopper candidate configuration, then compiled ahead of time with the
 installed triton and its bundled ptxas for sm_90. Each compiled variant must: build, use wgmma,
 pipeline its main loop (cp.async or TMA copies), fit the 227 KiB of shared memory and spill at
-most 64 bytes of registers per thread (ptxas -v on the PTX). Prints one line per variant; exits 1 if any fails.
+most 64 bytes of registers per thread (ptxas -v on the PTX); the warp-specialized weight gradient
+(weight_gemm_specialized.py, captured once more with it as the weight candidate) must also come out
+split into warp groups. Prints one line per variant; exits 1 if any fails.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def inspect_compiled(compiled) -> dict:
         "wgmma": ptx.count("wgmma.mma_async"),
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
         "tma": ptx.count("cp.async.bulk.tensor"),
+        "specialized": "ttg.warp_specialize" in compiled.asm.get("ttgir", ""),
         **register_use(ptx),
     }
 
@@ -107,7 +110,8 @@ def capture_launches(launch_module):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
 
-    names = ("row_gemm_kernel", "weight_gemm_kernel", "tile_map_kernel", "gather_rows_kernel",
+    names = ("row_gemm_kernel", "weight_gemm_kernel", "weight_gemm_specialized_kernel", "tile_map_kernel",
+             "gather_rows_kernel",
              "swiglu_backward_kernel", "invert_slots_kernel", "slot_sum_kernel")
     saved = {n: getattr(launch_module, n) for n in names}
     for n in names:
@@ -138,6 +142,12 @@ def layer_launches(quick: bool):
             return [options[min(index, len(options) - 1)]]
 
         all_launches.extend(capture_layer(rows, weights_of))
+    # The warp-specialized weight gradient (not a tuner candidate yet: measured by the benchmark's sweep).
+    specialized = configs.WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=4, num_stages=3,
+                                       persistent=True, store_tma=True, warp_specialize=True)
+    all_launches.extend(capture_layer(lambda role, device, dtype=None: row_lists[role][:1],
+                                      lambda device, dtype=None, *, tma=False: [specialized] if tma
+                                      else weight_lists[False][:1]))
     return all_launches
 
 
@@ -225,7 +235,8 @@ def _pretend_triton_on_cpu():
 
 def describe(kwargs: dict) -> str:
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "EPILOGUE", "A_GATHER", "A_PADDED", "TWO_B", "CONCAT_K",
-            "A_TMA", "B_TMA", "B_K_CONTIG", "TMA", "OUT_TMA", "FLATTEN", "num_warps", "num_stages")
+            "A_TMA", "B_TMA", "B_K_CONTIG", "TMA", "OUT_TMA", "FLATTEN", "WARP_SPECIALIZE",
+            "num_warps", "num_stages")
     return " ".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
 
 
@@ -269,6 +280,8 @@ def check(launches: list) -> int:
                 problems.append("no wgmma")
             if not (info["cp_async"] or info["tma"]):
                 problems.append("main loop not pipelined (no cp.async / TMA)")
+            if constexprs.get("WARP_SPECIALIZE") and not info["specialized"]:
+                problems.append("loop not warp-specialized")
         if info["shared"] > SMEM_LIMIT:
             problems.append(f"shared memory {info['shared']} > {SMEM_LIMIT}")
         warning = ""

@@ -5,6 +5,7 @@ upper bounds), so a launch never synchronises.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from dist_moe.kernels.row_tiles import ROW_ALIGN, TILE_FIELDS, gather_rows_kerne
 from dist_moe.kernels.slot_sum import invert_slots_kernel, slot_sum_kernel
 from dist_moe.kernels.swiglu_backward import swiglu_backward_kernel
 from dist_moe.kernels.weight_gemm import weight_gemm_kernel
+from dist_moe.kernels.weight_gemm_specialized import weight_gemm_specialized_kernel
 
 try:  # host-built TMA descriptors (triton >= 3.4); without them every load uses pointers
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -376,6 +378,10 @@ def _launch_weight(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...],
         _launch_weight(p[:, :split], q, ends, outs[:1], padded, config)
         _launch_weight(p[:, split:], q, ends, outs[1:], padded, config)
         return
+    if config.warp_specialize:
+        if _launch_weight_specialized(p, q, ends, outs, padded, config):
+            return
+        config = dataclasses.replace(config, warp_specialize=False)  # a layout it cannot take
     p_desc = q_desc = None
     if padded:
         assert ROW_ALIGN % br == 0, "padded experts are whole ROW_ALIGN chunks"
@@ -403,3 +409,44 @@ def _launch_weight(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...],
         DOT_PRECISION=_dot_precision(p.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _launch_weight_specialized(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...], padded: bool,
+                               config: WeightConfig) -> bool:
+    """The warp-specialized kernel, when the operands allow it (padded; row-major operands and
+    contiguous outputs of whole tiles, 16-byte aligned rows); False leaves the launch to the flattened
+    kernel."""
+    num_experts, split, nq = outs[0].shape
+    rows, kp = p.shape
+    tensors = (p, q, *outs)
+    if (not padded or p.stride(1) != 1 or q.stride(1) != 1 or not all(t.is_contiguous() for t in outs)
+            or any(t.data_ptr() % 16 or (t.stride(-2) * t.element_size()) % 16 for t in tensors)
+            or (split * p.element_size()) % 16 or any(t.shape[1] % config.block_k for t in outs)):
+        return False
+    assert ROW_ALIGN % config.block_r == 0, "padded experts are whole ROW_ALIGN chunks"
+    _prepare()
+    _ensure_triton_allocator()
+    for out, columns in zip(outs, (p[:, :split], p[:, split:])):  # one launch per output (see the kernel)
+        tiles = triton.cdiv(out.shape[1], config.block_k) * triton.cdiv(nq, config.block_n) * num_experts
+        weight_gemm_specialized_kernel[(min(tiles, config.per_sm * _num_sms(p.device)),)](
+            columns, q, out, ends, rows, out.shape[1], nq, num_experts, columns.stride(0), q.stride(0),
+            BLOCK_K=config.block_k, BLOCK_N=config.block_n, BLOCK_R=config.block_r, GROUP_K=config.group_k,
+            WARP_SPECIALIZE=True, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return True
+
+
+def _scratch(size: int, alignment: int, stream) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def _ensure_triton_allocator() -> None:
+    """Descriptors made in a kernel need scratch memory from Triton's allocator. Its setting is per
+    thread (a ContextVar) and autograd runs the backward on a thread of its own, so each launch
+    checks; an allocator the user set is kept."""
+    if interpreting():
+        return
+    allocation = getattr(triton.runtime, "_allocation", None)
+    current = getattr(getattr(allocation, "_allocator", None), "get", lambda: None)()
+    if current is None or type(current).__name__ == "NullAllocator":
+        triton.set_allocator(_scratch)
