@@ -101,7 +101,12 @@ def grouped_mm_checks() -> None:
 
     specialized = []  # whether each warp-specialized launch ran its own kernel (not the fallback)
     real_specialized = launch._launch_weight_specialized
-    launch._launch_weight_specialized = lambda *args: specialized.append(real_specialized(*args)) or specialized[-1]
+
+    def recording_specialized(*args):
+        specialized.append(real_specialized(*args))
+        return specialized[-1]
+
+    launch._launch_weight_specialized = recording_specialized
     for name, config in {"16": WeightConfig(block_k=16, block_n=16, block_r=16, group_k=2, num_stages=1),
                          "32": WeightConfig(block_k=32, block_n=16, block_r=32, group_k=1, num_stages=1,
                                             persistent=True),

@@ -12,9 +12,10 @@ kernel and 4 warps a group (found compiling for sm_90 with triton 3.8, and 3.6 a
 image: with descriptors passed from the host it failed to compile at 4 warps; at 8 warps the loop
 stays as it was). The kernel timed is dist-moe's weight_gemm_specialized_kernel (the plain nested
 form: a tile loop over this program's tiles, a row loop over the tile's expert, TMA loads and
-stores) in three tilings, and the same kernel with the flag off as the control. Each variant is
-checked against float64, then all take turns being timed with the tuner's first candidate (the
-"shipped" flattened kernel; medians), and each prints its speed as that kernel's time over its own.
+stores) in three tilings through dist-moe's launcher, and the same kernel with the flag off as the
+control. Each variant is checked against float64, then all take turns being timed with the tuner's
+first candidate (the "shipped" flattened kernel; medians), and each prints its speed as that
+kernel's time over its own.
 """
 from __future__ import annotations
 
@@ -37,17 +38,27 @@ VARIANTS = {  # name: (BLOCK_K, BLOCK_N, BLOCK_R, GROUP_K, warps, stages, warp_s
 
 
 def launch(variant: tuple, p, q, ends, out) -> None:
+    """A warp-specialized variant through dist-moe's launcher, as the layer would run it; the control
+    (the flag off) straight to the kernel, since no launcher configuration runs it that way."""
+    import torch
+    from dist_moe.kernels.configs import WeightConfig
+    from dist_moe.kernels.launch import weight_gemm
+
     bk, bn, br, group_k, warps, stages, ws = variant
     rows, kp = p.shape
     num_experts, _, nq = out.shape
+    # Whole tiles: then the launcher takes the specialized kernel rather than falling back to the flattened one.
     assert kp % bk == 0 and nq % bn == 0, "the probe takes whole tiles only"
+    if ws:
+        config = WeightConfig(block_k=bk, block_n=bn, block_r=br, group_k=group_k, num_warps=warps,
+                              num_stages=stages, persistent=True, store_tma=True, warp_specialize=True)
+        weight_gemm(p=p, q=q, ends=ends, outs=(out,), padded=True, config=config)
+        return
     tiles = num_experts * (kp // bk) * (nq // bn)
-    import torch
-
-    sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.device.type == "cuda" else 1
+    sms = torch.cuda.get_device_properties(p.device).multi_processor_count
     weight_gemm_specialized_kernel[(min(tiles, sms),)](p, q, out, ends, rows, kp, nq, num_experts, kp, nq,
                                                        BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, GROUP_K=group_k,
-                                                       WARP_SPECIALIZE=ws, num_warps=warps, num_stages=stages)
+                                                       WARP_SPECIALIZE=False, num_warps=warps, num_stages=stages)
 
 
 def compile_only() -> int:
@@ -90,6 +101,7 @@ def main() -> int:
     from dist_moe.kernels.launch import TileMaps, gather_rows, weight_gemm
 
     setup = Setup(dry_run=False)
+    # The control's in-kernel descriptors need Triton's allocator (the launcher sets one for its own launches).
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     gen = torch.Generator(device="cuda").manual_seed(1)
     d, f, e, dt = setup.hidden, setup.ffn, setup.experts, setup.dtype

@@ -111,8 +111,7 @@ def capture_launches(launch_module):
             return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
 
     names = ("row_gemm_kernel", "weight_gemm_kernel", "weight_gemm_specialized_kernel", "tile_map_kernel",
-             "gather_rows_kernel",
-             "swiglu_backward_kernel", "invert_slots_kernel", "slot_sum_kernel")
+             "gather_rows_kernel", "swiglu_backward_kernel", "invert_slots_kernel", "slot_sum_kernel")
     saved = {n: getattr(launch_module, n) for n in names}
     for n in names:
         setattr(launch_module, n, Recorder(saved[n]))

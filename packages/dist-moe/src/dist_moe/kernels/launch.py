@@ -446,7 +446,7 @@ def _ensure_triton_allocator() -> None:
     checks; an allocator the user set is kept."""
     if interpreting():
         return
-    allocation = getattr(triton.runtime, "_allocation", None)
-    current = getattr(getattr(allocation, "_allocator", None), "get", lambda: None)()
-    if current is None or type(current).__name__ == "NullAllocator":
+    from triton.runtime import _allocation  # triton has no public getter for the current allocator
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dist_moe.kernels.weight_gemm import _rows_of, _tile_origin
+
 
 @triton.jit
 def weight_gemm_specialized_kernel(
@@ -38,14 +40,8 @@ def weight_gemm_specialized_kernel(
     for tile in tl.range(tl.program_id(0), per_expert * num_experts, tl.num_programs(0),
                          warp_specialize=WARP_SPECIALIZE):
         e = tile // per_expert
-        within = tile % per_expert
-        width = GROUP_K * num_n  # grouped order over the expert's [num_k, num_n] tiles (L2 reuse)
-        first_k = (within // width) * GROUP_K
-        group_rows = tl.minimum(num_k - first_k, GROUP_K)
-        k0 = (first_k + (within % width) % group_rows) * BLOCK_K
-        n0 = ((within % width) // group_rows) * BLOCK_N
-        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(ends_ptr + e)
+        k0, n0 = _tile_origin(tile % per_expert, num_k, num_n, GROUP_K, BLOCK_K, BLOCK_N)
+        start, end = _rows_of(ends_ptr, e)
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for r0 in range(start, end, BLOCK_R):  # an empty expert runs no step: its tile is zeros
             acc = tl.dot(p_desc.load([r0, k0]).T, q_desc.load([r0, n0]), acc)
