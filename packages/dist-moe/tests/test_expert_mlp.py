@@ -162,3 +162,33 @@ def run_grouped_mm_case():
     for name, got, expected in (("out", out, want), ("grad_x", x.grad, xr.grad), ("grad_w", stored.grad, wr.grad)):
         err = (got.double() - expected).abs().max().item()
         assert err <= 2e-2 * expected.abs().max().item(), f"grouped_mm {name}: error {err:.3e}"
+
+
+@cuda
+def test_warp_specialized_weight_gradient_takes_only_the_checked_row_step():
+    """block_r=32 gave NaN on an H100 (triton 3.6), so the launcher refuses row steps other than the one
+    checked on a GPU; the checked one (the tuner's third TMA candidate) runs and matches float64."""
+    from dist_moe.kernels.configs import WeightConfig
+    from dist_moe.kernels.launch import TileMaps, gather_rows, weight_gemm
+
+    counts = [100, 0, 320, 64]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    maps = TileMaps(offsets, sum(counts))
+    identity = torch.arange(sum(counts), device="cuda", dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p_rows, q_rows = (torch.randn(sum(counts), n, generator=gen, device="cuda").bfloat16() for n in (256, 256))
+    p, q = gather_rows(p_rows, identity, 1, maps), gather_rows(q_rows, identity, 1, maps)
+    out = torch.full((len(counts), 256, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def config(block_r):
+        return WeightConfig(block_k=128, block_n=256, block_r=block_r, num_warps=4, num_stages=3, persistent=True,
+                            store_tma=True, warp_specialize=True)
+    with pytest.raises(ValueError, match="block_r=64"):
+        weight_gemm(p=p, q=q, ends=maps.padded_ends(), outs=(out,), padded=True, config=config(32))
+    weight_gemm(p=p, q=q, ends=maps.padded_ends(), outs=(out,), padded=True, config=config(64))
+    start = 0
+    for e, c in enumerate(counts):
+        want = p_rows[start:start + c].double().T @ q_rows[start:start + c].double()
+        start += c
+        err = (out[e].double() - want).abs().max().item()
+        assert err <= 2e-2 * max(want.abs().max().item(), 1.0), f"expert {e}: error {err:.3e}"

@@ -65,7 +65,7 @@ def weight_sweep(dry: bool):
         # The warp-specialized nested loop (weight_gemm_specialized.py): 4-warp groups, the store overlapped.
         *(WeightConfig(block_k=bk, block_n=bn, block_r=br, num_warps=4, num_stages=stages, persistent=True,
                        store_tma=True, warp_specialize=True)
-          for bk, bn, br, stages in ((128, 256, 64, 3), (128, 256, 32, 5), (128, 128, 64, 4))),
+          for bk, bn, br, stages in ((128, 256, 64, 3), (128, 128, 64, 3), (128, 128, 64, 4))),
     ]
     pointer = _as_hopper(lambda: weight_candidates(torch.device("cuda"), torch.bfloat16, tma=False))
     return tma, pointer

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {  # name: (BLOCK_K, BLOCK_N, BLOCK_R, GROUP_K, warps, stages, warp_specialize)
     "nested 128x256x64 w8 s3 (control)": (128, 256, 64, 8, 8, 3, False),
     "nested 128x256x64 w4 s3 warp-specialized": (128, 256, 64, 8, 4, 3, True),
-    "nested 128x256x32 w4 s5 warp-specialized": (128, 256, 32, 8, 4, 5, True),
+    "nested 128x256x64 g32 w4 s3 warp-specialized": (128, 256, 64, 32, 4, 3, True),
     "nested 128x128x64 w4 s4 warp-specialized": (128, 128, 64, 8, 4, 4, True),
 }
 

@@ -53,7 +53,8 @@ class WeightConfig:
     per_sm: int = 1
     store_tma: bool = False  # contiguous outputs whose rows are whole tiles: TMA stores
     # weight_gemm_specialized.py: Triton's warp specialization (padded operands, contiguous outputs of
-    # whole tiles; persistent, TMA stores; other layouts run the flattened kernel with these tiles)
+    # whole tiles; persistent, TMA stores; other layouts run the flattened kernel with these tiles, 8 warps
+    # for 128x256)
     warp_specialize: bool = False
 
     def name(self) -> str:
@@ -154,11 +155,16 @@ def row_candidates(role: str, device: torch.device, dtype: torch.dtype = torch.b
 # L2 groups of 32 or 8 K tiles. H200, on the layer's operands (w2 / w1+w3, uniform routing):
 # 698 / 714 and 700 / 696 TFLOP/s, against 612 / 658 with pointer stores and 623 / 589 for 128x128
 # tiles at two programs per SM (no longer shipped: the first-call tuner picked it by noise, 0.3 ms
-# slower in the layer).
+# slower in the layer). Third, the warp-specialized kernel (weight_gemm_specialized.py: a producer warp
+# group loads while the consumers multiply and store): H100, tools/bench/moe/probe_wgrad_ws.py,
+# 1.01-1.10x the first candidate on the four layer shapes (2026-12-08); the layer's tuner chose it
+# for every weight gradient. 4 warps a group is what Triton's specialization takes.
 _HOPPER_WEIGHTS_TMA = [
     WeightConfig(block_k=128, block_n=256, block_r=64, group_k=32, num_warps=8, num_stages=3, persistent=True,
                  store_tma=True),
     WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3, persistent=True, store_tma=True),
+    WeightConfig(block_k=128, block_n=256, block_r=64, group_k=8, num_warps=4, num_stages=3, persistent=True,
+                 store_tma=True, warp_specialize=True),
 ]
 # Pointer loads with masked tails (grouped_mm's backward on unpadded rows): the H200 sweep's best.
 _HOPPER_WEIGHTS_POINTER = [

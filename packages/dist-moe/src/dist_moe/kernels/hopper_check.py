@@ -10,8 +10,8 @@ compiled code) with every Hopper candidate configuration, then compiled ahead of
 installed triton and its bundled ptxas for sm_90. Each compiled variant must: build, use wgmma,
 pipeline its main loop (cp.async or TMA copies), fit the 227 KiB of shared memory and spill at
 most 64 bytes of registers per thread (ptxas -v on the PTX); the warp-specialized weight gradient
-(weight_gemm_specialized.py, captured once more with it as the weight candidate) must also come out
-split into warp groups. Prints one line per variant; exits 1 if any fails.
+(weight_gemm_specialized.py, the third padded-layout candidate) must also come out split into warp
+groups. Prints one line per variant; exits 1 if any fails.
 """
 from __future__ import annotations
 
@@ -140,13 +140,7 @@ def layer_launches(quick: bool):
             options = weight_lists[tma]
             return [options[min(index, len(options) - 1)]]
 
-        all_launches.extend(capture_layer(rows, weights_of))
-    # The warp-specialized weight gradient (not a tuner candidate yet: measured by the benchmark's sweep).
-    specialized = configs.WeightConfig(block_k=128, block_n=256, block_r=64, num_warps=4, num_stages=3,
-                                       persistent=True, store_tma=True, warp_specialize=True)
-    all_launches.extend(capture_layer(lambda role, device, dtype=None: row_lists[role][:1],
-                                      lambda device, dtype=None, *, tma=False: [specialized] if tma
-                                      else weight_lists[False][:1]))
+        all_launches.extend(capture_layer(rows, weights_of))  # the warp-specialized weight gradient included
     return all_launches
 
 

@@ -381,7 +381,10 @@ def _launch_weight(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...],
     if config.warp_specialize:
         if _launch_weight_specialized(p, q, ends, outs, padded, config):
             return
-        config = dataclasses.replace(config, warp_specialize=False)  # a layout it cannot take
+        # A layout it cannot take: the flattened kernel, with 8 warps for a 128x256 tile (the specialized
+        # kernel's 4 are per warp group; one group of 4 holding that accumulator spills registers).
+        warps = 8 if config.block_k * config.block_n >= 128 * 256 else config.num_warps
+        config = dataclasses.replace(config, warp_specialize=False, num_warps=max(warps, config.num_warps))
     p_desc = q_desc = None
     if padded:
         assert ROW_ALIGN % br == 0, "padded experts are whole ROW_ALIGN chunks"
@@ -411,6 +414,9 @@ def _launch_weight(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...],
     )
 
 
+SPECIALIZED_BLOCK_R = 64  # the row step checked against float64 on a GPU for the warp-specialized kernel
+
+
 def _launch_weight_specialized(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...], padded: bool,
                                config: WeightConfig) -> bool:
     """The warp-specialized kernel, when the operands allow it (padded; row-major operands and
@@ -424,6 +430,10 @@ def _launch_weight_specialized(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[T
             or (split * p.element_size()) % 16 or any(t.shape[1] % config.block_k for t in outs)):
         return False
     assert ROW_ALIGN % config.block_r == 0, "padded experts are whole ROW_ALIGN chunks"
+    if config.block_r != SPECIALIZED_BLOCK_R and not interpreting():
+        raise ValueError(f"WeightConfig(warp_specialize=True) takes block_r={SPECIALIZED_BLOCK_R} on a GPU, got "
+                         f"{config.block_r}: 128x256x32 at 5 stages gave NaN on an H100 (triton 3.6), and only "
+                         f"64-row steps have been checked there")
     _prepare()
     _ensure_triton_allocator()
     for out, columns in zip(outs, (p[:, :split], p[:, split:])):  # one launch per output (see the kernel)
