@@ -98,11 +98,11 @@ def main() -> int:
 
     from bench_setup import BF16_RTOL, Setup, rel_err
     from dist_moe.kernels.configs import weight_candidates
-    from dist_moe.kernels.launch import TileMaps, gather_rows, weight_gemm
+    from dist_moe.kernels.launch import TileMaps, _ensure_triton_allocator, gather_rows, weight_gemm
 
     setup = Setup(dry_run=False)
-    # The control's in-kernel descriptors need Triton's allocator (the launcher sets one for its own launches).
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    # The control's in-kernel descriptors need Triton's allocator: the one the launcher sets for its own launches.
+    _ensure_triton_allocator()
     gen = torch.Generator(device="cuda").manual_seed(1)
     d, f, e, dt = setup.hidden, setup.ffn, setup.experts, setup.dtype
     identity = torch.arange(setup.rows, device="cuda", dtype=torch.int32)

@@ -383,8 +383,9 @@ def _launch_weight(p: Tensor, q: Tensor, ends: Tensor, outs: tuple[Tensor, ...],
             return
         # A layout it cannot take: the flattened kernel, with 8 warps for a 128x256 tile (the specialized
         # kernel's 4 are per warp group; one group of 4 holding that accumulator spills registers).
-        warps = 8 if config.block_k * config.block_n >= 128 * 256 else config.num_warps
-        config = dataclasses.replace(config, warp_specialize=False, num_warps=max(warps, config.num_warps))
+        wide = config.block_k * config.block_n >= 128 * 256
+        config = dataclasses.replace(config, warp_specialize=False,
+                                     num_warps=max(config.num_warps, 8) if wide else config.num_warps)
     p_desc = q_desc = None
     if padded:
         assert ROW_ALIGN % br == 0, "padded experts are whole ROW_ALIGN chunks"
